@@ -1,0 +1,119 @@
+"""Merge the live output of many ranks into one readable stream.
+
+Owns: splitting each rank's stream into lines, holding a line briefly so that the same
+line printed by several ranks is shown once with the ranks that printed it, and the rank
+labels (``[0]``, ``[0,1]``, ``[0-3]``). Pure: no clocks of its own (callers pass ``now``),
+no I/O except the ``emit`` callback, so it is unit-tested without processes.
+
+Never: reorder one rank's lines, or hold a line longer than ``window`` seconds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["OutputCollapser", "format_ranks"]
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """A compact label for a set of ranks: ``0``, ``0,1``, ``0-3``, ``0,2,4-7``."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{rs[i]}-{rs[j]}")
+        else:
+            parts.extend(str(r) for r in rs[i : j + 1])
+        i = j + 1
+    return ",".join(parts)
+
+
+@dataclass
+class _Pending:
+    stream: str
+    text: str
+    first_seen: float
+    ranks: set[int] = field(default_factory=set)
+
+
+class OutputCollapser:
+    """Collapse identical lines printed by several ranks into one tagged line.
+
+    Parameters
+    ----------
+    ranks : the ranks whose output is expected (a line printed by all of them is
+        emitted as soon as the last one prints it)
+    emit : ``emit(stream, text)`` receives finished, tagged lines (``text`` ends in "\\n")
+    window : seconds a line waits for other ranks to print the same line
+
+    Examples
+    --------
+    >>> out = []
+    >>> c = OutputCollapser([0, 1], lambda s, t: out.append(t), window=0.2)
+    >>> c.feed(0, "stdout", "hello\\n", now=0.0); c.feed(1, "stdout", "hello\\n", now=0.01)
+    >>> c.poll(now=0.02); out
+    ['[0,1] hello\\n']
+    """
+
+    def __init__(
+        self, ranks: Iterable[int], emit: Callable[[str, str], None], window: float = 0.25
+    ) -> None:
+        self.ranks = frozenset(ranks)
+        self.emit = emit
+        self.window = window
+        self._partial: dict[tuple[int, str], str] = defaultdict(str)
+        # how often each rank has printed a given line: the k-th "loss 0.1" of rank 0 merges
+        # with the k-th "loss 0.1" of rank 1, never with its own second one
+        self._seen: dict[tuple[int, str, str], int] = defaultdict(int)
+        self._pending: dict[tuple[str, str, int], _Pending] = {}
+
+    def feed(self, rank: int, stream: str, text: str, now: float) -> None:
+        """Add raw text from ``rank``'s ``stream`` (any chunking, partial lines allowed)."""
+        if not text:
+            return
+        buf = self._partial[(rank, stream)] + text
+        *lines, rest = buf.split("\n")
+        self._partial[(rank, stream)] = rest
+        for line in lines:
+            self._add(rank, stream, line, now)
+        self.poll(now)
+
+    def _add(self, rank: int, stream: str, line: str, now: float) -> None:
+        k = self._seen[(rank, stream, line)]
+        self._seen[(rank, stream, line)] = k + 1
+        key = (stream, line, k)
+        entry = self._pending.get(key)
+        if entry is None:
+            entry = self._pending[key] = _Pending(stream, line, now)
+        entry.ranks.add(rank)
+
+    def poll(self, now: float) -> None:
+        """Emit, in order of first appearance, every line that is complete or has waited long
+        enough. A complete line behind a still-waiting one waits too, so no rank's lines are
+        reordered."""
+        while self._pending:
+            key, entry = next(iter(self._pending.items()))
+            if entry.ranks >= self.ranks or now - entry.first_seen >= self.window:
+                del self._pending[key]
+                self._emit(entry)
+            else:
+                break
+
+    def flush(self) -> None:
+        """Emit everything held, partial lines included (the cell has ended)."""
+        for (rank, stream), rest in list(self._partial.items()):
+            if rest:
+                self._add(rank, stream, rest, float("-inf"))
+        self._partial.clear()
+        for entry in list(self._pending.values()):
+            self._emit(entry)
+        self._pending.clear()
+
+    def _emit(self, entry: _Pending) -> None:
+        self.emit(entry.stream, f"[{format_ranks(entry.ranks)}] {entry.text}\n")

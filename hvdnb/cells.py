@@ -1,0 +1,365 @@
+"""Run one cell on many ranks: live merged output, merged errors, no hanging.
+
+Owns: sending a cell to the engines (``apply`` of ``kernels_ext.engine.run_cell``, ~25 %
+cheaper than ``execute``), streaming each rank's output while it runs (collapsed by
+``OutputCollapser``), displaying trailing-expression values once per distinct value,
+turning errors into one ``DistributedCellError`` that names the ranks, fail-fast when one
+rank fails while others keep running, and what the notebook's stop button does.
+
+Never: block without a deadline when a rank has failed, or print the same traceback once
+per rank.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._output import OutputCollapser, format_ranks
+from .config import get_config
+
+__all__ = ["CellResult", "DistributedCellError", "run_cell", "parse_targets"]
+
+#: messages that mean "a peer went away", i.e. a consequence of another rank's failure
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "process group has been destroyed",
+    "Default process group has not been initialized",
+    "NCCL communicator was aborted",
+)
+
+
+@dataclass
+class CellResult:
+    """What a ``%%distributed`` cell returned, per rank."""
+
+    cell: int
+    ranks: list[int]
+    values: dict[int, Any] = field(default_factory=dict)
+    reprs: dict[int, str | None] = field(default_factory=dict)
+    errors: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class DistributedCellError(RuntimeError):
+    """One or more ranks raised; the traceback is shown once per distinct error."""
+
+    def __init__(self, result: CellResult, note: str = "") -> None:
+        self.result = result
+        self.note = note
+        groups = _group_errors(result.errors)
+        first = groups[0]
+        super().__init__(
+            f"{first['ename']} on rank{'s' if len(first['ranks']) > 1 else ''} "
+            f"{format_ranks(first['ranks'])}: {first['evalue']}"
+        )
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return sorted(self.result.errors)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of a client-side traceback (which would be noise)."""
+        lines: list[str] = []
+        groups = _group_errors(self.result.errors)
+        primary = [g for g in groups if not g["consequence"]]
+        roots = format_ranks(r for g in primary for r in g["ranks"]) if primary else ""
+        for g in groups:
+            ranks = format_ranks(g["ranks"])
+            plural = "s" if len(g["ranks"]) > 1 else ""
+            if g["consequence"] and roots:
+                lines.append(
+                    f"[{ranks}] {g['ename']}: {g['evalue'].splitlines()[0] if g['evalue'] else ''}"
+                    f"  (released because rank{'s' if ',' in roots or '-' in roots else ''} "
+                    f"{roots} failed)"
+                )
+                continue
+            lines.append(f"--- rank{plural} {ranks} raised {g['ename']} ---")
+            lines.extend(g["traceback"].rstrip("\n").splitlines())
+        if self.note:
+            lines.append(self.note)
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self._render_traceback_())
+
+
+def _is_consequence(err: dict[str, Any]) -> bool:
+    text = f"{err.get('evalue', '')}"
+    return any(s in text for s in _PEER_GONE)
+
+
+def _group_errors(errors: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Errors with the same type, message and traceback, merged; root causes first."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for rank in sorted(errors):
+        e = errors[rank]
+        # the same error at the same place: key without rank-specific numbers in text
+        key = (e["ename"], e["evalue"], e["traceback"])
+        g = groups.setdefault(
+            key,
+            {
+                "ename": e["ename"],
+                "evalue": e["evalue"],
+                "traceback": e["traceback"],
+                "ranks": [],
+                "consequence": _is_consequence(e),
+            },
+        )
+        g["ranks"].append(rank)
+    return sorted(groups.values(), key=lambda g: (g["consequence"], g["ranks"][0]))
+
+
+def parse_targets(spec: str | int | Sequence[int] | None, ids: Sequence[int]) -> list[int]:
+    """Ranks named by ``--targets``: ``all``, ``0``, ``0,2``, ``1:3``, ``::2``."""
+    ids = sorted(ids)
+    if spec is None or spec == "all":
+        return list(ids)
+    if isinstance(spec, int):
+        chosen = [spec]
+    elif isinstance(spec, str):
+        spec = spec.strip()
+        try:
+            if ":" in spec:
+                parts = [int(p) if p.strip() else None for p in spec.split(":")]
+                if len(parts) > 3:
+                    raise ValueError
+                chosen = list(ids[slice(*parts)])
+            else:
+                chosen = [int(p) for p in spec.split(",") if p.strip()]
+        except ValueError:
+            raise ValueError(
+                f"--targets {spec!r} is not understood: use a rank (0), a list (0,2), "
+                "a slice (::2, 1:3) or all"
+            ) from None
+    else:
+        chosen = [int(r) for r in spec]
+    missing = [r for r in chosen if r not in ids]
+    if missing or not chosen:
+        raise ValueError(
+            f"--targets names rank(s) {format_ranks(missing) if missing else '(none)'} "
+            f"but the cluster has ranks {format_ranks(ids)}"
+        )
+    return sorted(set(chosen))
+
+
+class _Streamer:
+    """Reads each rank's accumulated stdout/stderr from the client and feeds the collapser."""
+
+    def __init__(self, metadata: list[Any], ranks: list[int], window: float) -> None:
+        # hold the metadata dicts themselves: ipyparallel drops them from client.metadata
+        # as soon as a result's output is complete
+        self.pairs = list(zip(ranks, metadata))
+        self.offsets: dict[tuple[int, str], int] = {}
+        self.n_outputs: dict[int, int] = {}
+        self.collapser = OutputCollapser(ranks, self._write, window)
+
+    @staticmethod
+    def _write(stream: str, text: str) -> None:
+        (sys.stderr if stream == "stderr" else sys.stdout).write(text)
+
+    def pump(self, final: bool = False) -> None:
+        now = time.monotonic()
+        for rank, md in self.pairs:
+            for name in ("stdout", "stderr"):
+                text = md.get(name) or ""
+                off = self.offsets.get((rank, name), 0)
+                if len(text) < off:  # a carriage return rewrote the buffer
+                    off = 0
+                if len(text) > off:
+                    self.collapser.feed(rank, name, text[off:], now)
+                    self.offsets[(rank, name)] = len(text)
+            outputs = md.get("outputs") or []
+            seen = self.n_outputs.get(rank, 0)
+            for out in outputs[seen:]:
+                self._display(rank, out)
+            self.n_outputs[rank] = len(outputs)
+        if final:
+            self.collapser.flush()
+        else:
+            self.collapser.poll(now)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    def _display(self, rank: int, content: dict[str, Any]) -> None:
+        from IPython.display import publish_display_data
+
+        self.collapser.flush()
+        sys.stdout.write(f"[{rank}] output:\n")
+        sys.stdout.flush()
+        publish_display_data(content.get("data", {}), content.get("metadata", {}))
+
+
+def run_cell(
+    cluster: Any,
+    code: str,
+    targets: str | Sequence[int] | None = None,
+    *,
+    timeout: float | None = None,
+    stream: bool = True,
+    quiet: bool = False,
+) -> CellResult:
+    """Run ``code`` on the target ranks of ``cluster``; stream output; raise on any error.
+
+    Parameters
+    ----------
+    cluster : a running ``hvdnb.Cluster``
+    code : the cell's source (IPython syntax: magics and ``!cmd`` work)
+    targets : ranks to run on (default all); see ``parse_targets``
+    timeout : seconds before the ranks still running are interrupted
+    stream : print output live (False: only collect it)
+    quiet : do not display trailing-expression values
+
+    Raises
+    ------
+    DistributedCellError
+        if any rank raised (or was interrupted); the message names the ranks.
+    """
+    from kernels_ext.engine import run_cell as engine_run_cell
+
+    cfg = get_config()
+    cluster._check_alive()
+    ranks = parse_targets(targets, cluster.client.ids)
+    everyone = ranks == sorted(cluster.client.ids)
+    cluster.cell_no += 1
+    cell_no = cluster.cell_no
+    view = cluster.client[ranks] if not everyone else cluster.view
+    t0 = time.monotonic()
+    ar = view.apply_async(engine_run_cell, code, cell_no)
+    result = CellResult(cell=cell_no, ranks=ranks)
+    metadata = [cluster.client.metadata[mid] for mid in ar.msg_ids]
+    streamer = _Streamer(metadata, ranks, cfg.collapse_window)
+    note = ""
+    interrupted_at: float | None = None
+    failed_at: float | None = None
+    deadline = None if timeout is None else t0 + timeout
+    children = dict(zip(ranks, ar.split()))
+    done: set[int] = set()
+    while True:
+        try:
+            ar.wait(cfg.output_interval)
+            for r, child in children.items():
+                if r not in done and child.ready():
+                    done.add(r)
+                    _collect(result, r, child)
+                    if r in result.errors and failed_at is None:
+                        failed_at = time.monotonic()
+            if stream:
+                streamer.pump()
+            if len(done) == len(ranks):
+                break
+            now = time.monotonic()
+            if deadline is not None and now > deadline and interrupted_at is None:
+                note = f"cell timed out after {timeout:g} s; the ranks still running were interrupted"
+                interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+            if failed_at is not None and interrupted_at is None and now - failed_at > 2.0:
+                # fail fast: a rank failed; peers not blocked on it (so not yet released) stop
+                interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+            if interrupted_at is not None and now - interrupted_at > 2.0:
+                stuck = [r for r in ranks if r not in done]
+                cluster._check_alive()
+                note = (
+                    f"{note + '; ' if note else ''}rank(s) {format_ranks(stuck)} did not stop "
+                    "within 2 s of an interrupt: run `%dist restart` to get them back"
+                )
+                for r in stuck:
+                    result.errors[r] = {
+                        "ename": "Unresponsive",
+                        "evalue": "did not answer an interrupt within 2 s",
+                        "traceback": "",
+                        "interrupted": True,
+                    }
+                break
+            if failed_at is None and interrupted_at is None:
+                cluster._check_alive()
+        except KeyboardInterrupt:
+            note = "interrupted from the notebook"
+            if interrupted_at is None:
+                interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+    try:
+        ar.wait_for_output(1.0)
+    except Exception:
+        pass
+    if stream:
+        streamer.pump(final=True)
+    result.seconds = time.monotonic() - t0
+    for r, md in zip(ranks, metadata):
+        result.stdout[r] = md.get("stdout") or ""
+        result.stderr[r] = md.get("stderr") or ""
+        cluster.last_cell[r] = {"cell": cell_no, "state": "error" if r in result.errors else "ok"}
+    if result.errors:
+        stuck = any(e.get("ename") == "Unresponsive" for e in result.errors.values())
+        if not stuck:
+            note = _rebuild_group(cluster, note)
+        raise DistributedCellError(result, note)
+    if not quiet:
+        _show_values(result)
+    return result
+
+
+def _collect(result: CellResult, rank: int, child: Any) -> None:
+    try:
+        out = child.get(0)
+    except Exception as exc:  # serialisation or engine-level failure
+        ename = getattr(exc, "ename", type(exc).__name__)
+        evalue = getattr(exc, "evalue", str(exc))
+        result.errors[rank] = {
+            "ename": ename,
+            "evalue": evalue,
+            "traceback": "".join(getattr(exc, "traceback", "") or ""),
+        }
+        return
+    if isinstance(out, list):  # a single-target view still returns a list
+        out = out[0]
+    if out["ok"]:
+        result.values[rank] = out["value"]
+        result.reprs[rank] = out["repr"]
+    else:
+        result.errors[rank] = out
+
+
+def _rebuild_group(cluster: Any, note: str) -> str:
+    """Failing ranks tore their process group down to release their peers: build a fresh
+    one on every rank now, so the next cell (on any targets) finds a working group."""
+    from kernels_ext.engine import rebuild_group
+
+    cluster.generation += 1
+    try:
+        cluster.view.apply_async(rebuild_group, cluster.generation).get(timeout=30)
+    except Exception as exc:
+        extra = f"the process group could not be rebuilt ({exc}); run `%dist restart`"
+        return f"{note}; {extra}" if note else extra
+    return note
+
+
+def _interrupt(cluster: Any, ranks: list[int]) -> float:
+    if ranks:
+        try:
+            cluster.client.send_signal(signal.SIGINT, targets=ranks, block=False)
+        except Exception:
+            pass
+    return time.monotonic()
+
+
+def _show_values(result: CellResult) -> None:
+    by_repr: dict[str, list[int]] = {}
+    for r in result.ranks:
+        rep = result.reprs.get(r)
+        if rep is not None:
+            by_repr.setdefault(rep, []).append(r)
+    for rep, rs in by_repr.items():
+        sys.stdout.write(f"Out[{format_ranks(rs)}]: {rep}\n")
+    sys.stdout.flush()

@@ -1,0 +1,70 @@
+"""Typed defaults for hvdnb, with ``HVDNB_*`` environment overrides.
+
+This module owns every tunable default and is the only place that reads ``HVDNB_*``
+variables. It must never import torch, ipyparallel or anything heavy: it is imported
+by the notebook kernel, by engines and by the CLI alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["Config", "get_config"]
+
+
+@dataclass
+class Config:
+    """Defaults for clusters, collectives and metrics.
+
+    Every field can be overridden by an environment variable named ``HVDNB_`` plus the
+    field name in upper case, e.g. ``HVDNB_START_TIMEOUT=120``.
+    """
+
+    #: seconds to wait for engines, process groups and rendezvous before giving up
+    start_timeout: float = 60.0
+    #: controller heartbeat period in ms; ipyparallel's 3 s default costs ~6 s per start
+    heartbeat_ms: int = 200
+    #: address the controller, the rendezvous store and side channels listen on
+    ip: str = "127.0.0.1"
+    #: torch.distributed collective timeout (seconds); torch's default is 30 minutes
+    collective_timeout: float = 300.0
+    #: how often a waiting %%distributed cell prints new output (seconds)
+    output_interval: float = 0.05
+    #: identical lines from several ranks are held this long to be merged (seconds)
+    collapse_window: float = 0.25
+    #: metrics flush interval on engines (seconds)
+    flush_interval: float = 0.25
+    #: hvdnb.torch: DistributedOptimizer fuses gradients into buckets of at most this many bytes
+    fusion_threshold: int = 64 * 1024 * 1024
+    #: hvdnb.torch: with 2 ranks under MPI, allreduces up to this size travel with their header
+    #: in one message exchange (faster than MPI_Allreduce for small tensors); 0 disables
+    inline_bytes: int = 64 * 1024
+    #: hvdnb.torch: a per-rank timeline file stops recording (and says so) past this size
+    timeline_max_bytes: int = 64 * 1024 * 1024
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls) -> Config:
+        kwargs: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "extra":
+                continue
+            raw = os.environ.get(f"HVDNB_{f.name.upper()}")
+            if raw is None:
+                continue
+            typ = {"float": float, "int": int, "str": str}[str(f.type)]
+            try:
+                kwargs[f.name] = typ(raw)
+            except ValueError:
+                raise ValueError(
+                    f"HVDNB_{f.name.upper()}={raw!r} is not a valid {f.type}; "
+                    f"unset it or give a {f.type} such as {getattr(cls, f.name)!r}"
+                ) from None
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def get_config() -> Config:
+    """The configuration in force now (defaults plus ``HVDNB_*`` overrides)."""
+    return Config.from_env()

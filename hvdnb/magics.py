@@ -1,0 +1,196 @@
+"""``%dist`` and ``%%distributed``: the notebook's handle on the cluster.
+
+Owns: argument parsing (``magic_arguments``, so ``%dist?`` prints real help), turning bad
+input into one clear ``UsageError`` (no internal traceback), and binding the magics to the
+current ``hvdnb.Cluster``. Registered once, in ``hvdnb.load_ipython_extension``.
+
+Never: run user code itself (``hvdnb.cells`` does), or leave processes behind when a start
+fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import cells
+from . import cluster as _cluster
+
+__all__ = ["DistMagics"]
+
+_ACTIONS = ("start", "stop", "restart", "status")
+
+
+def _usage(exc: BaseException) -> UsageError:
+    return UsageError(str(exc))
+
+
+@magics_class
+class DistMagics(Magics):
+    """The ``%dist`` line magic and the ``%%distributed`` cell magic."""
+
+    @line_magic
+    @magic_arguments()
+    @argument(
+        "action",
+        nargs="?",
+        default="status",
+        help="start | stop | restart | status (default: status)",
+    )
+    @argument("-n", type=int, default=None, help="ranks to start (default: GPUs, else 2)")
+    @argument(
+        "--backend",
+        default=None,
+        help="torch.distributed backend: gloo, nccl or mpi (default: nccl with GPUs, else gloo)",
+    )
+    @argument(
+        "--launcher",
+        default="mpi",
+        help="ipyparallel engine launcher: mpi (default), or slurm, ssh, ... for other hosts",
+    )
+    @argument("--timeout", type=float, default=None, help="seconds to wait for the ranks")
+    @argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than this host has cores (or GPUs)",
+    )
+    def dist(self, line: str) -> Any:
+        """Start, stop, restart or inspect the cluster of ranks.
+
+        Examples::
+
+            %dist start -n 2          # 2 ranks under mpiexec, torch.distributed ready
+            %dist status              # rank, host, pid, device, state, last cell
+            %dist restart             # fresh ranks, same settings
+            %dist stop                # nothing left running
+        """
+        try:
+            args = parse_argstring(self.dist, line)
+        except UsageError as exc:
+            raise UsageError(f"{exc}\nSee `%dist?` for the options.") from None
+        if args.action not in _ACTIONS:
+            raise UsageError(
+                f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
+            )
+        return getattr(self, f"_{args.action}")(args)
+
+    def _start(self, args: Any) -> None:
+        running = _cluster.current()
+        if running is not None and running.running:
+            raise UsageError(
+                f"a cluster of {running.n} ranks is already running: `%dist stop` first, "
+                "or `%dist restart` for fresh ranks"
+            )
+        try:
+            c = _cluster.Cluster(
+                n=args.n,
+                backend=args.backend,
+                launcher=args.launcher,
+                timeout=args.timeout,
+                oversubscribe=args.oversubscribe,
+            )
+            c.start()
+        except _cluster.ClusterError as exc:
+            raise _usage(exc) from None
+        print(
+            f"hvdnb: {c.n} ranks ready in {c.start_seconds:.1f} s "
+            f"(launcher {c.launcher}, backend {c.backend or 'auto'}); "
+            "use %%distributed to run a cell on every rank"
+        )
+
+    def _stop(self, args: Any) -> None:
+        c = _cluster.current()
+        if c is None or not c.running:
+            print("hvdnb: no cluster is running")
+            return
+        c.stop()
+        print("hvdnb: cluster stopped")
+
+    def _restart(self, args: Any) -> None:
+        c = _cluster.current()
+        if c is None:
+            raise UsageError("no cluster to restart: `%dist start -n 2` first")
+        try:
+            c.restart()
+        except _cluster.ClusterError as exc:
+            raise _usage(exc) from None
+        print(f"hvdnb: {c.n} fresh ranks ready in {c.start_seconds:.1f} s")
+
+    def _status(self, args: Any) -> None:
+        c = _cluster.current()
+        if c is None or not c.running:
+            print("hvdnb: no cluster is running; `%dist start -n 2` starts one")
+            return
+        try:
+            rows = c.status()
+        except _cluster.ClusterError as exc:
+            raise _usage(exc) from None
+        print(_table(rows))
+
+    @cell_magic
+    @magic_arguments()
+    @argument(
+        "-t",
+        "--targets",
+        default=None,
+        help="ranks to run on: all (default), 0, 0,2, ::2, 1:3",
+    )
+    @argument("-o", "--out", default=None, help="keep the per-rank results in this variable")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="interrupt the ranks still running after this many seconds",
+    )
+    @argument("-q", "--quiet", action="store_true", help="do not show trailing values")
+    def distributed(self, line: str, cell: str) -> None:
+        """Run this cell on every rank; output streams live, tagged by rank.
+
+        Lines that several ranks print identically appear once, tagged with those ranks.
+        An exception is shown once with the ranks that raised it. The stop button
+        interrupts every rank.
+
+        Examples::
+
+            %%distributed
+            import torch, torch.distributed as dist
+            t = torch.ones(3) * (dist.get_rank() + 1)
+            dist.all_reduce(t)
+            print(dist.get_rank(), t.tolist())
+        """
+        try:
+            args = parse_argstring(self.distributed, line)
+        except UsageError as exc:
+            raise UsageError(f"{exc}\nSee `%%distributed?` for the options.") from None
+        c = _cluster.current()
+        if c is None or not c.running:
+            raise UsageError(
+                "no cluster is running: run `%dist start -n 2` first, then this cell again"
+            )
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"-o needs a variable name, not {args.out!r}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout}")
+        try:
+            result = cells.run_cell(
+                c, cell, args.targets, timeout=args.timeout, quiet=args.quiet
+            )
+        except ValueError as exc:
+            raise _usage(exc) from None
+        except _cluster.ClusterError as exc:
+            raise _usage(exc) from None
+        if args.out:
+            self.shell.user_ns[args.out] = result.values
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = ["rank", "host", "pid", "device", "backend", "state", "last cell"]
+    cells_ = [[str(r.get(k, "")) for k in cols] for r in rows]
+    widths = [max(len(k), *(len(row[i]) for row in cells_)) for i, k in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*cols)] + [fmt.format(*row) for row in cells_])
+
+

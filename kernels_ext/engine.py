@@ -1,0 +1,207 @@
+"""Engine-side extension: bootstrap an ipyparallel engine for training, and run cells.
+
+``python -m kernels_ext.engine [ipengine args]`` is the command hvdnb's launchers run under
+mpiexec. Before the stock ``IPEngine`` starts (and registers with the controller), it finds
+its rank, sets the torchrun-style variables, pins its GPU, sets torch's thread count and
+initialises the default torch.distributed process group. So by the time an engine is
+visible to the client, the first cell can train; and the slow ``import torch`` overlaps the
+controller's own start.
+
+``run_cell`` is what a ``%%distributed`` cell calls on every rank: IPython's transforms
+(magics, ``!cmd``), the value of a trailing expression, and on an exception a compact
+report naming the rank instead of a raised error, so the client can merge identical
+tracebacks. After an error the rank tears its process group down so that peers blocked
+in a gloo collective are released at once; the client then rebuilds the group on every
+rank (``rebuild_group``) before the next cell.
+
+Never: start processes, open listening sockets other than torch's rendezvous store, or
+import anything from the notebook side (hvdnb.magics, widgets).
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import pickle
+import sys
+import time
+import traceback
+from typing import Any
+
+__all__ = ["bootstrap", "main", "run_cell", "engine_info", "rebuild_group"]
+
+_STATE: dict[str, Any] = {"backend": None, "last_cell": None, "device": "cpu"}
+
+
+def bootstrap(backend: str | None = None) -> None:
+    """Rendezvous and initialise torch.distributed on this rank (collective)."""
+    from hvdnb import rendezvous
+
+    w = rendezvous.discover()
+    import torch  # noqa: F401  (the import is the slow part; do it before registering)
+
+    rendezvous.init_process_group(backend or None)
+    import torch.distributed as dist
+
+    _STATE["backend"] = dist.get_backend()
+    _STATE["device"] = rendezvous.setup_device(w)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: bootstrap, then hand over to ipyparallel's own IPEngine."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    backend = os.environ.get("HVDNB_BACKEND") or None
+    try:
+        bootstrap(backend)
+    except Exception as exc:
+        rank = os.environ.get("PMI_RANK", "?")
+        print(
+            f"hvdnb: rank {rank} could not initialise torch.distributed "
+            f"(backend={backend or 'auto'}): {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(3)
+    from ipyparallel.engine.app import IPEngine
+
+    code = 0
+    try:
+        IPEngine.launch_instance(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except RuntimeError as exc:
+        # ipyparallel stops its loop on shutdown/SIGTERM, which surfaces as this error
+        if "Event loop stopped" not in str(exc):
+            traceback.print_exc()
+            code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # skip interpreter teardown (torch's takes ~1 s); the nanny exits with its parent
+    os._exit(code)
+
+
+def engine_info() -> dict[str, Any]:
+    """What ``%dist status`` shows for this rank."""
+    import socket
+
+    import torch.distributed as dist
+
+    return {
+        "rank": int(os.environ.get("RANK", -1)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", -1)),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": _STATE["device"],
+        "backend": _STATE["backend"],
+        "group": "ok" if dist.is_initialized() else "down",
+        "last_cell": _STATE["last_cell"],
+    }
+
+
+def rebuild_group(generation: int) -> None:
+    """Rebuild the default group when the client asks for a newer generation (collective)."""
+    from hvdnb import rendezvous
+
+    if generation > rendezvous.generation():
+        rendezvous.reinit_process_group(generation, _STATE["backend"])
+
+
+def _release_peers() -> None:
+    """After an error, close this rank's connections so peers blocked in gloo fail fast."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.destroy_process_group()
+    except Exception:  # the cell already failed; never mask its error with ours
+        pass
+
+
+def _compile_cell(code: str, filename: str) -> tuple[Any, Any]:
+    shell = _shell()
+    if shell is not None:
+        code = shell.transform_cell(code)
+    # keep the source so tracebacks show the user's lines
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    tree = ast.parse(code, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec")
+    tail = compile(last, filename, "eval") if last is not None else None
+    return body, tail
+
+
+def _shell() -> Any:
+    try:
+        from IPython import get_ipython
+
+        return get_ipython()
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
+    """Traceback lines from the first frame of user code on (drop this runner's frames)."""
+    frames = traceback.extract_tb(tb)
+    for i, fr in enumerate(frames):
+        if fr.filename.startswith(filename_prefix):
+            frames = frames[i:]
+            break
+    return traceback.format_list(frames)
+
+
+def run_cell(code: str, cell_no: int) -> dict[str, Any]:
+    """Run one %%distributed cell on this rank.
+
+    Returns ``{"ok": True, "value": obj, "repr": str|None}`` or, on an exception,
+    ``{"ok": False, "ename", "evalue", "traceback"}``; never raises for user errors.
+    """
+    rank = int(os.environ.get("RANK", -1))
+    filename = f"<cell {cell_no}>"
+    t0 = time.time()
+    _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}
+    shell = _shell()
+    ns = shell.user_ns if shell is not None else globals()
+    try:
+        body, tail = _compile_cell(code, filename)
+        exec(body, ns)
+        value = eval(tail, ns) if tail is not None else None
+    except BaseException as exc:  # noqa: BLE001 - reported to the client, named by rank
+        _release_peers()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        lines = ["Traceback (most recent call last):\n"]
+        lines += _user_frames(exc.__traceback__, "<cell ")
+        lines += traceback.format_exception_only(type(exc), exc)
+        _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
+        return {
+            "ok": False,
+            "rank": rank,
+            "ename": type(exc).__name__,
+            "evalue": str(exc),
+            "traceback": "".join(lines),
+            "interrupted": isinstance(exc, KeyboardInterrupt),
+        }
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
+    if value is not None and shell is not None:
+        ns["_"] = value
+    out = {"ok": True, "rank": rank, "repr": None if value is None else repr(value), "value": None}
+    if value is not None:
+        try:
+            pickle.dumps(value)
+            out["value"] = value
+        except Exception:  # unpicklable results travel as their repr only
+            pass
+    return out
+
+
+if __name__ == "__main__":
+    # run through the imported module so run_cell (pickled by reference) sees the same state
+    from kernels_ext.engine import main as _main
+
+    _main()
