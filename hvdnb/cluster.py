@@ -183,7 +183,7 @@ class Cluster:
     @staticmethod
     def _check_n(n: Any, oversubscribe: bool) -> int:
         if n is None:
-            return gpu_count() or 2
+            n = get_config().ranks or gpu_count() or 2
         if isinstance(n, bool) or not isinstance(n, int):
             raise ClusterError(f"-n must be a whole number of ranks, not {n!r}")
         if n < 1:
@@ -330,12 +330,7 @@ class Cluster:
 
     def _teardown(self) -> None:
         if self.client is not None:
-            try:
-                # a polite shutdown lets engines exit 0 (no SIGTERM tracebacks, faster)
-                if self.client.ids:
-                    self.client.shutdown(targets="all", hub=False, block=True)
-            except Exception:
-                pass
+            self._polite_shutdown(self.client, wait=2.0)
             try:
                 self.client.close(linger=0)
             except Exception:
@@ -349,6 +344,43 @@ class Cluster:
                 log.warning("hvdnb: clean stop failed (%s); killing processes", exc)
                 self._kill_all()
         self._ipp = None
+
+    @staticmethod
+    def _polite_shutdown(client: Any, wait: float) -> None:
+        """Ask engines to exit (they exit 0, faster than a signal) without ever blocking
+        for longer than ``wait``: a dead or stuck engine never answers."""
+
+        def ask() -> None:
+            try:
+                if client.ids:
+                    client.shutdown(targets="all", hub=False, block=True)
+            except Exception:
+                pass
+
+        t = threading.Thread(target=ask, name="hvdnb-shutdown", daemon=True)
+        t.start()
+        t.join(wait)
+
+    def pids(self) -> list[int]:
+        """Every process of this cluster: controller, mpiexec, engines, and their children."""
+        import psutil
+
+        roots = []
+        for launcher in [getattr(self._ipp, "controller", None), *self._engine_sets()]:
+            pid = getattr(getattr(launcher, "process", None), "pid", None) or getattr(
+                launcher, "pid", None
+            )
+            if pid:
+                roots.append(pid)
+        found: set[int] = set()
+        for pid in roots:
+            try:
+                p = psutil.Process(pid)
+                found.add(pid)
+                found.update(c.pid for c in p.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        return sorted(found)
 
     async def _stop_async(self) -> None:
         c = self._ipp

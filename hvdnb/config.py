@@ -22,6 +22,8 @@ class Config:
     field name in upper case, e.g. ``HVDNB_START_TIMEOUT=120``.
     """
 
+    #: ranks for ``%dist start`` without ``-n`` (0: one per GPU, else 2); ``hvdnb run -n`` sets it
+    ranks: int = 0
     #: seconds to wait for engines, process groups and rendezvous before giving up
     start_timeout: float = 60.0
     #: controller heartbeat period in ms; ipyparallel's 3 s default costs ~6 s per start
@@ -40,7 +42,7 @@ class Config:
     fusion_threshold: int = 64 * 1024 * 1024
     #: hvdnb.torch: with 2 ranks under MPI, allreduces up to this size travel with their header
     #: in one message exchange (faster than MPI_Allreduce for small tensors); 0 disables
-    inline_bytes: int = 64 * 1024
+    inline_bytes: int = 256 * 1024
     #: hvdnb.torch: a per-rank timeline file stops recording (and says so) past this size
     timeline_max_bytes: int = 64 * 1024 * 1024
     extra: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,42 @@
+# Two commands set everything up on a fresh machine:
+#   make lab    create .venv, install hvdnb + the "Python 3 (hvdnb)" kernel, open JupyterLab
+#   make test   create .venv, install with test extras, run the whole suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is pinned to the CPU build through constraints.txt: a fresh resolve of an open
+# range would pull the newest torch with several GB of CUDA wheels.
+PIP    := $(BIN)/python -m pip install -q -c constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: lab test demo bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+	$(BIN)/hvdnb install-kernel
+
+lab: install
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+demo: $(VENV)/.installed
+	$(BIN)/hvdnb demo -n 2
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,139 @@
+"""The ``hvdnb`` command: demo, run a notebook on N ranks, install the kernel.
+
+Owns: argument parsing and exit codes for terminals and CI. Every subcommand starts what
+it needs and stops it again, also on errors and Ctrl-C.
+
+Never: leave a cluster running after it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+_DEMO_CELL = r"""
+import time, torch, torch.distributed as dist
+torch.manual_seed(0)
+rank, size = dist.get_rank(), dist.get_world_size()
+# a synthetic, learnable task: 10 classes from 64 features (no download)
+g = torch.Generator().manual_seed(1234)
+W_true = torch.randn(64, 10, generator=g)
+X = torch.randn(4096, 64, generator=g)
+y = (X @ W_true).argmax(1)
+X, y = X[rank::size], y[rank::size]          # each rank its shard
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+for p in model.parameters():                  # same start on every rank
+    dist.broadcast(p.data, 0)
+opt = torch.optim.SGD(model.parameters(), lr=0.1 * size, momentum=0.9)
+comm, steps = 0.0, __STEPS__
+for step in range(steps):
+    idx = torch.randint(0, X.shape[0], (64,))
+    loss = torch.nn.functional.cross_entropy(model(X[idx]), y[idx])
+    opt.zero_grad()
+    loss.backward()
+    t0 = time.perf_counter()
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= size
+    off = 0
+    for p in model.parameters():
+        n = p.numel(); p.grad.copy_(flat[off:off + n].view_as(p)); off += n
+    comm += time.perf_counter() - t0
+    opt.step()
+    if step % max(steps // 5, 1) == 0 or step == steps - 1:
+        print(f"step {step:4d}  loss {loss.item():.4f}")
+acc = (model(X).argmax(1) == y).float().mean().item()
+print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step ({dist.get_backend()}, {flat.numel() * 4 / 1e3:.0f} KB)")
+"""
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import Cluster, DistributedCellError, run_cell
+
+    t0 = time.perf_counter()
+    with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:
+        print(f"hvdnb demo: {c.n} ranks ready in {c.start_seconds:.1f} s")
+        try:
+            run_cell(c, _DEMO_CELL.replace("__STEPS__", str(args.steps)))
+        except DistributedCellError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    print(f"hvdnb demo: done in {time.perf_counter() - t0:.1f} s, cluster stopped")
+    return 0
+
+
+def _install_kernel(args: argparse.Namespace) -> int:
+    from kernels_ext.kernelspec import DISPLAY_NAME, install
+
+    where = install(user=args.user, prefix=args.prefix)
+    print(f"installed kernelspec {DISPLAY_NAME!r} in {where}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .notebook import NotebookRunError, run_notebook
+
+    try:
+        out = run_notebook(
+            args.notebook, n=args.n, output=args.output, timeout=args.timeout
+        )
+    except NotebookRunError as exc:
+        print(f"hvdnb run: {exc}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"hvdnb run: {exc}", file=sys.stderr)
+        return 2
+    print(f"hvdnb run: {args.notebook} ran without errors; saved to {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvdnb", description="Interactive, Horovod-style distributed training."
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train a small model on N local ranks and print it")
+    d.add_argument("-n", type=int, default=None, help="ranks (default: GPUs, else 2)")
+    d.add_argument("--steps", type=int, default=100)
+    d.add_argument("--oversubscribe", action="store_true")
+    d.set_defaults(func=_demo)
+    k = sub.add_parser("install-kernel", help='install the "Python 3 (hvdnb)" kernelspec')
+    k.add_argument("--user", action="store_true", help="for this user, not this environment")
+    k.add_argument("--prefix", default=None)
+    k.set_defaults(func=_install_kernel)
+    r = sub.add_parser("run", help="execute a notebook headless on N ranks")
+    r.add_argument("notebook", type=Path)
+    r.add_argument("-n", type=int, default=None, help="ranks for %%dist start (default 2)")
+    r.add_argument("-o", "--output", type=Path, default=None, help="where to save it")
+    r.add_argument("--timeout", type=float, default=600, help="seconds per cell")
+    r.set_defaults(func=_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if getattr(args, "n", None) is not None and args.n < 1:
+        print(f"hvdnb: -n must be at least 1, not {args.n}", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("hvdnb: interrupted; cluster stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a clear one-line error, not a traceback
+        from .cluster import ClusterError
+
+        if isinstance(exc, ClusterError):
+            print(f"hvdnb: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

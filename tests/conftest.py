@@ -1,0 +1,48 @@
+"""Shared fixtures: an IPython shell with hvdnb loaded, and a real 2-rank cluster."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+
+@pytest.fixture(scope="session")
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "hvdnb")
+    return ip
+
+
+@pytest.fixture(scope="module")
+def dist2(shell):
+    """`%dist start -n 2` once per module (real mpiexec, real gloo group); stopped after."""
+    import hvdnb
+
+    running = hvdnb.current()
+    if running is not None and running.running:
+        running.stop()
+    shell.run_line_magic("dist", "start -n 2 --timeout 120")
+    cluster = hvdnb.current()
+    assert cluster is not None and cluster.running
+    yield cluster
+    cluster.stop()
+
+
+def alive(pids: list[int], within: float = 5.0) -> list[int]:
+    """The pids still alive (zombies count as gone) after waiting up to ``within`` s."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)

@@ -1,0 +1,68 @@
+"""Start/stop/restart and leaving nothing behind (real processes, checked with psutil)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+import hvdnb
+from tests.conftest import alive
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
+
+
+def test_cell_before_start_says_what_to_do(shell):
+    c = hvdnb.current()
+    if c is not None:
+        c.stop()
+    with pytest.raises(UsageError, match="%dist start -n 2"):
+        shell.run_cell_magic("distributed", "", "print(1)")
+
+
+def test_stop_and_restart_leave_no_process_behind(shell, capsys):
+    shell.run_line_magic("dist", "start -n 2 --timeout 120")
+    c = hvdnb.current()
+    first = c.pids()
+    assert len(first) >= 4  # controller, mpiexec, two engines (and helpers)
+    shell.run_line_magic("dist", "restart")
+    assert alive(first) == []
+    assert c.running and set(c.pids()).isdisjoint(first)
+    shell.run_cell_magic("distributed", "-q -o r", "import torch.distributed as dist\ndist.get_world_size()")
+    assert shell.user_ns["r"] == {0: 2, 1: 2}
+    second = c.pids()
+    t0 = time.monotonic()
+    shell.run_line_magic("dist", "stop")
+    assert time.monotonic() - t0 < 3.0
+    assert alive(second, within=0) == []
+    assert "cluster stopped" in capsys.readouterr().out
+
+
+def test_engines_that_fail_to_start_give_a_clear_error_and_leave_nothing(tmp_path):
+    c = hvdnb.Cluster(n=2, backend="nccl", timeout=60)  # no GPU here: nccl cannot start
+    with pytest.raises(hvdnb.ClusterError, match="could not initialise torch.distributed"):
+        c.start()
+    assert not c.running
+    assert c.pids() == []
+
+
+def test_interpreter_exit_leaves_no_orphans(tmp_path):
+    script = textwrap.dedent(
+        """
+        import hvdnb
+        c = hvdnb.Cluster(n=2, timeout=120).start()
+        print(*c.pids(), flush=True)
+        # exit without stopping: the atexit hook must clean up
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].split()]
+    assert len(pids) >= 4
+    assert alive(pids) == []

@@ -1,0 +1,182 @@
+"""%dist and %%distributed on a real 2-rank cluster under mpiexec, driven through IPython."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+import hvdnb
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
+
+
+def test_allreduce_cell_and_torchrun_variables(dist2, shell, capsys):
+    shell.run_cell_magic(
+        "distributed",
+        "",
+        "import os, torch, torch.distributed as dist\n"
+        "t = torch.ones(3) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "print(dist.get_rank(), t.tolist())\n"
+        "print('world', dist.get_world_size(), dist.get_backend(), torch.get_num_threads())\n"
+        "env = {k: os.environ[k] for k in ('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE',"
+        "'MASTER_ADDR','MASTER_PORT')}\n",
+    )
+    out = capsys.readouterr().out
+    assert "[0] 0 [3.0, 3.0, 3.0]" in out
+    assert "[1] 1 [3.0, 3.0, 3.0]" in out
+    # identical lines from both ranks appear once, tagged with both
+    assert out.count("world 2 gloo") == 1 and "[0,1] world 2 gloo" in out
+    shell.run_cell_magic("distributed", "-o envs -q", "env")
+    envs = shell.user_ns["envs"]
+    for rank in (0, 1):
+        e = envs[rank]
+        assert e["RANK"] == e["LOCAL_RANK"] == str(rank)
+        assert e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+def test_engine_id_is_mpi_rank_and_mpi4py_is_there(dist2, shell):
+    shell.run_cell_magic(
+        "distributed", "-o ranks -q",
+        "from mpi4py import MPI\n(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), "
+        "MPI.COMM_WORLD.allreduce(1))",
+    )
+    assert shell.user_ns["ranks"] == {0: (0, 2, 2), 1: (1, 2, 2)}
+
+
+def test_trailing_values_are_merged(dist2, shell, capsys):
+    shell.run_cell_magic("distributed", "", "6 * 7")
+    assert "Out[0,1]: 42" in capsys.readouterr().out
+    shell.run_cell_magic("distributed", "", "dist.get_rank()")
+    out = capsys.readouterr().out
+    assert "Out[0]: 0" in out and "Out[1]: 1" in out
+
+
+def test_targets_select_ranks(dist2, shell, capsys):
+    shell.run_cell_magic("distributed", "--targets 1", "print('hi from', dist.get_rank())")
+    out = capsys.readouterr().out
+    assert "[1] hi from 1" in out and "[0]" not in out
+
+
+def test_ipython_syntax_works_on_ranks(dist2, shell, capsys):
+    shell.run_cell_magic("distributed", "-q -o echo", "x = !echo shell-ok\nx[0]")
+    assert shell.user_ns["echo"] == {0: "shell-ok", 1: "shell-ok"}
+
+
+class _TimedOut:
+    """A stdout that remembers when each chunk was written."""
+
+    def __init__(self):
+        self.chunks: list[tuple[float, str]] = []
+
+    def write(self, text):
+        self.chunks.append((time.monotonic(), text))
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_output_streams_while_the_cell_runs(dist2, shell, monkeypatch):
+    rec = _TimedOut()
+    monkeypatch.setattr(sys, "stdout", rec)
+    shell.run_cell_magic(
+        "distributed", "", "import time\nprint('before', flush=True)\ntime.sleep(2.0)\nprint('after')"
+    )
+    end = time.monotonic()
+    before = [t for t, s in rec.chunks if "before" in s]
+    assert before, rec.chunks
+    assert end - before[0] > 1.2, "first line only appeared when the cell ended"
+    assert any("[0,1] after" in s for _, s in rec.chunks)
+
+
+def test_error_on_every_rank_is_shown_once(dist2, shell):
+    with pytest.raises(hvdnb.DistributedCellError) as info:
+        shell.run_cell_magic("distributed", "", "undefined_name_xyz")
+    text = "\n".join(info.value._render_traceback_())
+    assert "ranks 0,1 raised NameError" in text
+    assert text.count("name 'undefined_name_xyz' is not defined") == 1
+    assert '<cell ' in text  # the user's own frame, not the runner's
+
+
+def test_failing_rank_releases_peer_blocked_in_collective(dist2, shell):
+    t0 = time.monotonic()
+    with pytest.raises(hvdnb.DistributedCellError) as info:
+        shell.run_cell_magic(
+            "distributed", "",
+            "x = torch.ones(4)\n"
+            "if dist.get_rank() == 0:\n    raise ValueError('bad batch on rank 0')\n"
+            "dist.all_reduce(x)\n",
+        )
+    elapsed = time.monotonic() - t0
+    lines = info.value._render_traceback_()
+    assert lines[0] == "--- rank 0 raised ValueError ---"
+    assert "bad batch on rank 0" in "\n".join(lines)
+    assert elapsed < 5.0, f"cell took {elapsed:.1f} s to fail"
+    # the group was rebuilt: collectives work again in the next cell
+    shell.run_cell_magic("distributed", "-q -o after", "y = torch.ones(2); dist.all_reduce(y); y.tolist()")
+    assert shell.user_ns["after"] == {0: [2.0, 2.0], 1: [2.0, 2.0]}
+
+
+def test_failing_rank_stops_busy_peers_fast(dist2, shell):
+    t0 = time.monotonic()
+    with pytest.raises(hvdnb.DistributedCellError) as info:
+        shell.run_cell_magic(
+            "distributed", "",
+            "import time\nif dist.get_rank() == 1:\n    raise KeyError('missing')\ntime.sleep(60)\n",
+        )
+    assert time.monotonic() - t0 < 5.0
+    assert info.value.failed_ranks == [0, 1]
+    assert "rank 1 raised KeyError" in "\n".join(info.value._render_traceback_())
+
+
+def test_cell_timeout_interrupts_ranks(dist2, shell):
+    t0 = time.monotonic()
+    with pytest.raises(hvdnb.DistributedCellError) as info:
+        shell.run_cell_magic("distributed", "--timeout 1", "import time\ntime.sleep(60)")
+    assert time.monotonic() - t0 < 4.0
+    assert "timed out after 1 s" in str(info.value)
+
+
+def test_notebook_interrupt_stops_every_rank(dist2, shell):
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    with pytest.raises(hvdnb.DistributedCellError) as info:
+        shell.run_cell_magic("distributed", "", "import time\ntime.sleep(60)")
+    assert time.monotonic() - t0 < 3.5
+    assert "interrupted from the notebook" in str(info.value)
+    assert "KeyboardInterrupt" in str(info.value)
+    shell.run_cell_magic("distributed", "-q -o ok", "z = torch.ones(1); dist.all_reduce(z); z.item()")
+    assert shell.user_ns["ok"] == {0: 2.0, 1: 2.0}
+
+
+def test_status_table(dist2, shell, capsys):
+    shell.run_line_magic("dist", "status")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["rank", "host", "pid", "device", "backend", "state", "last", "cell"]
+    rows = [ln.split() for ln in out[1:]]
+    assert [r[0] for r in rows] == ["0", "1"]
+    assert all(r[3] == "cpu" and r[4] == "gloo" and r[5] == "idle" for r in rows)
+
+
+def test_bad_input_gets_one_clear_message(dist2, shell):
+    with pytest.raises(UsageError, match="already running"):
+        shell.run_line_magic("dist", "start -n 2")
+    with pytest.raises(UsageError, match="unknown %dist action 'launch'"):
+        shell.run_line_magic("dist", "launch")
+    with pytest.raises(UsageError, match="unrecognized arguments: --frobnicate"):
+        shell.run_line_magic("dist", "start --frobnicate")
+    with pytest.raises(UsageError, match=r"--targets names rank\(s\) 5 but the cluster has ranks 0,1"):
+        shell.run_cell_magic("distributed", "--targets 5", "pass")
+    with pytest.raises(UsageError, match="-o needs a variable name"):
+        shell.run_cell_magic("distributed", "-o 1x", "pass")
+    assert hvdnb.current() is dist2 and dist2.running

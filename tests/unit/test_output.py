@@ -1,0 +1,87 @@
+"""The output collapser and rank labels, with no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdnb._output import OutputCollapser, format_ranks
+
+
+@pytest.mark.parametrize(
+    "ranks, label",
+    [([0], "0"), ([1, 0], "0,1"), ([0, 1, 2, 3], "0-3"), ([0, 2, 4, 5, 6, 7], "0,2,4-7"), ([3, 3], "3")],
+)
+def test_format_ranks(ranks, label):
+    assert format_ranks(ranks) == label
+
+
+def _collapser(ranks, window=0.25):
+    out: list[tuple[str, str]] = []
+    return OutputCollapser(ranks, lambda s, t: out.append((s, t)), window), out
+
+
+def test_identical_lines_from_all_ranks_appear_once_as_soon_as_complete():
+    c, out = _collapser([0, 1, 2])
+    c.feed(0, "stdout", "epoch 1\n", now=0.0)
+    c.feed(1, "stdout", "epoch 1\n", now=0.01)
+    assert out == []  # rank 2 has not printed it yet and the window is open
+    c.feed(2, "stdout", "epoch 1\n", now=0.02)
+    assert out == [("stdout", "[0-2] epoch 1\n")]
+
+
+def test_line_from_some_ranks_is_emitted_after_the_window_with_those_ranks():
+    c, out = _collapser([0, 1, 2], window=0.2)
+    c.feed(0, "stdout", "only two\n", now=0.0)
+    c.feed(2, "stdout", "only two\n", now=0.05)
+    c.poll(now=0.1)
+    assert out == []
+    c.poll(now=0.21)
+    assert out == [("stdout", "[0,2] only two\n")]
+
+
+def test_different_lines_keep_their_ranks_and_each_ranks_order():
+    c, out = _collapser([0, 1], window=0.1)
+    c.feed(0, "stdout", "a0\nb0\n", now=0.0)
+    c.feed(1, "stdout", "a1\n", now=0.0)
+    c.poll(now=1.0)
+    texts = [t for _, t in out]
+    assert texts.index("[0] a0\n") < texts.index("[0] b0\n")
+    assert "[1] a1\n" in texts
+
+
+def test_repeated_line_merges_by_occurrence_not_with_itself():
+    c, out = _collapser([0, 1], window=10)
+    c.feed(0, "stdout", "tick\ntick\n", now=0.0)
+    assert out == []  # two ticks from rank 0 must not merge into one "[0] tick"
+    c.feed(1, "stdout", "tick\n", now=0.1)
+    assert out == [("stdout", "[0,1] tick\n")]
+    c.feed(1, "stdout", "tick\n", now=0.2)
+    assert out == [("stdout", "[0,1] tick\n")] * 2
+
+
+def test_partial_lines_wait_for_their_newline_and_flush_at_the_end():
+    c, out = _collapser([0, 1])
+    c.feed(0, "stdout", "hel", now=0.0)
+    c.feed(0, "stdout", "lo\nwor", now=0.0)
+    c.feed(1, "stdout", "hello\n", now=0.0)
+    assert out == [("stdout", "[0,1] hello\n")]
+    c.flush()
+    assert out[-1] == ("stdout", "[0] wor\n")
+
+
+def test_streams_are_kept_apart():
+    c, out = _collapser([0, 1], window=0.1)
+    c.feed(0, "stdout", "x\n", now=0.0)
+    c.feed(1, "stderr", "x\n", now=0.0)
+    c.flush()
+    assert sorted(out) == [("stderr", "[1] x\n"), ("stdout", "[0] x\n")]
+
+
+def test_a_complete_line_never_overtakes_an_older_waiting_one():
+    c, out = _collapser([0, 1], window=0.5)
+    c.feed(0, "stdout", "first\n", now=0.0)  # only rank 0 prints this
+    c.feed(0, "stdout", "second\n", now=0.1)
+    c.feed(1, "stdout", "second\n", now=0.1)  # complete, but behind "first"
+    assert out == []
+    c.poll(now=0.5)
+    assert out == [("stdout", "[0] first\n"), ("stdout", "[0,1] second\n")]
