@@ -191,6 +191,9 @@ def init_process_group(
         dist.init_process_group(
             backend, rank=w.rank, world_size=w.size, timeout=timedelta(seconds=timeout_s)
         )
+        # without this, interpreter teardown can destroy gloo's threads first: "terminate
+        # called without an active exception" and exit -6 after a successful run
+        atexit.register(_shutdown)
         return w
     _STORE, addr, port = _open_store(w, ip or cfg.ip, cfg.start_timeout)
     export_env(w, addr, port)
