@@ -1,0 +1,55 @@
+"""Horovod's torch API on torch.distributed and mpi4py: ``import hvdnb.torch as hvd``.
+
+Owns: the public names (explicit ``__all__``); the modules own the behaviour: ``basics``
+(init, rank, size), ``ops`` (collectives), ``optimizer``, ``functions``, ``compression``,
+``schedule`` (lr scaling, warmup, LARS), ``timeline``, ``listeners``, ``process_sets``,
+``transport`` (headers, MPI and torch.distributed transports),
+``sync_batch_norm``. Never: do work at import time (no process group, no MPI init).
+"""
+
+from __future__ import annotations
+
+from .basics import (
+    cross_rank, cross_size, init, is_initialized, local_rank, local_size, mpi_enabled, rank,
+    shutdown, size,
+)
+from .compression import Compression
+from .functions import (
+    allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
+)
+from .listeners import add_comm_listener, remove_comm_listener
+from .ops import (
+    Adasum, Average, CollectiveMismatchError, Max, Min, Product, Sum, allgather,
+    allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
+    alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+    join, poll, reducescatter, reducescatter_async, synchronize,
+)
+from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .schedule import LARS, LinearWarmup, scale_lr, warmup_lr
+from .sync_batch_norm import SyncBatchNorm
+from .timeline import merge_timelines, start_timeline, stop_timeline
+
+__all__ = [
+    # basics
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "mpi_enabled",
+    # ops
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "CollectiveMismatchError",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
+    "poll", "synchronize",
+    # model helpers
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "allgather_object", "DistributedOptimizer", "Compression", "SyncBatchNorm",
+    # process sets
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    # schedules
+    "scale_lr", "warmup_lr", "LinearWarmup", "LARS",
+    # observability
+    "start_timeline", "stop_timeline", "merge_timelines", "add_comm_listener",
+    "remove_comm_listener",
+]

@@ -1,0 +1,127 @@
+"""Starting and querying hvdnb.torch: init, shutdown, rank and size (Horovod's basics).
+
+Owns: ``init`` (reuses a default process group that hvdnb or the user already made,
+otherwise makes one through ``hvdnb.rendezvous``), the private MPI communicator, the
+global process set, and the rank/size queries. Never: re-initialise an existing group,
+pick a port, or start processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Sequence
+
+from .. import rendezvous
+from ..config import get_config
+from .process_sets import STATE, ProcessSet, _build, add_process_set, global_process_set
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "mpi_enabled",
+]
+
+
+def init(process_sets: Sequence[ProcessSet | Sequence[int]] | None = None) -> None:
+    """Join the job: discover rank and size, set up the transports. Collective.
+
+    Under ``mpiexec`` hvdnb's own traffic goes over MPI (CPU tensors) and NCCL (CUDA
+    tensors); under torchrun over torch.distributed (gloo / NCCL). If the default
+    process group is already initialised (e.g. by hvdnb on ipyparallel engines), it is
+    reused, never re-initialised. Calling ``init`` again is a no-op.
+
+    Parameters
+    ----------
+    process_sets : process sets to register right away (same on every rank)
+    """
+    if STATE.initialized:
+        return
+    import torch.distributed as dist
+
+    w = rendezvous.discover()
+    if not dist.is_initialized():
+        rendezvous.init_process_group()
+    cfg = get_config()
+    STATE.world = w
+    STATE.inline_bytes = max(0, int(cfg.inline_bytes))
+    if w.source == "mpi":
+        STATE.comm = w.comm.Dup()
+    if dist.get_backend() == "nccl" and STATE.comm is None:
+        # headers must not queue behind NCCL kernels, and gloo can read them on the CPU
+        STATE.ctrl = dist.new_group(backend="gloo")
+    _build(global_process_set, list(range(w.size)))
+    global_process_set.process_set_id = 0
+    STATE.sets = {0: global_process_set}
+    STATE.initialized = True
+    # drop our references to the process groups before rendezvous destroys them at exit
+    # (atexit is LIFO): a group that outlives destroy dies during interpreter teardown,
+    # where gloo's threads abort the process ("terminate called without an active exception")
+    atexit.register(shutdown)
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Forget the transports (the default process group stays: it may not be ours)."""
+    if not STATE.initialized:
+        return
+    from . import ops
+
+    ops._HANDLES.clear()
+    for ps in list(STATE.sets.values()):
+        if ps.mpi is not None:
+            ps.mpi.comm.Free()
+        ps.mpi = ps.torch = None
+        if ps is not global_process_set:
+            ps.process_set_id = None
+    if STATE.comm is not None:
+        STATE.comm.Free()
+    STATE.comm = STATE.ctrl = None
+    STATE.sets = {}
+    STATE.plans.clear()
+    STATE.initialized = False
+
+
+def is_initialized() -> bool:
+    """Whether ``init`` has run (and ``shutdown`` has not)."""
+    return STATE.initialized
+
+
+def _w() -> rendezvous.World:
+    if not STATE.initialized:
+        raise ValueError("hvdnb.torch is not initialised: call hvd.init() first")
+    return STATE.world  # type: ignore[no-any-return]
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return _w().size
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return _w().local_size
+
+
+def cross_size() -> int:
+    """Number of hosts (ranks with the same local rank)."""
+    return _w().cross_size
+
+
+def rank() -> int:
+    """This process's rank in the job, 0..size()-1."""
+    return _w().rank
+
+
+def local_rank() -> int:
+    """This process's rank on its host (use it to pick a GPU)."""
+    return _w().local_rank
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts."""
+    return _w().cross_rank
+
+
+def mpi_enabled() -> bool:
+    """Whether CPU collectives go over MPI (the job was started by mpiexec)."""
+    return STATE.comm is not None

@@ -1,0 +1,243 @@
+"""DistributedOptimizer: gradient averaging fused into buckets and overlapped with backward.
+
+Owns: wrapping a user's optimizer (a dynamic subclass sharing its state, as Horovod does),
+hooks on every parameter's gradient accumulator, the bucket plan (reverse parameter order,
+one dtype and device per bucket, at most ``Config.fusion_threshold`` bytes), launching each
+bucket's allreduce as soon as its gradients are ready (in bucket order, identical on every
+rank), and waiting for them in ``synchronize()`` / ``step()``. Never: launch buckets in an
+order that depends on timing, block inside a hook, or call ``cuda.synchronize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from ..config import get_config
+from . import ops
+from .compression import Compression
+from .process_sets import ProcessSet, global_process_set
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _Bucket:
+    __slots__ = ("params", "sizes", "name", "key", "ready", "handle", "flat", "ctx")
+
+    def __init__(self, params: list[torch.nn.Parameter], name: str, names: list[str]) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.name = name
+        desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(names, params))
+        self.key = zlib.crc32(desc.encode())
+        self.ready = 0
+        self.handle: Any = None
+        self.flat: torch.Tensor | None = None
+        self.ctx: Any = None
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin placed before the user's optimizer class; see ``DistributedOptimizer``."""
+
+    def _hvd_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                   compression: Any, backward_passes_per_step: int, op: int,
+                   gradient_predivide_factor: float, groups: Any,
+                   process_set: ProcessSet) -> None:
+        if op not in (ops.Average, ops.Sum):
+            raise ValueError("DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != ops.Average:
+            raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        names: dict[torch.Tensor, str] = {}
+        if named_parameters is not None:
+            named = list(named_parameters)
+            dup = {n for n, _ in named if sum(1 for m, _ in named if m == n) > 1}
+            if dup:
+                raise ValueError(f"named_parameters has duplicate names: {sorted(dup)}")
+            names = {p: n for n, p in named}
+            missing = [i for i, p in enumerate(params) if p not in names]
+            if missing:
+                raise ValueError(
+                    f"{len(missing)} optimizer parameters are missing from named_parameters; "
+                    "pass model.named_parameters() of the model the optimizer was built on"
+                )
+        pname = [names.get(p, f"param.{i}") for i, p in enumerate(params)]
+        self._hvd_ps = process_set
+        self._hvd_comp = compression
+        self._hvd_bpps = int(backward_passes_per_step)
+        self._hvd_op = op
+        f = float(gradient_predivide_factor)
+        self._hvd_scale = (1.0 / f, f)
+        self._hvd_buckets = self._hvd_plan(params, pname, groups)
+        self._hvd_bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
+        self._hvd_counts = {p: 0 for p in params}
+        self._hvd_next = 0
+        self._hvd_synced = False
+        self._hvd_skip_sync = False
+        for p in params:
+            # a notebook cell run twice wraps the same model again: only the newest wrapper
+            # may hook a parameter, or every backward would launch the old buckets too
+            old = getattr(p, "_hvdnb_hook", None)
+            if old is not None:
+                old.remove()
+            p._hvdnb_hook = p.register_post_accumulate_grad_hook(  # type: ignore[union-attr]
+                self._hvd_hook)
+
+    @staticmethod
+    def _hvd_plan(params: list[torch.Tensor], pname: list[str], groups: Any) -> list[_Bucket]:
+        limit = max(1, int(get_config().fusion_threshold))
+        order = list(range(len(params)))[::-1]  # gradients arrive roughly in reverse order
+        plans: list[list[int]] = []
+        if isinstance(groups, int) and groups > 0:
+            per = -(-len(order) // groups)
+            plans = [order[i : i + per] for i in range(0, len(order), per)]
+        elif groups:
+            pos = {p: i for i, p in enumerate(params)}
+            explicit = [[pos[p] for p in g] for g in groups]
+            taken = {i for g in explicit for i in g}
+            plans = explicit + [[i] for i in order if i not in taken]
+        else:
+            cur: list[int] = []
+            nbytes = 0
+            for i in order:
+                p = params[i]
+                sz = p.numel() * p.element_size()
+                if cur and (nbytes + sz > limit or p.dtype != params[cur[0]].dtype
+                            or p.device != params[cur[0]].device):
+                    plans.append(cur)
+                    cur, nbytes = [], 0
+                cur.append(i)
+                nbytes += sz
+            if cur:
+                plans.append(cur)
+        out = []
+        for k, idx in enumerate(plans):
+            if len({(params[i].dtype, params[i].device) for i in idx}) > 1:
+                raise ValueError(f"fusion group {k} mixes dtypes or devices; split it")
+            out.append(_Bucket([params[i] for i in idx], f"DistributedOptimizer.bucket.{k}",
+                               [pname[i] for i in idx]))
+        return out
+
+    # -- hooks and buckets -------------------------------------------------------------------
+    def _hvd_hook(self, p: torch.Tensor) -> None:
+        c = self._hvd_counts[p] + 1
+        self._hvd_counts[p] = c
+        if c != self._hvd_bpps:
+            return
+        self._hvd_bucket_of[p].ready += 1
+        bs = self._hvd_buckets
+        # launch strictly in bucket order: every rank issues the same sequence
+        while self._hvd_next < len(bs):
+            b = bs[self._hvd_next]
+            if b.ready != len(b.params):
+                break
+            self._hvd_launch(b)
+            self._hvd_next += 1
+
+    def _hvd_launch(self, b: _Bucket) -> None:
+        p0 = b.params[0]
+        if b.flat is None:
+            b.flat = torch.empty(sum(b.sizes), dtype=p0.dtype, device=p0.device)
+        grads = [p.grad.reshape(-1) if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in b.params]
+        torch.cat(grads, out=b.flat)
+        wire, b.ctx = self._hvd_comp.compress(b.flat)
+        pre, post = self._hvd_scale
+        b.handle = ops._allreduce_start(wire, True, b.name, self._hvd_op, pre, post,
+                                        self._hvd_ps, True, shape_key=b.key)
+
+    def synchronize(self) -> None:
+        """Finish every bucket's allreduce and write the averaged gradients into ``.grad``.
+
+        Collective (each bucket is one allreduce). Buckets whose gradients never arrived
+        (unused parameters) are launched now with zeros, in bucket order on every rank.
+        """
+        with torch.no_grad():
+            for b in self._hvd_buckets[self._hvd_next :]:
+                self._hvd_launch(b)
+            self._hvd_next = len(self._hvd_buckets)
+            for b in self._hvd_buckets:
+                res = self._hvd_comp.decompress(b.handle.wait(), b.ctx)
+                b.handle = None
+                for p, part in zip(b.params, res.split(b.sizes)):
+                    if p.grad is None:
+                        p.grad = part.view_as(p).clone()
+                    else:
+                        p.grad.copy_(part.view_as(p))
+                b.ready = 0
+        for p in self._hvd_counts:
+            self._hvd_counts[p] = 0
+        self._hvd_next = 0
+        self._hvd_synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Let ``step()`` skip ``synchronize()`` (after calling it yourself, e.g. to clip)."""
+        self._hvd_skip_sync = True
+        try:
+            yield
+        finally:
+            self._hvd_skip_sync = False
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if not self._hvd_skip_sync:
+            self.synchronize()
+        self._hvd_synced = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(b.handle is not None for b in self._hvd_buckets):
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); gradients are being averaged. "
+                "Call step() (or synchronize()) first."
+            )
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = ops.Average,
+    gradient_predivide_factor: float = 1.0,
+    groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so ``step()`` uses gradients averaged over all ranks.
+
+    Each parameter's gradient accumulator gets a hook; when every gradient of a bucket
+    (``Config.fusion_threshold`` bytes, ``HVDNB_FUSION_THRESHOLD``) is ready, the bucket is
+    flattened and its allreduce starts while backward goes on. ``step()`` waits for all of
+    them, then runs the wrapped optimizer. SPMD contract: every rank wraps the same
+    parameters in the same order and calls backward/step the same number of times.
+
+    Parameters
+    ----------
+    optimizer : any torch optimizer; the result is an instance of a subclass of its class
+        sharing its state
+    named_parameters : ``model.named_parameters()``, used in names and error messages
+    compression : ``Compression.none`` or ``Compression.fp16``
+    backward_passes_per_step : local accumulation passes before each allreduce
+    op : ``hvd.Average`` (default) or ``hvd.Sum``
+    gradient_predivide_factor : with Average, divide by this before the sum and by
+        ``size / factor`` after (guards low-precision sums)
+    groups : an int (split parameters into that many fused groups) or explicit lists of
+        parameters to fuse together; default: by ``fusion_threshold``
+    process_set : ranks that average gradients (default: all)
+
+    Returns
+    -------
+    torch.optim.Optimizer
+    """
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedOptimizer, base), {})
+    dist_opt = cls.__new__(cls)
+    dist_opt.__dict__.update(optimizer.__dict__)
+    dist_opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, groups, process_set)
+    return dist_opt  # type: ignore[no-any-return]

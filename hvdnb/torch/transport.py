@@ -1,0 +1,241 @@
+"""Wire level of hvdnb.torch: headers, negotiation and the two transports.
+
+Owns: the fixed 128-byte header every collective sends before (or with) its data, the
+negotiation that compares headers across ranks, and the per-process-set transports:
+``MPITransport`` (mpi4py over a private communicator, CPU tensors, zero-copy through
+numpy views) and ``TorchTransport`` (torch.distributed: NCCL for CUDA tensors, gloo
+without MPI). Never: decide Horovod semantics (scaling, averaging, names), allocate per
+call what can be cached, or issue a collective outside the SPMD order of the caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["HDR", "HDR_BYTES", "SIG_BYTES", "TAG", "MPITransport", "TorchTransport", "Kind"]
+
+#: 12 signature words (must be equal on every rank) + 4 per-rank words
+HDR = struct.Struct("<16q")
+HDR_BYTES = HDR.size
+SIG_BYTES = 12 * 8
+TAG = 17
+
+
+class Kind:
+    """Collective kinds as they appear in headers and messages."""
+
+    ALLREDUCE = 1
+    ALLGATHER = 2
+    BROADCAST = 3
+    ALLTOALL = 4
+    REDUCESCATTER = 5
+    BARRIER = 6
+    JOIN = 7
+    NAMES = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall",
+             5: "reducescatter", 6: "barrier", 7: "join"}
+
+
+class MPITransport:
+    """mpi4py on a private duplicate communicator of the process set's members.
+
+    With exactly two ranks, negotiation is one ``Sendrecv`` with the peer into a fixed
+    staging buffer: a message is never larger than the buffer, so ranks that disagree on
+    sizes still receive each other's header and both see the mismatch. Small allreduces
+    ride in the same message (header + data), which beats MPI_Allreduce here.
+    """
+
+    backend = "mpi"
+
+    def __init__(self, comm: Any, inline_bytes: int) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.peer = 1 - self.rank if self.size == 2 else -1
+        self.inline = inline_bytes if self.size == 2 else 0
+        cap = HDR_BYTES + self.inline
+        self.sbuf = np.zeros(cap, np.uint8)
+        self.rbuf = np.zeros(cap, np.uint8)
+        self.smv = memoryview(self.sbuf)
+        self.rmv = memoryview(self.rbuf)
+        self.rspec = [self.rbuf, MPI.BYTE]
+        self._sspecs: dict[int, list[Any]] = {}
+        self.saddr = self.sbuf.ctypes.data
+        self.rbuf_t = torch.from_numpy(self.rbuf)
+        self.allh = np.zeros(HDR_BYTES * self.size, np.uint8)
+        self.status = MPI.Status()
+        self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
+        self.ops = {1: MPI.SUM, 3: MPI.MIN, 4: MPI.MAX, 5: MPI.PROD, 0: MPI.SUM}
+
+    # -- negotiation -------------------------------------------------------------------
+    def exchange(self, hdr: bytes, payload: torch.Tensor | None = None) -> list[bytes]:
+        """Every rank's header, by rank; with 2 ranks the peer's payload stays in rbuf."""
+        if self.size == 1:
+            return [hdr]
+        if self.size == 2:
+            n = HDR_BYTES
+            self.sbuf.data.cast("B")[:HDR_BYTES] = hdr
+            if payload is not None:
+                nb = payload.numel() * payload.element_size()
+                ctypes.memmove(self.saddr + HDR_BYTES, payload.data_ptr(), nb)
+                n += nb
+            self.comm.Sendrecv(
+                [self.sbuf[:n], self.MPI.BYTE], self.peer, TAG,
+                [self.rbuf, self.MPI.BYTE], self.peer, TAG, self.status,
+            )
+            peer = self.rbuf[:HDR_BYTES].tobytes()
+            return [hdr, peer] if self.rank == 0 else [peer, hdr]
+        mine = np.frombuffer(hdr, np.uint8)
+        self.comm.Allgather([mine, self.MPI.BYTE], [self.allh, self.MPI.BYTE])
+        raw = self.allh.tobytes()
+        return [raw[i * HDR_BYTES : (i + 1) * HDR_BYTES] for i in range(self.size)]
+
+    def exchange_inline(self, hdr: bytes, payload: torch.Tensor, nbytes: int) -> bool:
+        """Two ranks: swap header + payload with the peer; True when signatures match.
+
+        The hot path of small allreduces: one ``Sendrecv``, no allocation.
+        """
+        self.smv[:HDR_BYTES] = hdr
+        ctypes.memmove(self.saddr + HDR_BYTES, payload.data_ptr(), nbytes)
+        spec = self._sspecs.get(nbytes)
+        if spec is None:
+            spec = self._sspecs[nbytes] = [self.sbuf[: HDR_BYTES + nbytes], self.MPI.BYTE]
+        self.comm.Sendrecv(spec, self.peer, TAG, self.rspec, self.peer, TAG)
+        return self.rmv[:SIG_BYTES] == self.smv[:SIG_BYTES]
+
+    def peer_view(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The peer's inline payload (received by ``exchange``) as a tensor, no copy."""
+        key = (dtype, shape)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            v = self.rbuf_t[HDR_BYTES : HDR_BYTES + n].view(dtype).view(shape)
+            self._views[key] = v
+        return v
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Pickled allgather: only for slow paths (error reports, object helpers)."""
+        return self.comm.allgather(obj)
+
+    # -- data ----------------------------------------------------------------------------
+    @staticmethod
+    def np(t: torch.Tensor) -> np.ndarray:
+        """A numpy view of a contiguous CPU tensor (half types must be converted first)."""
+        return t.numpy()
+
+    def allreduce(self, send: torch.Tensor, out: torch.Tensor, op: int, nonblocking: bool) -> Any:
+        MPI = self.MPI
+        sbuf = MPI.IN_PLACE if send is out else send.numpy()
+        if nonblocking:
+            return self.comm.Iallreduce(sbuf, out.numpy(), self.ops[op])
+        self.comm.Allreduce(sbuf, out.numpy(), self.ops[op])
+        return None
+
+    def allgatherv(self, send: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        MPI = self.MPI
+        s = send.reshape(-1).view(torch.uint8).numpy()
+        r = out.reshape(-1).view(torch.uint8).numpy()
+        displs = np.cumsum([0] + counts[:-1]).tolist()
+        self.comm.Allgatherv([s, MPI.BYTE], [r, (counts, displs), MPI.BYTE])
+
+    def bcast(self, t: torch.Tensor, root: int) -> None:
+        self.comm.Bcast([t.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE], root=root)
+
+    def alltoallv(
+        self, send: torch.Tensor, scounts: list[int], out: torch.Tensor, rcounts: list[int]
+    ) -> None:
+        MPI = self.MPI
+        sd = np.cumsum([0] + scounts[:-1]).tolist()
+        rd = np.cumsum([0] + rcounts[:-1]).tolist()
+        s = send.reshape(-1).view(torch.uint8).numpy()
+        r = out.reshape(-1).view(torch.uint8).numpy()
+        self.comm.Alltoallv([s, (scounts, sd), MPI.BYTE], [r, (rcounts, rd), MPI.BYTE])
+
+    def alltoall_counts(self, counts: list[int]) -> list[int]:
+        return list(self.comm.alltoall(counts))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+class TorchTransport:
+    """torch.distributed on the process set's group: NCCL for CUDA tensors, gloo otherwise.
+
+    Headers travel over ``ctrl`` (a gloo group when the data group is NCCL, so negotiation
+    never touches the GPU stream), or over MPI when the job has it.
+    """
+
+    def __init__(self, group: Any, ranks: list[int], ctrl: Any, mpi: MPITransport | None) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.ranks = ranks
+        self.ctrl = ctrl
+        self.mpi = mpi
+        self.size = len(ranks)
+        self.rank = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
+        self.backend = str(dist.get_backend(group))
+        R = dist.ReduceOp
+        self.ops = {0: R.SUM, 1: R.SUM, 3: R.MIN, 4: R.MAX, 5: R.PRODUCT}
+
+    def exchange(self, hdr: bytes) -> list[bytes]:
+        if self.mpi is not None:
+            return self.mpi.exchange(hdr)
+        if self.size == 1:
+            return [hdr]
+        mine = torch.frombuffer(bytearray(hdr), dtype=torch.uint8)
+        outs = [torch.empty_like(mine) for _ in range(self.size)]
+        self.dist.all_gather(outs, mine, group=self.ctrl)
+        return [bytes(o.numpy().tobytes()) for o in outs]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if self.mpi is not None:
+            return self.mpi.gather_objects(obj)
+        out: list[Any] = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def allreduce(self, send: torch.Tensor, out: torch.Tensor, op: int, nonblocking: bool) -> Any:
+        if send is not out:
+            out.copy_(send)
+        work = self.dist.all_reduce(out, op=self.ops[op], group=self.group, async_op=nonblocking)
+        return work if nonblocking else None
+
+    def allgatherv(self, send: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        # gloo refuses unequal sizes: pad every rank's bytes to the largest, then trim
+        m = max(counts)
+        s = send.reshape(-1).view(torch.uint8)
+        pad = torch.zeros(m, dtype=torch.uint8, device=send.device)
+        pad[: s.numel()] = s
+        parts = [torch.empty_like(pad) for _ in counts]
+        self.dist.all_gather(parts, pad, group=self.group)
+        torch.cat([p[:c] for p, c in zip(parts, counts)], out=out.reshape(-1).view(torch.uint8))
+
+    def bcast(self, t: torch.Tensor, root: int) -> None:
+        b = t.reshape(-1).view(torch.uint8)
+        self.dist.broadcast(b, src=self.ranks[root], group=self.group)
+        if b.data_ptr() != t.data_ptr():  # pragma: no cover - views share storage
+            t.copy_(b.view(t.dtype).view(t.shape))
+
+    def alltoallv(
+        self, send: torch.Tensor, scounts: list[int], out: torch.Tensor, rcounts: list[int]
+    ) -> None:
+        s = send.reshape(-1).view(torch.uint8)
+        r = out.reshape(-1).view(torch.uint8)
+        self.dist.all_to_all_single(r, s, rcounts, scounts, group=self.group)
+
+    def alltoall_counts(self, counts: list[int]) -> list[int]:
+        return [row[self.rank] for row in self.gather_objects(counts)]
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.ctrl if self.ctrl is not None else self.group)

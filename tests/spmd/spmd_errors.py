@@ -1,0 +1,71 @@
+"""Ranks that disagree raise CollectiveMismatchError on every rank, within seconds.
+
+Each case makes rank 0 and the other ranks call a collective with different arguments;
+every rank must raise a clear error (no hang, no corrupt result) and the next collective
+must work. Prints ``OK spmd_errors`` on each rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import _spmd  # noqa: E402
+
+_spmd.setup()
+
+import torch  # noqa: E402
+
+import hvdnb.torch as hvd  # noqa: E402
+
+hvd.init()
+n, r = hvd.size(), hvd.rank()
+odd = r != 0  # every rank but 0 disagrees with rank 0
+
+CASES = {
+    # case: (call, words the message must contain)
+    "shape": (lambda: hvd.allreduce(torch.ones(3 + odd), name="s"), ["shape", "(3,)", "(4,)"]),
+    "shape, large path": (lambda: hvd.allreduce(torch.ones(100_000 + odd), name="L"), ["shape"]),
+    "inline vs large": (lambda: hvd.allreduce(torch.ones(10 if odd else 100_000), name="m"),
+                        ["shape"]),
+    "dtype": (lambda: hvd.allreduce(torch.ones(3, dtype=torch.float64 if odd else torch.float32),
+                                    name="d"), ["dtype", "float64"]),
+    "op": (lambda: hvd.allreduce(torch.ones(3), name="o", op=hvd.Max if odd else hvd.Sum),
+           ["op", "Max", "Sum"]),
+    "root": (lambda: hvd.broadcast(torch.ones(3), root_rank=int(odd), name="b"), ["root_rank"]),
+    "name": (lambda: hvd.allreduce(torch.ones(3), name=f"n{int(odd)}"), ["name", "n0", "n1"]),
+    "collective": (lambda: hvd.allgather(torch.ones(3)) if odd else hvd.allreduce(torch.ones(3)),
+                   ["collective", "allgather", "allreduce"]),
+    "allgather trailing": (lambda: hvd.allgather(torch.ones(2, 3 + odd), name="g"),
+                           ["trailing_shape"]),
+    "broadcast_parameters": (
+        lambda: hvd.broadcast_parameters({"w": torch.ones(2 + odd)}, root_rank=0), ["shape"]),
+}
+
+for case, (call, words) in CASES.items():
+    t0 = time.perf_counter()
+    try:
+        call()
+    except hvd.CollectiveMismatchError as e:
+        msg = str(e)
+        for w in words + ["every rank must"]:
+            assert w.lower() in msg.lower(), f"{case}: {w!r} not in {msg!r}"
+    else:
+        raise AssertionError(f"{case}: no error on rank {r}")
+    dt = time.perf_counter() - t0
+    assert dt < 5.0, f"{case}: took {dt:.1f} s to raise"
+    # the job is still usable
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+
+# a wrong root everywhere (agreed, but outside the set) raises ValueError everywhere
+try:
+    hvd.broadcast(torch.ones(1), root_rank=n, name="bad root")
+    raise AssertionError("root outside the process set accepted")
+except ValueError as e:
+    assert "outside" in str(e)
+try:
+    hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+    raise AssertionError("Adasum accepted")
+except ValueError as e:
+    assert "Average" in str(e)
+hvd.barrier()
+print(f"OK spmd_errors rank {r}", flush=True)

@@ -1,0 +1,99 @@
+"""Run every ``spmd_*.py`` script in this folder under ``mpiexec -n 2`` (Horovod's test/parallel).
+
+Contract for scripts (yours too): every rank runs every check and asserts against
+``hvd.size()``; call ``_spmd.setup()`` first (faulthandler dump + exit on a hung rank, exit on
+an uncaught exception); print ``OK <script stem>`` on each rank at the end. A script passes
+when mpiexec exits 0 and every rank printed its OK line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+SCRIPTS = sorted(HERE.glob("spmd_*.py"))
+NP = 2
+HANG_S = 60  # a rank dumps its stack and exits after this (faulthandler)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["HVDNB_SPMD_TIMEOUT"] = str(HANG_S)
+    env["PYTHONFAULTHANDLER"] = "1"
+    env.update(extra)
+    return env
+
+
+def _report(proc: subprocess.CompletedProcess[str]) -> str:
+    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_spmd_under_mpiexec(script: Path) -> None:
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    proc = subprocess.run([str(MPIEXEC), "-n", str(NP), sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=HANG_S + 30, env=_env(),
+                          cwd=HERE)
+    assert proc.returncode == 0, _report(proc)
+    assert proc.stdout.count(f"OK {script.stem}") == NP, _report(proc)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors"])
+def test_torchrun_style_gloo(script: str) -> None:
+    """The same checks without MPI: torchrun's variables, every collective over gloo.
+
+    As under torchrun, the rendezvous store lives in the launcher (this process), not in
+    rank 0 (``TORCHELASTIC_USE_AGENT_STORE``).
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, NP, True, timeout=timedelta(seconds=60),
+                     wait_for_workers=False)
+    port = str(store.port)
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE / f"{script}.py")], cwd=HERE, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env(RANK=str(r), WORLD_SIZE=str(NP), LOCAL_RANK=str(r),
+                                  LOCAL_WORLD_SIZE=str(NP), MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True"))
+        for r in range(NP)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=HANG_S + 30)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for code, out, err in outs:
+        assert code == 0 and f"OK {script}" in out, f"exit {code}\n{out[-4000:]}\n{err[-4000:]}"
+        if script == "spmd_ops":
+            assert "backend gloo" in out, out[-2000:]
+
+
+@pytest.mark.mpi
+def test_timeline_valid_after_sigkill(tmp_path: Path) -> None:
+    path = tmp_path / "tl.json"
+    proc = subprocess.run([sys.executable, str(HERE / "timeline_killed.py"), str(path)],
+                          capture_output=True, text=True, timeout=60, env=_env(), cwd=HERE)
+    assert proc.returncode == -9 and "recorded" in proc.stdout, _report(proc)
+    events = json.loads((tmp_path / "tl.rank0.json").read_text())
+    steps = [e for e in events if e.get("name", "").startswith("step.")]
+    assert len(steps) == 200 and all(e["ph"] == "X" and e["dur"] >= 0 for e in steps)
