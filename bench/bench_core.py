@@ -1,0 +1,141 @@
+"""Core latencies, hvdnb vs raw ipyparallel, side by side in one run (2 ranks).
+
+- cold start to ready: ``ipyparallel.Cluster(engines="mpi", n=2).start_and_connect_sync()``
+  (engines only) vs ``hvdnb.Cluster(n=2).start()`` (engines + torch imported + process group)
+- a no-op cell's round trip: ``view.execute("pass", block=True)`` vs ``%%distributed pass``
+  through IPython (output collected too), on the same cluster, interleaved
+- stop: ``stop_cluster_sync()`` vs ``hvdnb.Cluster.stop()``
+
+Prints a table and writes ``bench/results/core.json``.
+Usage: ``python bench/bench_core.py [--starts 3] [--cells 200]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+OUT = Path(__file__).parent / "results" / "core.json"
+
+
+def _raw_start_stop() -> tuple[float, float]:
+    import ipyparallel as ipp
+
+    t0 = time.perf_counter()
+    c = ipp.Cluster(engines="mpi", n=2, log_level=logging.WARNING)
+    client = c.start_and_connect_sync()
+    client.wait_for_engines(2)
+    start = time.perf_counter() - t0
+    client.close()
+    t1 = time.perf_counter()
+    c.stop_cluster_sync()
+    return start, time.perf_counter() - t1
+
+
+def _hvdnb_start_stop() -> tuple[float, float]:
+    import hvdnb
+
+    t0 = time.perf_counter()
+    c = hvdnb.Cluster(n=2).start()
+    start = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    c.stop()
+    return start, time.perf_counter() - t1
+
+
+def _cells(n: int) -> tuple[list[float], list[float]]:
+    import io
+    import sys
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import hvdnb
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "hvdnb")
+    c = hvdnb.Cluster(n=2).start()
+    hvdnb.cluster._CURRENT = c
+    view = c.client[:]
+    raw, ours = [], []
+    real_stdout = sys.stdout
+    try:
+        for _ in range(10):  # warm up both paths
+            view.execute("pass", block=True)
+            shell.run_cell_magic("distributed", "", "pass")
+        for _ in range(n):
+            t = time.perf_counter()
+            view.execute("pass", block=True)
+            raw.append(time.perf_counter() - t)
+            sys.stdout = io.StringIO()
+            t = time.perf_counter()
+            shell.run_cell_magic("distributed", "", "pass")
+            ours.append(time.perf_counter() - t)
+            sys.stdout = real_stdout
+    finally:
+        sys.stdout = real_stdout
+        c.stop()
+    return raw, ours
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--cells", type=int, default=200)
+    args = ap.parse_args()
+
+    raw_start, raw_stop, our_start, our_stop = [], [], [], []
+    for _ in range(args.starts):  # interleaved so machine noise hits both
+        s, p = _raw_start_stop()
+        raw_start.append(s)
+        raw_stop.append(p)
+        s, p = _hvdnb_start_stop()
+        our_start.append(s)
+        our_stop.append(p)
+    raw_cell, our_cell = _cells(args.cells)
+
+    med = statistics.median
+
+    def p90(xs: list[float]) -> float:
+        return sorted(xs)[int(0.9 * (len(xs) - 1))]
+
+    rows = [
+        ("cold start to ready (s)", med(raw_start), med(our_start), 0.5),
+        ("no-op cell round trip (ms)", 1e3 * med(raw_cell), 1e3 * med(our_cell), 0.8),
+        ("no-op cell p90 (ms)", 1e3 * p90(raw_cell), 1e3 * p90(our_cell), None),
+        ("stop (s)", med(raw_stop), med(our_stop), None),
+    ]
+    print(f"{'measure (median)':30} {'raw ipyparallel':>16} {'hvdnb':>10} {'ratio':>7} {'target':>7}")
+    for name, raw, ours, target in rows:
+        tgt = f"<= {target}" if target else ""
+        print(f"{name:30} {raw:16.3f} {ours:10.3f} {ours / raw:7.2f} {tgt:>7}")
+    print(f"stop target: hvdnb <= 1 s (measured {med(our_stop):.2f} s)")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(
+        json.dumps(
+            {
+                "machine": {"cores": __import__("os").cpu_count(), "python": platform.python_version()},
+                "starts": args.starts,
+                "cells": args.cells,
+                "raw_start_s": raw_start,
+                "hvdnb_start_s": our_start,
+                "raw_stop_s": raw_stop,
+                "hvdnb_stop_s": our_stop,
+                "raw_cell_ms_median": 1e3 * med(raw_cell),
+                "hvdnb_cell_ms_median": 1e3 * med(our_cell),
+                "raw_cell_ms_p90": 1e3 * p90(raw_cell),
+                "hvdnb_cell_ms_p90": 1e3 * p90(our_cell),
+                "ratios": {name: ours / raw for name, raw, ours, _ in rows},
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
