@@ -246,17 +246,26 @@ def run_cell(
     interrupted_at: float | None = None
     failed_at: float | None = None
     deadline = None if timeout is None else t0 + timeout
-    children = dict(zip(ranks, ar.split()))
+    futures = dict(zip(ranks, ar._children))  # one reply future per rank
+    children: dict[int, Any] = {}  # per-rank AsyncResults, made only when ranks finish apart
     done: set[int] = set()
     while True:
         try:
-            ar.wait(cfg.output_interval)
-            for r, child in children.items():
-                if r not in done and child.ready():
-                    done.add(r)
-                    _collect(result, r, child)
-                    if r in result.errors and failed_at is None:
-                        failed_at = time.monotonic()
+            if ar.wait(cfg.output_interval) and ar.successful():
+                outs = ar.get(0)  # the common case: every rank done, one unpacking
+                for r, out in zip(ranks, outs):
+                    if r not in done:
+                        done.add(r)
+                        _record(result, r, out)
+            else:
+                if not children:  # ranks finish apart (or one failed at engine level)
+                    children = dict(zip(ranks, ar.split()))
+                for r, fut in futures.items():
+                    if r not in done and fut.done():
+                        done.add(r)
+                        _collect(result, r, children[r])
+                        if r in result.errors and failed_at is None:
+                            failed_at = time.monotonic()
             if stream:
                 streamer.pump()
             if len(done) == len(ranks):
@@ -313,6 +322,8 @@ def run_cell(
 def _collect(result: CellResult, rank: int, child: Any) -> None:
     try:
         out = child.get(0)
+        if isinstance(out, list):  # a one-rank AsyncResult still returns a list
+            out = out[0]
     except Exception as exc:  # serialisation or engine-level failure
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
@@ -322,8 +333,10 @@ def _collect(result: CellResult, rank: int, child: Any) -> None:
             "traceback": "".join(getattr(exc, "traceback", "") or ""),
         }
         return
-    if isinstance(out, list):  # a single-target view still returns a list
-        out = out[0]
+    _record(result, rank, out)
+
+
+def _record(result: CellResult, rank: int, out: dict[str, Any]) -> None:
     if out["ok"]:
         result.values[rank] = out["value"]
         result.reprs[rank] = out["repr"]

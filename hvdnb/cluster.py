@@ -19,6 +19,7 @@ import atexit
 import logging
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -171,6 +172,8 @@ class Cluster:
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.client: Any = None
         self.view: Any = None
+        self.channel: Any = None
+        self.channel_endpoint = ""
         self._ipp: Any = None
         self._loop: _LoopThread | None = None
         self.generation = 0
@@ -208,6 +211,8 @@ class Cluster:
         cfg = get_config()
         local = self.launcher in _LOCAL_LAUNCHERS
         env = {"HVDNB_BACKEND": self.backend or "", **self.engine_env}
+        if self.channel is not None:
+            env["HVDNB_CHANNEL"] = self.channel_endpoint
         env["PYTHONUNBUFFERED"] = "1"
         engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
         c = ipp.Cluster(
@@ -249,6 +254,7 @@ class Cluster:
             find_mpiexec()  # fail before starting anything
         t0 = time.perf_counter()
         self._loop = self._loop or _LoopThread()
+        self._open_channel()
         self._ipp = self._make_ipp()
         try:
             self._loop.run(self._start_async(), timeout=self.timeout + 30)
@@ -287,6 +293,17 @@ class Cluster:
             time.sleep(0.01)
         self.view = self.client[:]
         self.view.block = False
+        if self.channel is not None:
+            # engines sign with the session key of the (0600) connection file: so do we
+            self.channel.key = bytes(self.client.session.key)
+
+    def _open_channel(self) -> None:
+        from .channel import ClientChannel
+
+        local = self.launcher in _LOCAL_LAUNCHERS
+        self.channel = ClientChannel(ip=self.ip if local else "0.0.0.0")
+        host = self.ip if local else socket.gethostbyname(socket.gethostname())
+        self.channel_endpoint = f"tcp://{host}:{self.channel.port}"
 
     async def _connection_info(self) -> dict[str, Any]:
         info = await self._ipp.controller.get_connection_info()
@@ -337,6 +354,9 @@ class Cluster:
                 pass
             self.client = None
             self.view = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if self._ipp is not None and self._loop is not None:
             try:
                 self._loop.run(self._stop_async(), timeout=30)

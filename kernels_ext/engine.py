@@ -121,7 +121,9 @@ def _release_peers() -> None:
 
 def _compile_cell(code: str, filename: str) -> tuple[Any, Any]:
     shell = _shell()
-    if shell is not None:
+    # IPython's transforms tokenize the whole cell: only pay for them when the cell may use
+    # IPython syntax (magics, !shell, ?help)
+    if shell is not None and any(ch in code for ch in "%!?"):
         code = shell.transform_cell(code)
     # keep the source so tracebacks show the user's lines
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -171,8 +173,6 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
         value = eval(tail, ns) if tail is not None else None
     except BaseException as exc:  # noqa: BLE001 - reported to the client, named by rank
         _release_peers()
-        sys.stdout.flush()
-        sys.stderr.flush()
         lines = ["Traceback (most recent call last):\n"]
         lines += _user_frames(exc.__traceback__, "<cell ")
         lines += traceback.format_exception_only(type(exc), exc)
@@ -185,8 +185,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
             "traceback": "".join(lines),
             "interrupted": isinstance(exc, KeyboardInterrupt),
         }
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
     if value is not None and shell is not None:
         ns["_"] = value

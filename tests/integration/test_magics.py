@@ -180,3 +180,29 @@ def test_bad_input_gets_one_clear_message(dist2, shell):
     with pytest.raises(UsageError, match="-o needs a variable name"):
         shell.run_cell_magic("distributed", "-o 1x", "pass")
     assert hvdnb.current() is dist2 and dist2.running
+
+
+def test_side_channel_answers_while_the_cell_runs(dist2, shell):
+    channel = dist2.channel
+    pings: list[dict] = []
+
+    def pong(msg):
+        pings.append(msg)
+        channel.send(msg["rank"], "pong", n=10 * msg["rank"])
+
+    channel.on("ping", pong)
+    try:
+        shell.run_cell_magic(
+            "distributed", "-q -o replies",
+            "import threading\nfrom kernels_ext import channel as _ch\n"
+            "ch = _ch.get(); ev = threading.Event(); box = {}\n"
+            "ch.on('pong', lambda m: (box.update(m), ev.set()))\n"
+            "ch.send('ping')\n"
+            "assert ev.wait(10), 'the notebook never answered'\n"
+            "box['n']",
+        )
+    finally:
+        channel.off("ping", pong)
+    assert shell.user_ns["replies"] == {0: 0, 1: 10}
+    assert sorted(m["rank"] for m in pings) == [0, 1]
+    assert channel.dropped == 0

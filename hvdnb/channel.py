@@ -1,0 +1,190 @@
+"""A side channel between the notebook kernel and the ranks that works while cells run.
+
+ipyparallel's own channels are busy while a cell executes (a knob change would wait for
+the cell to end) and its ``publish_data`` keeps only the latest value per engine. This
+channel carries hvdnb's own traffic: metrics from ranks, knob changes to ranks, "where are
+you" answers for the stall detector.
+
+Protocol: the client binds one ZeroMQ ROUTER socket (127.0.0.1 unless a multi-host
+launcher asks for more); each rank connects a DEALER lazily, on first use. Every message
+is two frames, ``[signature, body]``: ``body`` is UTF-8 JSON with at least ``kind`` and
+``rank``, ``signature`` is the hex HMAC-SHA256 of ``body`` with the ipyparallel session
+key (from the 0600 connection file). Messages with a bad signature or non-JSON bodies are
+dropped and counted; nothing is ever unpickled.
+
+Owns: the socket, the receive thread and the signing. Never: block the caller (sends are
+queued to the I/O thread), or run handlers on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+__all__ = ["ClientChannel", "sign", "verify", "encode", "decode"]
+
+log = logging.getLogger("hvdnb.channel")
+
+Handler = Callable[[dict[str, Any]], None]
+
+
+def sign(key: bytes, body: bytes) -> bytes:
+    """Hex HMAC-SHA256 of ``body``."""
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode("ascii")
+
+
+def verify(key: bytes, signature: bytes, body: bytes) -> bool:
+    return hmac.compare_digest(sign(key, body), signature)
+
+
+def encode(key: bytes, msg: dict[str, Any]) -> list[bytes]:
+    body = json.dumps(msg, separators=(",", ":"), allow_nan=True).encode("utf-8")
+    return [sign(key, body), body]
+
+
+def decode(key: bytes, frames: list[bytes]) -> dict[str, Any] | None:
+    """The message, or None when it is not a correctly signed JSON object."""
+    if len(frames) != 2 or not key:
+        return None
+    signature, body = frames
+    if not verify(key, signature, body):
+        return None
+    try:
+        msg = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(msg, dict) or "kind" not in msg:
+        return None
+    return msg
+
+
+class ClientChannel:
+    """The notebook side: one ROUTER socket and an I/O thread.
+
+    Parameters
+    ----------
+    ip : address to bind (127.0.0.1 for local clusters)
+    key : the HMAC key; may be set later (``channel.key = ...``) before engines send
+    """
+
+    def __init__(self, ip: str = "127.0.0.1", key: bytes = b"") -> None:
+        self.key = key
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its slot
+        bind_ip = "*" if ip in ("0.0.0.0", "*") else ip
+        port = self._sock.bind_to_random_port(f"tcp://{bind_ip}")
+        self.endpoint = f"tcp://{ip if bind_ip != '*' else '0.0.0.0'}:{port}"
+        self.port = port
+        self._wake_addr = f"inproc://hvdnb-channel-{id(self)}"
+        self._wake_recv = self._ctx.socket(zmq.PULL)
+        self._wake_recv.bind(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._wake_send = self._ctx.socket(zmq.PUSH)
+        self._wake_send.connect(self._wake_addr)
+        self._outbox: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
+        self._idents: dict[int, bytes] = {}
+        self._handlers: dict[str, list[Handler]] = {}
+        self.dropped = 0
+        self.received = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hvdnb-channel", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- public
+    def on(self, kind: str, handler: Handler) -> None:
+        """Call ``handler(msg)`` (on the channel's thread) for each message of ``kind``."""
+        self._handlers.setdefault(kind, []).append(handler)
+
+    def off(self, kind: str, handler: Handler) -> None:
+        try:
+            self._handlers.get(kind, []).remove(handler)
+        except ValueError:
+            pass
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that have connected (said hello) so far."""
+        return sorted(self._idents)
+
+    def send(self, rank: int, kind: str, **payload: Any) -> None:
+        """Queue a message for ``rank`` (dropped with a warning if it never connected)."""
+        self._outbox.put((rank, {"kind": kind, **payload}))
+        with self._wake_lock:
+            self._wake_send.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._wake_lock:
+            try:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._thread.join(2)
+        with self._wake_lock:
+            self._wake_send.close(0)
+
+    # -------------------------------------------------------------- I/O thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        try:
+            while not self._closed.is_set():
+                events = dict(poller.poll(500))
+                if self._wake_recv in events:
+                    while True:
+                        try:
+                            self._wake_recv.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    self._flush_outbox()
+                if self._sock in events:
+                    while True:
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+        finally:
+            self._sock.close(0)
+            self._wake_recv.close(0)
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                rank, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            ident = self._idents.get(rank)
+            if ident is None:
+                log.warning("hvdnb: rank %s has not connected its channel; dropped %s", rank, msg)
+                continue
+            self._sock.send_multipart([ident, *encode(self.key, msg)])
+
+    def _handle(self, frames: list[bytes]) -> None:
+        ident, rest = frames[0], frames[1:]
+        msg = decode(self.key, rest)
+        if msg is None:
+            self.dropped += 1
+            return
+        self.received += 1
+        rank = msg.get("rank")
+        if isinstance(rank, int):
+            self._idents[rank] = ident
+        for handler in list(self._handlers.get(msg["kind"], ())):
+            try:
+                handler(msg)
+            except Exception:  # a broken handler must not kill the channel
+                log.exception("hvdnb: channel handler for %r failed", msg["kind"])

@@ -1,0 +1,101 @@
+"""The side channel's signing and its sockets (real ZeroMQ over loopback, one process)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from hvdnb.channel import ClientChannel, decode, encode
+from kernels_ext.channel import EngineChannel
+
+KEY = b"k" * 32
+
+
+def _wait(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_signed_json_roundtrip_and_tampering():
+    frames = encode(KEY, {"kind": "x", "rank": 1, "v": [1.5, None]})
+    assert decode(KEY, frames) == {"kind": "x", "rank": 1, "v": [1.5, None]}
+    sig, body = frames
+    assert decode(KEY, [sig, body.replace(b"1.5", b"2.5")]) is None  # body changed
+    assert decode(b"other-key", frames) is None  # wrong key
+    assert decode(KEY, [body]) is None  # missing frame
+    assert decode(b"", frames) is None  # no key: refuse everything
+    # a correctly signed pickle is still refused: only JSON objects with a kind pass
+    import pickle
+
+    blob = pickle.dumps({"kind": "x"})
+    assert decode(KEY, [encode(KEY, {"kind": "y"})[0], blob]) is None
+
+
+def test_client_listens_on_loopback_only():
+    ch = ClientChannel(ip="127.0.0.1", key=KEY)
+    try:
+        assert ch.endpoint.startswith("tcp://127.0.0.1:")
+        import psutil, os
+
+        mine = [c for c in psutil.Process(os.getpid()).net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == ch.port]
+        assert mine and all(c.laddr.ip == "127.0.0.1" for c in mine)
+    finally:
+        ch.close()
+
+
+def test_messages_flow_both_ways_and_forgeries_are_dropped():
+    ch = ClientChannel(key=KEY)
+    got: list[dict] = []
+    ch.on("metrics", got.append)
+    eng = EngineChannel(ch.endpoint, KEY, rank=3)
+    try:
+        eng.send("metrics", rows=[[3, 1, "loss", 0.5, 0.0]])
+        assert _wait(lambda: got)
+        assert got[0]["rank"] == 3 and got[0]["rows"][0][3] == 0.5
+        assert ch.ranks == [3]
+        heard: list[dict] = []
+        eng.on("knobs", heard.append)
+        ch.send(3, "knobs", values={"lr": 0.2})
+        assert _wait(lambda: heard)
+        assert heard[0]["values"] == {"lr": 0.2}
+        # a forger without the key is ignored
+        rogue = zmq.Context.instance().socket(zmq.DEALER)
+        rogue.connect(ch.endpoint)
+        rogue.send_multipart(encode(b"wrong", {"kind": "metrics", "rank": 9}))
+        rogue.send_multipart([b"garbage"])
+        assert _wait(lambda: ch.dropped >= 2)
+        rogue.close(0)
+        assert len(got) == 1 and 9 not in ch.ranks
+    finally:
+        eng.close()
+        ch.close()
+
+
+def test_many_messages_lose_nothing():
+    ch = ClientChannel(key=KEY)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def add(m):
+        with lock:
+            seen.append(m["seq"])
+
+    ch.on("m", add)
+    engines = [EngineChannel(ch.endpoint, KEY, rank=r) for r in range(4)]
+    try:
+        for i in range(2000):
+            engines[i % 4].send("m", seq=i)
+        assert _wait(lambda: len(seen) == 2000, timeout=20)
+        assert sorted(seen) == list(range(2000))
+    finally:
+        for e in engines:
+            e.close()
+        ch.close()
