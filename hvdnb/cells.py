@@ -22,7 +22,37 @@ from typing import Any
 from ._output import OutputCollapser, format_ranks
 from .config import get_config
 
-__all__ = ["CellResult", "DistributedCellError", "run_cell", "parse_targets"]
+__all__ = [
+    "CellResult",
+    "DistributedCellError",
+    "add_wait_hook",
+    "parse_targets",
+    "remove_wait_hook",
+    "run_cell",
+]
+
+#: callables run on the notebook's main thread while a cell waits (every output interval)
+#: and once when it ends, e.g. to redraw the live panel with the cell's parent header
+_WAIT_HOOKS: list[Any] = []
+
+
+def add_wait_hook(fn: Any) -> None:
+    """Call ``fn(final: bool)`` from the waiting loop of every cell (main thread)."""
+    if fn not in _WAIT_HOOKS:
+        _WAIT_HOOKS.append(fn)
+
+
+def remove_wait_hook(fn: Any) -> None:
+    if fn in _WAIT_HOOKS:
+        _WAIT_HOOKS.remove(fn)
+
+
+def _run_hooks(final: bool) -> None:
+    for fn in list(_WAIT_HOOKS):
+        try:
+            fn(final)
+        except Exception as exc:  # a broken panel must never break the cell
+            print(f"hvdnb: wait hook {fn!r} failed: {exc}", file=sys.stderr)
 
 #: messages that mean "a peer went away", i.e. a consequence of another rank's failure
 _PEER_GONE = (
@@ -268,6 +298,7 @@ def run_cell(
                             failed_at = time.monotonic()
             if stream:
                 streamer.pump()
+            _run_hooks(False)
             if len(done) == len(ranks):
                 break
             now = time.monotonic()
@@ -304,6 +335,7 @@ def run_cell(
         pass
     if stream:
         streamer.pump(final=True)
+    _run_hooks(True)
     result.seconds = time.monotonic() - t0
     for r, md in zip(ranks, metadata):
         result.stdout[r] = md.get("stdout") or ""
