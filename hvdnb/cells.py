@@ -12,6 +12,7 @@ per rank.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -53,6 +54,8 @@ def _run_hooks(final: bool) -> None:
             fn(final)
         except Exception as exc:  # a broken panel must never break the cell
             print(f"hvdnb: wait hook {fn!r} failed: {exc}", file=sys.stderr)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: messages that mean "a peer went away", i.e. a consequence of another rank's failure
 _PEER_GONE = (
@@ -105,11 +108,15 @@ class DistributedCellError(RuntimeError):
         """IPython shows this instead of a client-side traceback (which would be noise)."""
         lines: list[str] = []
         groups = _group_errors(self.result.errors)
-        primary = [g for g in groups if not g["consequence"]]
+        primary = [g for g in groups if not g["consequence"] and not g["interrupted"]]
         roots = format_ranks(r for g in primary for r in g["ranks"]) if primary else ""
         for g in groups:
             ranks = format_ranks(g["ranks"])
             plural = "s" if len(g["ranks"]) > 1 else ""
+            if g["interrupted"] and roots:
+                which = "ranks" if "," in roots or "-" in roots else "rank"
+                lines.append(f"[{ranks}] interrupted, because {which} {roots} failed")
+                continue
             if g["consequence"] and roots:
                 lines.append(
                     f"[{ranks}] {g['ename']}: {g['evalue'].splitlines()[0] if g['evalue'] else ''}"
@@ -118,7 +125,10 @@ class DistributedCellError(RuntimeError):
                 )
                 continue
             lines.append(f"--- rank{plural} {ranks} raised {g['ename']} ---")
-            lines.extend(g["traceback"].rstrip("\n").splitlines())
+            if g["traceback"]:
+                lines.extend(g["traceback"].rstrip("\n").splitlines())
+            else:
+                lines.append(f"{g['ename']}: {g['evalue']}")
         if self.note:
             lines.append(self.note)
         return lines
@@ -147,10 +157,13 @@ def _group_errors(errors: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                 "traceback": e["traceback"],
                 "ranks": [],
                 "consequence": _is_consequence(e),
+                "interrupted": bool(e.get("interrupted")),
             },
         )
         g["ranks"].append(rank)
-    return sorted(groups.values(), key=lambda g: (g["consequence"], g["ranks"][0]))
+    return sorted(
+        groups.values(), key=lambda g: (g["consequence"] or g["interrupted"], g["ranks"][0])
+    )
 
 
 def parse_targets(spec: str | int | Sequence[int] | None, ids: Sequence[int]) -> list[int]:
@@ -262,7 +275,15 @@ def run_cell(
 
     cfg = get_config()
     cluster._check_alive()
-    ranks = parse_targets(targets, cluster.client.ids)
+    dead = cluster.dead_ranks()
+    if dead:
+        from .cluster import ClusterError
+
+        raise ClusterError(
+            f"rank(s) {format_ranks(dead)} of {cluster.n} are gone, so collectives would hang: "
+            "run `%dist restart` first"
+        )
+    ranks = parse_targets(targets, range(cluster.n))
     everyone = ranks == sorted(cluster.client.ids)
     cluster.cell_no += 1
     cell_no = cluster.cell_no
@@ -313,7 +334,7 @@ def run_cell(
                 cluster._check_alive()
                 note = (
                     f"{note + '; ' if note else ''}rank(s) {format_ranks(stuck)} did not stop "
-                    "within 2 s of an interrupt: run `%dist restart` to get them back"
+                    "within 2 s of an interrupt"
                 )
                 for r in stuck:
                     result.errors[r] = {
@@ -342,8 +363,17 @@ def run_cell(
         result.stderr[r] = md.get("stderr") or ""
         cluster.last_cell[r] = {"cell": cell_no, "state": "error" if r in result.errors else "ok"}
     if result.errors:
-        stuck = any(e.get("ename") == "Unresponsive" for e in result.errors.values())
-        if not stuck:
+        dead = cluster.dead_ranks()
+        stuck = [r for r, e in result.errors.items() if e.get("ename") == "Unresponsive"]
+        if dead:
+            extra = (
+                f"rank(s) {format_ranks(dead)} died: run `%dist restart` to get all "
+                f"{cluster.n} ranks back (an hvdnb.State you committed is restored)"
+            )
+            note = f"{note}; {extra}" if note else extra
+        elif stuck:
+            note = _escalate(cluster, stuck, note)
+        else:
             note = _rebuild_group(cluster, note)
         raise DistributedCellError(result, note)
     if not quiet:
@@ -359,10 +389,20 @@ def _collect(result: CellResult, rank: int, child: Any) -> None:
     except Exception as exc:  # serialisation or engine-level failure
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
+        if ename == "EngineError":  # the engine process is gone: say so, not ipyparallel's stack
+            result.errors[rank] = {
+                "ename": "RankDied",
+                "evalue": f"rank {rank} died while running this cell (killed by a signal, "
+                "for example out of memory)",
+                "traceback": "",
+                "dead": True,
+            }
+            return
         result.errors[rank] = {
             "ename": ename,
             "evalue": evalue,
-            "traceback": "".join(getattr(exc, "traceback", "") or ""),
+            "traceback": _ANSI.sub("", "".join(getattr(exc, "traceback", "") or "")),
+            "interrupted": ename == "KeyboardInterrupt",
         }
         return
     _record(result, rank, out)
@@ -388,6 +428,23 @@ def _rebuild_group(cluster: Any, note: str) -> str:
         extra = f"the process group could not be rebuilt ({exc}); run `%dist restart`"
         return f"{note}; {extra}" if note else extra
     return note
+
+
+def _escalate(cluster: Any, stuck: list[int], note: str) -> str:
+    """Ranks that ignore SIGINT (a C loop, a signal handler swallowing it) cannot be trusted
+    with the next cell: restart the cluster, and say so."""
+    print(
+        f"hvdnb: rank(s) {format_ranks(stuck)} ignored the interrupt for 2 s; restarting the "
+        "cluster (variables on the ranks are lost; an hvdnb.State you committed is restored)",
+        file=sys.stderr,
+    )
+    try:
+        cluster.restart()
+    except Exception as exc:
+        extra = f"the automatic restart failed ({exc}); run `%dist restart`"
+    else:
+        extra = f"the cluster was restarted: {cluster.n} fresh ranks are ready"
+    return f"{note}; {extra}" if note else extra
 
 
 def _interrupt(cluster: Any, ranks: list[int]) -> float:

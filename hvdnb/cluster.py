@@ -75,11 +75,17 @@ def gpu_count() -> int:
     return n
 
 
-def find_mpiexec() -> str:
-    """The mpiexec beside this Python (the ``mpich`` wheel's), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return str(here)
+def find_mpiexec(local: bool = False) -> str:
+    """The mpiexec beside this Python (the ``mpich`` wheel's), else the one on PATH.
+
+    With ``local``, MPICH's ``mpiexec.gforker`` is preferred where it exists: it forks the
+    ranks on this host and, unlike hydra, opens no listening socket on 0.0.0.0.
+    """
+    bindir = Path(sys.executable).parent
+    names = ["mpiexec.gforker", "mpiexec"] if local else ["mpiexec"]
+    for name in names:
+        if (bindir / name).exists():
+            return str(bindir / name)
     found = shutil.which("mpiexec")
     if found:
         return found
@@ -213,6 +219,11 @@ class Cluster:
         env = {"HVDNB_BACKEND": self.backend or "", **self.engine_env}
         if self.channel is not None:
             env["HVDNB_CHANNEL"] = self.channel_endpoint
+        if local:
+            # keep every transport on loopback: MPICH's UCX netmod and gloo's pairs would
+            # otherwise listen on the host's public address
+            env.setdefault("UCX_NET_DEVICES", "lo")
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env["PYTHONUNBUFFERED"] = "1"
         engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
         c = ipp.Cluster(
@@ -235,7 +246,8 @@ class Cluster:
         ]
         c.config[launcher_cls].environment = env
         if self.launcher == "mpi":
-            c.config.MPILauncher.mpi_cmd = [find_mpiexec()]
+            hostfile = any("host" in str(a) for a in self.launcher_config.get("mpi_args", []))
+            c.config.MPILauncher.mpi_cmd = [find_mpiexec(local=not hostfile)]
         for k, v in self.launcher_config.items():
             c.config[launcher_cls][k] = v
         return c
@@ -259,6 +271,7 @@ class Cluster:
         try:
             self._loop.run(self._start_async(), timeout=self.timeout + 30)
             self._connect()
+            self._protect_files()
         except BaseException as exc:
             self._teardown()
             if isinstance(exc, ClusterError):
@@ -305,6 +318,12 @@ class Cluster:
         host = self.ip if local else socket.gethostbyname(socket.gethostname())
         self.channel_endpoint = f"tcp://{host}:{self.channel.port}"
 
+    def _protect_files(self) -> None:
+        """ipyparallel writes its cluster file 0644; it names the connection files: 0600."""
+        path = getattr(self._ipp, "cluster_file", None)
+        if path and os.path.exists(path):
+            os.chmod(path, 0o600)
+
     async def _connection_info(self) -> dict[str, Any]:
         info = await self._ipp.controller.get_connection_info()
         return info["client"]
@@ -336,6 +355,13 @@ class Cluster:
                     f"the engines exited (mpiexec exit code {code}). Last output:\n"
                     f"{self._engine_output()}\nFix the cause above, then `%dist restart`."
                 )
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks of this cluster whose engine has gone away (empty when all are there)."""
+        if self.client is None:
+            return []
+        ids = set(self.client.ids)
+        return [r for r in range(self.n) if r not in ids]
 
     def stop(self) -> None:
         """Stop engines, then the controller; leaves no process behind."""

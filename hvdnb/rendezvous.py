@@ -220,15 +220,12 @@ def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
 
     addr = _master_addr(w, ip)
     if w.size == 1:
-        store = TCPStore(addr, 0, 1, True, timeout=timedelta(seconds=wait))
-        return store, addr, store.port
+        store, port = _listen_store(addr, 1, wait)
+        return store, addr, port
     comm = w.comm
     if w.rank == 0:
         try:
-            store = TCPStore(
-                addr, 0, w.size, True, timeout=timedelta(seconds=wait), wait_for_workers=False
-            )
-            port = store.port
+            store, port = _listen_store(addr, w.size, wait)
         except Exception as exc:  # tell the others instead of leaving them in bcast
             comm.bcast(-1, root=0)
             raise RuntimeError(f"rank 0 could not open a rendezvous store on {addr}: {exc}")
@@ -239,6 +236,29 @@ def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
         raise RuntimeError("rank 0 could not open the rendezvous store; see rank 0's error")
     store = TCPStore(addr, port, w.size, False, timeout=timedelta(seconds=wait))
     return store, addr, port
+
+
+def _listen_store(addr: str, size: int, wait: float) -> tuple[Any, int]:
+    """A master TCPStore listening on ``addr`` only (TCPStore alone binds every interface):
+    we bind the socket ourselves on a free port and hand TCPStore its descriptor."""
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = TCPStore(
+        addr,
+        port,
+        size,
+        True,
+        timeout=timedelta(seconds=wait),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+    return store, port
 
 
 def _init_from_store(backend: str, w: World, timeout_s: float) -> None:

@@ -172,19 +172,28 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
         exec(body, ns)
         value = eval(tail, ns) if tail is not None else None
     except BaseException as exc:  # noqa: BLE001 - reported to the client, named by rank
-        _release_peers()
-        lines = ["Traceback (most recent call last):\n"]
-        lines += _user_frames(exc.__traceback__, "<cell ")
-        lines += traceback.format_exception_only(type(exc), exc)
-        _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
-        return {
+        report = {
             "ok": False,
             "rank": rank,
             "ename": type(exc).__name__,
             "evalue": str(exc),
-            "traceback": "".join(lines),
+            "traceback": "",
             "interrupted": isinstance(exc, KeyboardInterrupt),
         }
+        # a second interrupt (fail-fast, the stop button) may land while we report: the
+        # report must still go out, or the client sees ipyparallel's own error instead
+        for _ in range(3):
+            try:
+                _release_peers()
+                lines = ["Traceback (most recent call last):\n"]
+                lines += _user_frames(exc.__traceback__, "<cell ")
+                lines += traceback.format_exception_only(type(exc), exc)
+                report["traceback"] = "".join(lines)
+                break
+            except KeyboardInterrupt:
+                continue
+        _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
+        return report
     # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
     if value is not None and shell is not None:
