@@ -25,6 +25,7 @@ from typing import Any
 from .cells import CellResult, DistributedCellError, run_cell
 from .cluster import Cluster, ClusterError, current
 from .config import Config, get_config
+from .state import State
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "ClusterError",
     "Config",
     "DistributedCellError",
+    "State",
     "current",
     "get_config",
     "load_ipython_extension",

@@ -22,6 +22,7 @@ from typing import Any
 
 from ._output import OutputCollapser, format_ranks
 from .config import get_config
+from .stall import StallWatch
 
 __all__ = [
     "CellResult",
@@ -297,6 +298,7 @@ def run_cell(
     interrupted_at: float | None = None
     failed_at: float | None = None
     deadline = None if timeout is None else t0 + timeout
+    watch = StallWatch(cluster, ranks, cfg.stall_after)
     futures = dict(zip(ranks, ar._children))  # one reply future per rank
     children: dict[int, Any] = {}  # per-rank AsyncResults, made only when ranks finish apart
     done: set[int] = set()
@@ -346,10 +348,12 @@ def run_cell(
                 break
             if failed_at is None and interrupted_at is None:
                 cluster._check_alive()
+                watch.tick(done)
         except KeyboardInterrupt:
             note = "interrupted from the notebook"
             if interrupted_at is None:
                 interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+    watch.close()
     try:
         ar.wait_for_output(1.0)
     except Exception:

@@ -180,6 +180,7 @@ class Cluster:
         self.view: Any = None
         self.channel: Any = None
         self.channel_endpoint = ""
+        self.state_dir: str | None = None
         self._ipp: Any = None
         self._loop: _LoopThread | None = None
         self.generation = 0
@@ -219,6 +220,8 @@ class Cluster:
         env = {"HVDNB_BACKEND": self.backend or "", **self.engine_env}
         if self.channel is not None:
             env["HVDNB_CHANNEL"] = self.channel_endpoint
+        if self.state_dir is not None:
+            env["HVDNB_STATE_DIR"] = self.state_dir
         if local:
             # keep every transport on loopback: MPICH's UCX netmod and gloo's pairs would
             # otherwise listen on the host's public address
@@ -266,12 +269,17 @@ class Cluster:
             find_mpiexec()  # fail before starting anything
         t0 = time.perf_counter()
         self._loop = self._loop or _LoopThread()
+        if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
+            import tempfile
+
+            self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
         self._open_channel()
         self._ipp = self._make_ipp()
         try:
             self._loop.run(self._start_async(), timeout=self.timeout + 30)
             self._connect()
             self._protect_files()
+            self._start_watchdog()
         except BaseException as exc:
             self._teardown()
             if isinstance(exc, ClusterError):
@@ -317,6 +325,27 @@ class Cluster:
         self.channel = ClientChannel(ip=self.ip if local else "0.0.0.0")
         host = self.ip if local else socket.gethostbyname(socket.gethostname())
         self.channel_endpoint = f"tcp://{host}:{self.channel.port}"
+
+    def _root_pids(self) -> list[int]:
+        pids = []
+        for launcher in [getattr(self._ipp, "controller", None), *self._engine_sets()]:
+            proc = getattr(launcher, "process", None)
+            if proc is not None and getattr(proc, "pid", None):
+                pids.append(proc.pid)
+        return pids
+
+    def _start_watchdog(self) -> None:
+        """A stdlib-only process that stops this cluster if the notebook kernel is killed."""
+        import subprocess
+
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "hvdnb._watchdog", str(os.getpid())]
+            + [str(pid) for pid in self._root_pids()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def _protect_files(self) -> None:
         """ipyparallel writes its cluster file 0644; it names the connection files: 0600."""
@@ -367,6 +396,9 @@ class Cluster:
         """Stop engines, then the controller; leaves no process behind."""
         global _CURRENT
         self._teardown()
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            self.state_dir = None
         _ALL.discard(self)
         if _CURRENT is self:
             _CURRENT = None
@@ -390,6 +422,13 @@ class Cluster:
                 log.warning("hvdnb: clean stop failed (%s); killing processes", exc)
                 self._kill_all()
         self._ipp = None
+        wd, self._watchdog = getattr(self, "_watchdog", None), None
+        if wd is not None and wd.poll() is None:
+            wd.terminate()
+            try:
+                wd.wait(2)
+            except Exception:
+                pass
 
     @staticmethod
     def _polite_shutdown(client: Any, wait: float) -> None:
@@ -411,15 +450,8 @@ class Cluster:
         """Every process of this cluster: controller, mpiexec, engines, and their children."""
         import psutil
 
-        roots = []
-        for launcher in [getattr(self._ipp, "controller", None), *self._engine_sets()]:
-            pid = getattr(getattr(launcher, "process", None), "pid", None) or getattr(
-                launcher, "pid", None
-            )
-            if pid:
-                roots.append(pid)
         found: set[int] = set()
-        for pid in roots:
+        for pid in self._root_pids():
             try:
                 p = psutil.Process(pid)
                 found.add(pid)

@@ -34,6 +34,8 @@ class Config:
     collective_timeout: float = 300.0
     #: how often a waiting %%distributed cell prints new output (seconds)
     output_interval: float = 0.05
+    #: a cell running this long gets its ranks' positions checked for a stall (0: never)
+    stall_after: float = 5.0
     #: identical lines from several ranks are held this long to be merged (seconds)
     collapse_window: float = 0.25
     #: metrics flush interval on engines (seconds)

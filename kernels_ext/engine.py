@@ -100,6 +100,60 @@ def engine_info() -> dict[str, Any]:
     }
 
 
+#: where a Python frame means "inside a collective": torch.distributed, hvdnb.torch, mpi4py
+_COLLECTIVE_FILES = ("torch/distributed/", "hvdnb/torch/", "mpi4py/")
+_MPI_CALLS = (
+    "allreduce", "Allreduce", "bcast", "Bcast", "Barrier", "barrier", "allgather", "Allgather",
+    "gather", "Gather", "scatter", "Scatter", "reduce", "Reduce", "alltoall", "Alltoall",
+    "recv", "Recv", "send", "Send", "Sendrecv", "Wait", "wait",
+)
+
+
+def where() -> dict[str, Any]:
+    """Where this rank's main thread is now: the user's cell line and, if it is inside a
+    collective, which one. Called from the side channel's thread (the main thread may be
+    blocked in that very collective)."""
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    user_i = None
+    for i, fr in enumerate(stack):
+        if fr.filename.startswith("<cell "):
+            user_i = i
+    info: dict[str, Any] = {"cell": None, "line": None, "code": None, "collective": None}
+    if user_i is None:
+        info["idle"] = True
+        return info
+    user = stack[user_i]
+    info.update(cell=user.filename, line=user.lineno, code=(user.line or "").strip())
+    for fr in stack[user_i + 1 :]:
+        if any(k in fr.filename.replace("\\", "/") for k in _COLLECTIVE_FILES):
+            if fr.name not in ("wrapper", "_wrapper", "<lambda>") and not fr.name.startswith("_"):
+                info["collective"] = fr.name
+                break
+    if info["collective"] is None and len(stack) == user_i + 1:
+        # mpi4py's calls are C: the user's own line is the innermost Python frame
+        code = info["code"] or ""
+        for name in _MPI_CALLS:
+            if f".{name}(" in code:
+                info["collective"] = f"MPI {name}"
+                break
+    return info
+
+
+def _connect_channel() -> None:
+    """Connect the side channel once, and answer "where are you?" from its thread."""
+    if _STATE.get("channel_ready"):
+        return
+    _STATE["channel_ready"] = True
+    from kernels_ext import channel
+
+    ch = channel.get()
+    if ch is not None:
+        ch.on("where?", lambda msg: ch.send("where", ask=msg.get("ask"), **where()))
+
+
 def rebuild_group(generation: int) -> None:
     """Rebuild the default group when the client asks for a newer generation (collective)."""
     from hvdnb import rendezvous
@@ -163,6 +217,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     """
     rank = int(os.environ.get("RANK", -1))
     filename = f"<cell {cell_no}>"
+    _connect_channel()
     t0 = time.time()
     _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}
     shell = _shell()

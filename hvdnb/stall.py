@@ -1,0 +1,127 @@
+"""Stall detector: which rank is where, when some wait in a collective others never enter.
+
+While a cell runs longer than ``Config.stall_after`` seconds, the client asks every
+running rank, once a second, over the side channel where its main thread is (the rank's channel thread
+answers even while the main thread is blocked in a collective). When the answers show
+ranks waiting in a collective while others are elsewhere, or in different collectives,
+and the picture has not changed since the previous look, it prints once, e.g.::
+
+    hvdnb: stalled for 6 s: rank 0 waits in all_reduce at <cell 3> line 4
+    (dist.all_reduce(x)); rank 1 is at <cell 3> line 6 (time.sleep(60)), not in a collective
+
+(Horovod's stall inspector only warns after 60 s.) The last report is kept on
+``cluster.last_stall`` for the panel.
+
+Never: interrupt or change anything on the ranks; it only looks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+__all__ = ["StallWatch", "describe"]
+
+
+def describe(info: dict[str, Any] | None, finished: bool = False) -> str:
+    """One rank's position in words."""
+    if finished:
+        return "has finished the cell"
+    if not info:
+        return "did not answer"
+    if info.get("idle") or not info.get("cell"):
+        return "is not running user code"
+    place = f"{info['cell']} line {info['line']} ({info.get('code') or '?'})"
+    if info.get("collective"):
+        return f"waits in {info['collective']} at {place}"
+    return f"is at {place}, not in a collective"
+
+
+class StallWatch:
+    """Looks at the ranks once a second after a cell has run ``after`` seconds; reports a
+    stall seen the same way twice in a row."""
+
+    def __init__(self, cluster: Any, ranks: list[int], after: float) -> None:
+        self.cluster = cluster
+        self.ranks = ranks
+        self.after = after
+        self.t0 = time.monotonic()
+        self.asked_at: float | None = None
+        self.ask = 0
+        self.replies: dict[int, dict[str, Any]] = {}
+        self.previous: dict[int, tuple[Any, ...]] | None = None
+        self.reported: set[str] = set()
+        self.channel = getattr(cluster, "channel", None)
+        if self.channel is not None and after > 0:
+            self.channel.on("where", self._on_where)
+
+    def _on_where(self, msg: dict[str, Any]) -> None:
+        if msg.get("ask") == self.ask and isinstance(msg.get("rank"), int):
+            self.replies[msg["rank"]] = msg
+
+    def tick(self, done: set[int]) -> str | None:
+        """Call from the cell's waiting loop; returns (and prints) a report when stalled."""
+        if self.channel is None or self.after <= 0:
+            return None
+        now = time.monotonic()
+        if now - self.t0 < self.after:
+            return None
+        report = None
+        period = min(1.0, self.after)
+        if self.asked_at is not None and now - self.asked_at >= period:
+            report = self._judge(done, now)
+        if self.asked_at is None or now - self.asked_at >= period:
+            self.ask += 1
+            self.replies = {}
+            self.asked_at = now
+            for r in self.ranks:
+                if r not in done:
+                    self.channel.send(r, "where?", ask=self.ask)
+        return report
+
+    def _judge(self, done: set[int], now: float) -> str | None:
+        running = [r for r in self.ranks if r not in done]
+        if not running:
+            return None
+        state = {
+            r: (
+                self.replies.get(r, {}).get("collective"),
+                self.replies.get(r, {}).get("cell"),
+                self.replies.get(r, {}).get("line"),
+            )
+            for r in running
+        }
+        waiting = {r: s[0] for r, s in state.items() if s[0]}
+        stalled = bool(waiting) and (
+            len(waiting) < len(self.ranks) or len(set(waiting.values())) > 1
+        )
+        persisted = self.previous is not None and all(
+            self.previous.get(r) == s for r, s in state.items()
+        )
+        self.previous = state
+        if not (stalled and persisted):
+            return None
+        parts = []
+        for r in self.ranks:
+            parts.append(f"rank {r} {describe(self.replies.get(r), finished=r in done)}")
+        text = f"hvdnb: stalled for {now - self.t0:.0f} s: " + "; ".join(parts)
+        key = "; ".join(parts)
+        self.cluster.last_stall = {
+            "time": time.time(),
+            "ranks": {r: self.replies.get(r) for r in running},
+            "finished": sorted(done),
+            "text": text,
+        }
+        if key in self.reported:
+            return None
+        self.reported.add(key)
+        print(text, file=sys.stderr, flush=True)
+        return text
+
+    def close(self) -> None:
+        if self.channel is not None and self.after > 0:
+            self.channel.off("where", self._on_where)
+
+
