@@ -443,7 +443,7 @@ def _escalate(cluster: Any, stuck: list[int], note: str) -> str:
         file=sys.stderr,
     )
     try:
-        cluster.restart()
+        cluster.restart(force=True)
     except Exception as exc:
         extra = f"the automatic restart failed ({exc}); run `%dist restart`"
     else:

@@ -95,6 +95,26 @@ def find_mpiexec(local: bool = False) -> str:
     )
 
 
+def _warn_cuda_in_kernel() -> None:
+    """Engines are separate processes (not forks), so a CUDA context in the notebook kernel
+    does not break them as it breaks fork-based launchers; but it holds memory on GPU 0,
+    which rank 0 then shares. Say so once, with the fix."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        held = torch.cuda.memory_reserved() / 2**20
+    except Exception:
+        return
+    log.warning(
+        "hvdnb: CUDA is initialised in this notebook kernel (%.0f MiB reserved on GPU %d); "
+        "rank 0 will share that GPU. Do GPU work in %%%%distributed cells, or restart the "
+        "kernel before %%dist start to give the ranks whole GPUs.",
+        held,
+        torch.cuda.current_device(),
+    )
+
+
 def current() -> Cluster | None:
     """The cluster that ``%dist`` and ``%%distributed`` act on (None before ``%dist start``)."""
     return _CURRENT
@@ -267,6 +287,7 @@ class Cluster:
             )
         if self.launcher == "mpi":
             find_mpiexec()  # fail before starting anything
+        _warn_cuda_in_kernel()
         t0 = time.perf_counter()
         self._loop = self._loop or _LoopThread()
         if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
@@ -321,8 +342,16 @@ class Cluster:
     def _open_channel(self) -> None:
         from .channel import ClientChannel
 
+        import zmq
+
         local = self.launcher in _LOCAL_LAUNCHERS
-        self.channel = ClientChannel(ip=self.ip if local else "0.0.0.0")
+        try:
+            self.channel = ClientChannel(ip=self.ip if local else "0.0.0.0")
+        except zmq.ZMQError as exc:
+            raise ClusterError(
+                f"cannot listen on {self.ip} ({exc}): HVDNB_IP must be an address of this "
+                "host; leave it unset for 127.0.0.1"
+            ) from None
         host = self.ip if local else socket.gethostbyname(socket.gethostname())
         self.channel_endpoint = f"tcp://{host}:{self.channel.port}"
 
@@ -403,9 +432,15 @@ class Cluster:
         if _CURRENT is self:
             _CURRENT = None
 
-    def _teardown(self) -> None:
+    def _teardown(self, force: bool = False) -> None:
+        """Stop everything. ``force``: ranks are known to be stuck, so kill them first
+        instead of asking (and waiting) politely."""
+        pids = self.pids() if self._ipp is not None else []
+        if force:
+            _kill_survivors(pids)
         if self.client is not None:
-            self._polite_shutdown(self.client, wait=2.0)
+            if not force:
+                self._polite_shutdown(self.client, wait=2.0)
             try:
                 self.client.close(linger=0)
             except Exception:
@@ -422,6 +457,7 @@ class Cluster:
                 log.warning("hvdnb: clean stop failed (%s); killing processes", exc)
                 self._kill_all()
         self._ipp = None
+        _kill_survivors(pids)
         wd, self._watchdog = getattr(self, "_watchdog", None), None
         if wd is not None and wd.poll() is None:
             wd.terminate()
@@ -482,9 +518,11 @@ class Cluster:
             except Exception:
                 pass
 
-    def restart(self) -> Cluster:
-        """Stop everything and start a fresh cluster with the same settings."""
-        self._teardown()
+    def restart(self, force: bool = False) -> Cluster:
+        """Stop everything and start a fresh cluster with the same settings.
+
+        ``force`` kills the ranks at once (for ranks that no longer answer)."""
+        self._teardown(force=force)
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.generation = 0
         return self.start()
@@ -527,6 +565,27 @@ class Cluster:
             row["last cell"] = f"[{last['cell']}] {last['state']}" if last else "-"
             rows.append(row)
         return rows
+
+
+def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:
+    """SIGKILL what a polite stop left behind: an engine busy in a loop that ignores
+    signals never reaches ipyparallel's own shutdown code."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=wait)
 
 
 def _stop_all_at_exit() -> None:

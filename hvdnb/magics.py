@@ -93,7 +93,7 @@ class DistMagics(Magics):
                 oversubscribe=args.oversubscribe,
             )
             c.start()
-        except _cluster.ClusterError as exc:
+        except (_cluster.ClusterError, ValueError) as exc:
             raise _usage(exc) from None
         print(
             f"hvdnb: {c.n} ranks ready in {c.start_seconds:.1f} s "

@@ -53,6 +53,16 @@ def _under_mpiexec() -> bool:
     return any(k in os.environ for k in keys)
 
 
+def _launched_size() -> int:
+    """How many ranks the launcher says it started (0 when it does not say)."""
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        try:
+            return int(os.environ[key])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
 def discover() -> World:
     """Find this process's rank, size and local rank, once per process.
 
@@ -67,6 +77,15 @@ def discover() -> World:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
+        launched = _launched_size()
+        if launched > 1 and comm.Get_size() == 1:
+            lib = MPI.Get_library_version().splitlines()[0].strip()
+            raise RuntimeError(
+                f"mpiexec started {launched} ranks but mpi4py's MPI ({lib}) sees a world "
+                "of 1: mpiexec belongs to another MPI "
+                "than mpi4py. Use the mpiexec of the same environment (pip install mpich puts "
+                "it beside python), or rebuild mpi4py against your site's MPI."
+            )
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
         _WORLD = World(

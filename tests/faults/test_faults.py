@@ -1,0 +1,181 @@
+"""Fault injection on a real 2-rank cluster: repeated trials, counts printed.
+
+Each scenario runs many times because the failure modes are races (where the signal
+lands, which rank notices first). The counts go to the terminal, e.g.
+``fail-fast (inside a collective): 20/20 within 5 s, slowest 1.9 s``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import hvdnb
+from tests.conftest import alive
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TRIALS = int(os.environ.get("HVDNB_FAULT_TRIALS", "20"))
+DEATH_TRIALS = int(os.environ.get("HVDNB_DEATH_TRIALS", "10"))
+
+# where the failing rank raises, relative to the collectives of the healthy one
+PLACES = {
+    "before a collective": "if dist.get_rank() == {bad}: raise ValueError('bad input on rank {bad}')\n"
+    "x = torch.ones(8); dist.all_reduce(x)\n",
+    "inside a collective": "x = torch.ones(8)\n"
+    "if dist.get_rank() == {bad}:\n    time.sleep(0.3); raise ValueError('bad input on rank {bad}')\n"
+    "dist.all_reduce(x)\n",
+    "between collectives": "x = torch.ones(8); dist.all_reduce(x)\n"
+    "if dist.get_rank() == {bad}: raise ValueError('bad input on rank {bad}')\n"
+    "dist.all_reduce(x)\n",
+    "in an MPI-free loop": "if dist.get_rank() == {bad}: raise ValueError('bad input on rank {bad}')\n"
+    "time.sleep(30)\n",
+}
+
+
+def report(capsys, text):
+    with capsys.disabled():
+        print(f"\n    {text}")
+
+
+def _collective_ok(shell):
+    shell.run_cell_magic(
+        "distributed", "-q -o ok",
+        "import torch, torch.distributed as dist\ny = torch.ones(2); dist.all_reduce(y); y.tolist()",
+    )
+    return shell.user_ns["ok"] == {0: [2.0, 2.0], 1: [2.0, 2.0]}
+
+
+@pytest.fixture(scope="module")
+def ready(dist2, shell):
+    shell.run_cell_magic("distributed", "-q", "import time, torch, torch.distributed as dist")
+    return dist2
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+def test_failing_rank_ends_the_cell_everywhere(ready, shell, capsys, place):
+    ok, slowest = 0, 0.0
+    for trial in range(TRIALS):
+        bad = random.choice([0, 1])
+        t0 = time.monotonic()
+        with pytest.raises(hvdnb.DistributedCellError) as info:
+            shell.run_cell_magic("distributed", "", PLACES[place].format(bad=bad))
+        elapsed = time.monotonic() - t0
+        slowest = max(slowest, elapsed)
+        text = "\n".join(info.value._render_traceback_())
+        named = f"--- rank {bad} raised ValueError ---" in text and f"bad input on rank {bad}" in text
+        once = text.count(f"ValueError: bad input on rank {bad}") == 1
+        if elapsed < 5.0 and named and once and _collective_ok(shell):
+            ok += 1
+    report(capsys, f"fail-fast ({place}): {ok}/{TRIALS} within 5 s, slowest {slowest:.1f} s")
+    assert ok == TRIALS
+
+
+@pytest.mark.parametrize("where", ["sleeping", "one rank blocked in a collective"])
+def test_notebook_interrupt_stops_every_rank(ready, shell, capsys, where):
+    code = {
+        "sleeping": "time.sleep(30)",
+        "one rank blocked in a collective": "x = torch.ones(4)\n"
+        "if dist.get_rank() == 0:\n    dist.all_reduce(x)\nelse:\n    time.sleep(30)",
+    }[where]
+    ok, slowest = 0, 0.0
+    for _ in range(TRIALS):
+        delay = random.uniform(0.3, 0.8)
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(hvdnb.DistributedCellError) as info:
+            shell.run_cell_magic("distributed", "", code)
+        stop = time.monotonic() - t0 - delay
+        slowest = max(slowest, stop)
+        if stop < 2.0 and "interrupted from the notebook" in str(info.value) and _collective_ok(shell):
+            ok += 1
+    report(capsys, f"interrupt ({where}): {ok}/{TRIALS} stopped within 2 s, slowest {slowest:.2f} s")
+    assert ok == TRIALS
+
+
+def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys):
+    shell.run_cell_magic(
+        "distributed", "-q",
+        "import os, signal, time, torch, torch.distributed as dist, hvdnb\n"
+        "torch.manual_seed(0)\nmodel = torch.nn.Linear(4, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "state = hvdnb.State(model=model, optimizer=opt, step=0)\nstate.clear()",
+    )
+    reported, restarted, restored, slow_report, slow_restart = 0, 0, 0, 0.0, 0.0
+    for trial in range(DEATH_TRIALS):
+        victim = trial % 2
+        step = 10 * (trial + 1)
+        t0 = time.monotonic()
+        with pytest.raises(hvdnb.DistributedCellError) as info:
+            shell.run_cell_magic(
+                "distributed", "",
+                f"state.step = {step}\nwith torch.no_grad(): model.weight.fill_({step})\n"
+                f"state.commit()\n"
+                f"if dist.get_rank() == {victim}:\n    time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)\n"
+                "time.sleep(30)",
+            )
+        took = time.monotonic() - t0
+        slow_report = max(slow_report, took)
+        text = str(info.value)
+        if took < 5.0 and f"rank {victim} died" in text and "%dist restart" in text:
+            reported += 1
+        t1 = time.monotonic()
+        shell.run_line_magic("dist", "restart")
+        took = time.monotonic() - t1
+        slow_restart = max(slow_restart, took)
+        if took < 10.0 and _collective_ok(shell):
+            restarted += 1
+        shell.run_cell_magic(
+            "distributed", "-q -o got",
+            "import os, signal, time, torch, torch.distributed as dist, hvdnb\n"
+            "model = torch.nn.Linear(4, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "state = hvdnb.State(model=model, optimizer=opt, step=0)\n"
+            "(state.restored, state.step, model.weight.mean().item())",
+        )
+        if shell.user_ns["got"] == {0: (True, step, float(step)), 1: (True, step, float(step))}:
+            restored += 1
+    report(
+        capsys,
+        f"killed rank: reported {reported}/{DEATH_TRIALS} within 5 s (slowest {slow_report:.1f} s); "
+        f"restart {restarted}/{DEATH_TRIALS} within 10 s (slowest {slow_restart:.1f} s); "
+        f"state restored {restored}/{DEATH_TRIALS}",
+    )
+    assert reported == restarted == restored == DEATH_TRIALS
+
+
+def test_stall_names_which_rank_is_where(ready, shell, capsys):
+    t0 = time.monotonic()
+    with pytest.raises(hvdnb.DistributedCellError):
+        shell.run_cell_magic(
+            "distributed", "--timeout 9",
+            "x = torch.ones(1)\nif dist.get_rank() == 0:\n    dist.all_reduce(x)\nelse:\n    time.sleep(30)",
+        )
+    stall = ready.last_stall
+    assert stall["time"] - (time.time() - (time.monotonic() - t0)) < 8.5
+    assert "rank 0 waits in all_reduce" in stall["text"]
+    assert "rank 1 is at <cell" in stall["text"] and "not in a collective" in stall["text"]
+    report(capsys, f"stall report: {stall['text']}")
+    assert _collective_ok(shell)
+
+
+def test_rank_ignoring_sigint_escalates_to_a_restart(ready, shell, capsys):
+    old_pids = ready.pids()
+    t0 = time.monotonic()
+    with pytest.raises(hvdnb.DistributedCellError) as info:
+        shell.run_cell_magic(
+            "distributed", "--timeout 1",
+            "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "t = time.time()\nwhile time.time() - t < 60: pass",
+        )
+    took = time.monotonic() - t0
+    assert "the cluster was restarted" in str(info.value)
+    assert alive(old_pids) == []
+    shell.run_cell_magic("distributed", "-q", "import time, torch, torch.distributed as dist")
+    assert _collective_ok(shell)
+    report(capsys, f"SIGINT-ignoring rank: restarted automatically, cell ended after {took:.1f} s")
