@@ -34,6 +34,8 @@ from .config import get_config
 __all__ = ["Cluster", "ClusterError", "find_mpiexec", "gpu_count", "current", "cores"]
 
 log = logging.getLogger("hvdnb")
+_ipp_log = logging.getLogger("hvdnb.ipyparallel")
+_ipp_log.setLevel(logging.ERROR)
 
 #: launchers that start engines on this host only (controller stays on loopback)
 _LOCAL_LAUNCHERS = {"mpi", "local"}
@@ -258,7 +260,9 @@ class Cluster:
             # engines wait for the connection file themselves: start them with the controller
             send_engines_connection_env=False,
             delay=0,
-            log_level=logging.WARNING,
+            # our own logger: ipyparallel's default writes to the sys.stdout of the moment
+            # (a closed capture later), and what it would say we report ourselves
+            log=_ipp_log,
             engine_timeout=self.timeout,
         )
         launcher_cls = c.engine_launcher_class.__name__
@@ -521,8 +525,9 @@ class Cluster:
     def restart(self, force: bool = False) -> Cluster:
         """Stop everything and start a fresh cluster with the same settings.
 
-        ``force`` kills the ranks at once (for ranks that no longer answer)."""
-        self._teardown(force=force)
+        ``force`` kills the ranks at once (for ranks that no longer answer); it is implied
+        when a rank has died, since the survivors may be blocked on it."""
+        self._teardown(force=force or bool(self.dead_ranks()))
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.generation = 0
         return self.start()
