@@ -89,9 +89,38 @@ class OutputCollapser:
         self._seen[(rank, stream, line)] = k + 1
         key = (stream, line, k)
         entry = self._pending.get(key)
-        if entry is None:
-            entry = self._pending[key] = _Pending(stream, line, now)
+        if entry is not None and rank not in entry.ranks and self._make_room(rank, entry):
+            entry.ranks.add(rank)
+            return
+        if entry is not None:  # cannot merge without reordering: keep it apart
+            key = (stream, line, k, rank)
+        entry = self._pending[key] = _Pending(stream, line, now)
         entry.ranks.add(rank)
+
+    def _make_room(self, rank: int, target: _Pending) -> bool:
+        """Can ``rank`` join ``target`` without breaking any rank's order?
+
+        Its own lines still waiting behind ``target`` were printed earlier, so they must be
+        shown first: move them ahead of ``target`` when no other rank in them has a line in
+        between (moving those would reorder that rank); otherwise refuse.
+        """
+        items = list(self._pending.items())
+        at = next(i for i, (_, e) in enumerate(items) if e is target)
+        behind = [i for i in range(at + 1, len(items)) if rank in items[i][1].ranks]
+        if not behind:
+            return True
+        moved = set(behind)
+        for i in behind:
+            others = items[i][1].ranks - {rank}
+            for j in range(at, i):
+                if j not in moved and others & items[j][1].ranks:
+                    return False
+        order = (
+            items[:at] + [items[i] for i in behind]
+            + [items[j] for j in range(at, len(items)) if j not in moved]
+        )
+        self._pending = dict(order)
+        return True
 
     def poll(self, now: float) -> None:
         """Emit, in order of first appearance, every line that is complete or has waited long
