@@ -56,6 +56,13 @@ for case, (call, words) in CASES.items():
     # the job is still usable
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
 
+# Horovod lets one rank call allreduce_async and another allreduce for the same tensor
+for numel in (10, 100_000):
+    t = torch.ones(numel)
+    got = hvd.synchronize(hvd.allreduce_async(t, name=f"mix{numel}", op=hvd.Sum)) if odd \
+        else hvd.allreduce(t, name=f"mix{numel}", op=hvd.Sum)
+    assert torch.equal(got, torch.full((numel,), float(n))), f"sync/async mix at {numel}"
+
 # a wrong root everywhere (agreed, but outside the set) raises ValueError everywhere
 try:
     hvd.broadcast(torch.ones(1), root_rank=n, name="bad root")
