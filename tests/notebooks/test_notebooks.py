@@ -1,0 +1,172 @@
+"""The teaching notebooks and the headless runner (``hvdnb run``), executed for real.
+
+Every notebook in ``notebooks/`` runs through the ``hvdnb`` command on 2 CPU ranks, writing its
+executed copy under a tmp dir (never into ``notebooks/``); each must succeed and print the
+result its lesson is about (e.g. the ring allreduce equals the library's). Also: a failing
+cell makes ``hvdnb run`` exit non-zero with the cell's error, and ``hvdnb demo`` trains.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
+HVDNB = [sys.executable, "-m", "hvdnb.cli"]
+
+# what each lesson must show in its executed output (substrings or regexes over all text)
+EXPECT: dict[str, list[str]] = {
+    "01-ranks-and-collectives": [
+        "allreduce matches the formula: True",
+        "broadcast made all ranks equal: True",
+        "allgather in rank order: True",
+        r"each rank's allreduce result, collected in the notebook: \{0: 3\.0, 1: 3\.0\}",
+    ],
+    "02-ring-allreduce": [
+        "ring allreduce equals dist.all_reduce: True",
+        r"our ring\s+\d+\.\d+\s+\d+\.\d+",
+        r"bound 2\(N-1\)/N\*S/B\s+\d+\.\d+\s+1\.00",
+    ],
+    "03-data-parallel-mlp": [
+        "after broadcast:  checksum .* identical on all ranks: True",
+        "parameters identical on every rank: True",
+        r"final test accuracy 0\.(9\d|8[5-9])",
+    ],
+    "04-lr-at-scale": ["linear scaling rule recovers the small-batch progress: True"],
+    "05-model-parallel": [
+        "pipeline gradients match the unsplit model: True",
+        r"M=8: step .* idle \d+%, theory",
+    ],
+    "06-sync-vs-async": [
+        "every run learned \\(test accuracy > 0.8\\): True",
+        r"param\. server, staleness 4\s+[\d,]+",
+    ],
+    "07-profiling": [
+        "timeline has events from every rank: True",
+        r"data time cut \d+x",
+        r"waiting for the straggler",
+    ],
+}
+NEEDS_FIGURE = {"04-lr-at-scale", "05-model-parallel", "06-sync-vs-async"}
+
+
+def _hvdnb(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(
+        [*HVDNB, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _text(nb: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                parts.append(out["text"])
+            elif "data" in out:
+                parts.append(str(out["data"].get("text/plain", "")))
+            elif out.get("output_type") == "error":
+                parts.append("\n".join(out.get("traceback", [])))
+    return "".join(parts)
+
+
+def test_every_notebook_has_a_content_check() -> None:
+    assert NOTEBOOKS, "no notebooks found in notebooks/"
+    assert {p.stem for p in NOTEBOOKS} == set(EXPECT)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_stripped_and_well_formed(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "outputs not stripped"
+    assert "%load_ext hvdnb" in code[0].source and "%dist start" in code[0].source
+    assert not re.search(r"%dist start[^\n]*-n", code[0].source), "let $HVDNB_RANKS pick the ranks"
+    assert code[-1].source.strip() == "%dist stop"
+    assert any(c.cell_type == "markdown" for c in nb.cells)
+    assert any(c.source.startswith("%%distributed") for c in code)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_on_two_ranks(path: Path, tmp_path: Path) -> None:
+    before = path.read_bytes()
+    out = tmp_path / path.name
+    res = _hvdnb("run", str(path), "-n", "2", "-o", str(out), timeout=140)
+    assert res.returncode == 0, f"hvdnb run failed:\n{res.stdout}\n{res.stderr}"
+    assert path.read_bytes() == before, "the source notebook was modified"
+    assert not list(path.parent.glob("*.out.ipynb")), "an executed copy landed in notebooks/"
+    nb = nbformat.read(out, as_version=4)
+    text = _text(nb)
+    assert "hvdnb: 2 ranks ready" in text
+    assert "hvdnb: cluster stopped" in text
+    assert "Traceback" not in text and "Error" not in text.replace("CollectiveMismatchError", "")
+    for pattern in EXPECT[path.stem]:
+        assert re.search(pattern, text), f"{path.stem}: no match for {pattern!r} in:\n{text}"
+    if path.stem in NEEDS_FIGURE:
+        assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failing_cell_makes_run_exit_nonzero(tmp_path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext hvdnb\n%dist start"),
+        nbformat.v4.new_code_cell("print('before the failure')"),
+        nbformat.v4.new_code_cell(
+            textwrap.dedent(
+                """\
+                %%distributed
+                import torch.distributed as dist
+                if dist.get_rank() == 1:
+                    raise ValueError("boom from the cell on rank 1")
+                """
+            )
+        ),
+        nbformat.v4.new_code_cell("print('never reached')"),
+        nbformat.v4.new_code_cell("%dist stop"),
+    ]
+    src = tmp_path / "fails.ipynb"
+    nbformat.write(nb, src)
+    out = tmp_path / "fails.out.ipynb"
+    res = _hvdnb("run", str(src), "-n", "2", "-o", str(out), timeout=110)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "ValueError" in res.stderr and "boom from the cell on rank 1" in res.stderr
+    assert "fails.ipynb" in res.stderr
+    # the executed copy is still written, with the output up to the failure
+    text = _text(nbformat.read(out, as_version=4))
+    assert "before the failure" in text and "never reached" not in text
+
+
+@pytest.mark.timeout(30)
+def test_run_missing_notebook_exits_2(tmp_path: Path) -> None:
+    res = _hvdnb("run", str(tmp_path / "nope.ipynb"), timeout=25)
+    assert res.returncode == 2
+    assert "no notebook at" in res.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_prints_per_rank_loss() -> None:
+    res = _hvdnb("demo", "-n", "2", "--steps", "30", timeout=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    tags = re.findall(r"^\[([\d,\-]+)\] step\s+\d+\s+loss (\d+\.\d+)", res.stdout, re.M)
+    assert tags, res.stdout
+    ranks = {int(r) for tag, _ in tags for r in tag.split(",")}
+    assert ranks == {0, 1}, res.stdout
+    assert re.search(r"^\[[\d,]+\] accuracy \d\.\d+; allreduce", res.stdout, re.M), res.stdout
+    assert "cluster stopped" in res.stdout
