@@ -98,9 +98,6 @@ def _check(tr: Any, hdrs: list[bytes], desc: Callable[[], dict[str, Any]]) -> No
 
 
 def _mismatch(tr: Any, mine: dict[str, Any]) -> None:
-    drain = getattr(tr, "drain_peer_data", None)
-    if drain is not None:  # a two-rank peer may have sent data we will never reduce
-        drain()
     descs = tr.gather_objects(mine)
     diffs = []
     for key in mine:
@@ -227,24 +224,11 @@ def _allreduce_start(
     direct = inplace and wire is tensor
     work = None
     nbw = nbytes if wire is x else wire.numel() * wire.element_size()
-    mpi = type(tr) is MPITransport
-    peer = None
-    if mpi and tr.size == 2 and nbw <= tr.inline:
-        # two ranks, small tensor: header and data in one Sendrecv
+    if type(tr) is MPITransport and nbw <= tr.inline:
         if not tr.exchange_inline(hdr, wire, nbw):
             _mismatch(tr, _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre,
                                 postscale=post)())
         peer = tr.peer_view(wire.dtype, wire.shape)
-    elif mpi and tr.size == 2:
-        # two ranks, larger tensor: header and data posted together (one round trip
-        # instead of a header exchange followed by MPI_Allreduce). Async calls take it
-        # too and complete at once: without an MPI progress thread a posted Iallreduce
-        # barely moves before wait(), and one path keeps sync and async calls compatible
-        hdrs, raw = tr.exchange_pair(hdr, wire)
-        _check(tr, hdrs, _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre,
-                               postscale=post))
-        peer = torch.from_numpy(raw).view(wire.dtype).view(wire.shape)
-    if peer is not None:
         out = wire if direct else None
         if op <= Sum:
             res = torch.add(wire, peer, out=out)

@@ -73,8 +73,6 @@ class MPITransport:
         self.status = MPI.Status()
         self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
         self.ops = {1: MPI.SUM, 3: MPI.MIN, 4: MPI.MAX, 5: MPI.PROD, 0: MPI.SUM}
-        self._scratch = np.empty(0, np.uint8)
-        self._pending: list[Any] = []
 
     # -- negotiation -------------------------------------------------------------------
     def exchange(self, hdr: bytes, payload: torch.Tensor | None = None) -> list[bytes]:
@@ -112,57 +110,6 @@ class MPITransport:
         self.comm.Sendrecv(spec, self.peer, TAG, self.rspec, self.peer, TAG)
         return self.rmv[:SIG_BYTES] == self.smv[:SIG_BYTES]
 
-    #: header field (inside the signature) marking "my data follows on TAG + 1": a peer on
-    #: another path (inline, nonblocking, a different collective) then mismatches, instead
-    #: of leaving a large message unmatched
-    PAIR_FIELD = 11
-
-    def exchange_pair(self, hdr: bytes, payload: torch.Tensor) -> tuple[list[bytes], Any]:
-        """Two ranks, larger tensors: send header and data together (one round trip) and
-        return both headers plus the peer's data as a numpy array (None on a mismatch).
-
-        The data is received only once the headers agree; on a mismatch the sends stay
-        pending until ``drain_peer_data`` (called by the mismatch report on both ranks)
-        has drained the peer's data message, so nothing truncates or hangs.
-        """
-        MPI = self.MPI
-        fields = list(HDR.unpack(hdr))
-        fields[self.PAIR_FIELD] = 1
-        hdr = HDR.pack(*fields)
-        mine = payload.numpy().reshape(-1).view(np.uint8)
-        hbuf = np.frombuffer(hdr, np.uint8)
-        recv = self.comm.Irecv(self.rspec, self.peer, TAG)  # room for any header message
-        self._pending = [
-            self.comm.Isend([hbuf, MPI.BYTE], self.peer, TAG),
-            self.comm.Isend([mine, MPI.BYTE], self.peer, TAG + 1),
-        ]
-        recv.Wait()
-        peer_hdr = self.rbuf[:HDR_BYTES].tobytes()
-        hdrs = [hdr, peer_hdr] if self.rank == 0 else [peer_hdr, hdr]
-        if peer_hdr[:SIG_BYTES] != hdr[:SIG_BYTES]:
-            return hdrs, None
-        nb = mine.nbytes
-        if self._scratch.nbytes < nb:
-            self._scratch = np.empty(nb, np.uint8)
-        peer = self._scratch[:nb]
-        self.comm.Recv([peer, MPI.BYTE], self.peer, TAG + 1)
-        MPI.Request.Waitall(self._pending)
-        self._pending = []
-        return hdrs, peer
-
-    def drain_peer_data(self) -> None:
-        """After a mismatch: receive (and drop) the peer's pair-path data, finish our sends."""
-        if self.size != 2:
-            return
-        MPI = self.MPI
-        if HDR.unpack(self.rbuf[:HDR_BYTES].tobytes())[self.PAIR_FIELD] == 1:
-            msg = self.comm.mprobe(self.peer, TAG + 1, status=self.status)
-            junk = np.empty(self.status.Get_count(MPI.BYTE), np.uint8)
-            msg.Recv([junk, MPI.BYTE])
-        if self._pending:
-            MPI.Request.Waitall(self._pending)
-            self._pending = []
-
     def peer_view(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """The peer's inline payload (received by ``exchange``) as a tensor, no copy."""
         key = (dtype, shape)
@@ -188,9 +135,13 @@ class MPITransport:
     def allreduce(self, send: torch.Tensor, out: torch.Tensor, op: int, nonblocking: bool) -> Any:
         MPI = self.MPI
         sbuf = MPI.IN_PLACE if send is out else send.numpy()
+        # always the nonblocking call: MPI never matches a blocking collective with a
+        # nonblocking one, and Horovod lets one rank use allreduce_async where another
+        # uses allreduce for the same tensor
+        req = self.comm.Iallreduce(sbuf, out.numpy(), self.ops[op])
         if nonblocking:
-            return self.comm.Iallreduce(sbuf, out.numpy(), self.ops[op])
-        self.comm.Allreduce(sbuf, out.numpy(), self.ops[op])
+            return req
+        req.Wait()
         return None
 
     def allgatherv(self, send: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
