@@ -25,6 +25,8 @@ from typing import Any
 from .cells import CellResult, DistributedCellError, run_cell
 from .cluster import Cluster, ClusterError, current
 from .config import Config, get_config
+from . import metrics  # a callable module: hvdnb.metrics() returns every point as rows
+from .metrics import ddp_comm_hook, knobs, log, phase
 from .state import State
 
 __version__ = "0.1.0"
@@ -41,6 +43,11 @@ __all__ = [
     "load_ipython_extension",
     "run_cell",
     "unload_ipython_extension",
+    "ddp_comm_hook",
+    "knobs",
+    "log",
+    "metrics",
+    "phase",
 ]
 
 

@@ -21,7 +21,7 @@ from . import cluster as _cluster
 
 __all__ = ["DistMagics"]
 
-_ACTIONS = ("start", "stop", "restart", "status")
+_ACTIONS = ("start", "stop", "restart", "status", "panel")
 
 
 def _usage(exc: BaseException) -> UsageError:
@@ -38,7 +38,7 @@ class DistMagics(Magics):
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status (default: status)",
+        help="start | stop | restart | status | panel (default: status)",
     )
     @argument("-n", type=int, default=None, help="ranks to start (default: GPUs, else 2)")
     @argument(
@@ -100,6 +100,13 @@ class DistMagics(Magics):
             f"(launcher {c.launcher}, backend {c.backend or 'auto'}); "
             "use %%distributed to run a cell on every rank"
         )
+        _show_panel(c)
+
+    def _panel(self, args: Any) -> None:
+        """Show the live panel (loss, allreduce, step time, memory, knobs) again."""
+        from .widgets import show_panel
+
+        show_panel(_cluster.current())
 
     def _stop(self, args: Any) -> None:
         c = _cluster.current()
@@ -184,6 +191,16 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         if args.out:
             self.shell.user_ns[args.out] = result.values
+
+
+def _show_panel(c: Any) -> None:
+    """Feed the metrics store from the new cluster; show the panel where widgets render."""
+    try:
+        from .widgets import show_panel
+
+        show_panel(c, only_with_frontend=True)
+    except Exception as exc:  # the cluster is up: a panel problem must not hide that
+        print(f"hvdnb: the live panel is unavailable ({type(exc).__name__}: {exc})")
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

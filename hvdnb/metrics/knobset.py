@@ -1,0 +1,289 @@
+"""Live knobs: values a training loop reads each step and the panel changes while it runs.
+
+Protocol (all messages over the side channel, ``hvdnb.channel``):
+
+1. ``hvdnb.knobs(batch_size=64, ...)`` on every rank announces its spec to the notebook
+   (``knobs_spec``: names, current values, kinds, ranges).
+2. The panel validates a change and sends ``knobs_req {id, values}`` to rank 0 only.
+3. Rank 0 validates again, picks ``apply_at`` = its step in progress + a lead that covers
+   the round trip (``ceil(LEAD_SECONDS / step time)``, at least ``MIN_LEAD`` steps; the
+   loop is idle: ``apply_at`` is None, "now") and sends ``knobs_plan`` to the notebook,
+   which forwards it to every rank (rank 0 included: one code path).
+4. Each rank applies the plan at the start of step ``apply_at`` (``knobs.step(s)`` or,
+   without it, at ``hvdnb.log(step=apply_at - 1)``), and reports ``knobs_applied {id,
+   step, late}``. A rank that hears of the plan after passing ``apply_at`` applies at once
+   and reports ``late``; the panel marks the step(s) on the loss plot.
+
+Owns: validation (shared by the panel and the ranks: the same function refuses a bad value
+in both places), the engine-side ``Knobs`` object and its channel handlers. Never: raise
+into the training loop because of a message, apply a change in the middle of a step, or
+issue a collective (the step agreement comes from rank 0's plan, not from a broadcast).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+__all__ = ["Knobs", "knobs", "validate", "make_spec", "CURRENT", "LEAD_SECONDS", "MIN_LEAD"]
+
+#: the plan must reach every rank before apply_at: seconds of steps rank 0 plans ahead
+LEAD_SECONDS = 0.5
+MIN_LEAD = 3
+MAX_LEAD = 10_000
+
+#: default ranges for the well-known knobs (others: ints >= 0, floats finite >= 0)
+_DEFAULT_RANGES: dict[str, tuple[float, float]] = {
+    "batch_size": (1, 65536),
+    "warmup_steps": (0, 1_000_000),
+    "lr": (1e-8, 10.0),
+}
+
+CURRENT: Knobs | None = None
+
+
+def make_spec(values: dict[str, Any], ranges: dict[str, tuple[float, float]] | None = None
+              ) -> dict[str, dict[str, Any]]:
+    """The spec of a knob set: ``{name: {"kind": "int"|"float", "min", "max", "value"}}``."""
+    spec: dict[str, dict[str, Any]] = {}
+    ranges = dict(ranges or {})
+    for name, v in values.items():
+        if not name.isidentifier() or name.startswith("_") or name in _RESERVED:
+            raise ValueError(f"knob name {name!r} is not allowed: use a plain identifier")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"knob {name}={v!r}: knobs are ints or floats")
+        kind = "int" if isinstance(v, int) else "float"
+        lo, hi = ranges.get(name, _DEFAULT_RANGES.get(name, (0, math.inf)))
+        if kind == "int" and math.isinf(hi):
+            hi = 2**31 - 1
+        if kind == "float" and math.isinf(hi):
+            hi = 1e12
+        spec[name] = {"kind": kind, "min": lo, "max": hi, "value": v}
+        err = validate(spec, {name: v})
+        if err:
+            raise ValueError(f"initial value: {err}")
+    return spec
+
+
+_RESERVED = {"step", "values", "spec", "pending", "history"}
+
+
+def validate(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> str | None:
+    """None when every value is acceptable, else a message saying what is wrong."""
+    if not isinstance(values, dict) or not values:
+        return "no values given"
+    for name, v in values.items():
+        s = spec.get(name)
+        if s is None:
+            return f"unknown knob {name!r} (known: {', '.join(sorted(spec)) or 'none'})"
+        if isinstance(v, bool):
+            return f"{name}: {v!r} is a bool, not a number"
+        if s["kind"] == "int":
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if not isinstance(v, int):
+                return f"{name} must be a whole number, not {v!r}"
+        else:
+            if not isinstance(v, (int, float)):
+                return f"{name} must be a number, not {v!r}"
+            if not math.isfinite(v):
+                return f"{name} must be finite, not {v!r}"
+        if not s["min"] <= v <= s["max"]:
+            return f"{name}={v!r} is out of range [{s['min']:g}, {s['max']:g}]"
+    return None
+
+
+def coerce(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> dict[str, Any]:
+    """Values converted to the knob's kind (after ``validate`` accepted them)."""
+    return {k: (int(v) if spec[k]["kind"] == "int" else float(v)) for k, v in values.items()}
+
+
+class Knobs:
+    """Knob values a loop reads each step; changed from the panel at an agreed step.
+
+    Create it with ``hvdnb.knobs(...)`` inside a ``%%distributed`` cell, on every rank.
+
+    Attributes
+    ----------
+    values : the current values (also readable as attributes: ``knobs.lr``)
+    history : ``(step, {name: value}, late)`` for every change applied on this rank
+    """
+
+    def __init__(self, values: dict[str, Any], ranges: dict[str, tuple[float, float]] | None,
+                 rank: int, channel: Any) -> None:
+        object.__setattr__(self, "spec", make_spec(values, ranges))
+        object.__setattr__(self, "values", coerce(self.spec, values))
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "channel", channel)
+        object.__setattr__(self, "pending", {})  # plan id -> plan
+        object.__setattr__(self, "history", [])
+        object.__setattr__(self, "_lock", threading.Lock())
+        object.__setattr__(self, "_seen", set())
+        object.__setattr__(self, "_done", set())
+        object.__setattr__(self, "_cur", 0)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(f"no knob named {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("knobs are changed from the panel (or knobs.set(...)), not assigned")
+
+    def __repr__(self) -> str:
+        vals = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
+        return f"Knobs({vals})"
+
+    # -------------------------------------------------------------- training thread
+    def step(self, step: int) -> Knobs:
+        """Say that ``step`` starts now: apply the changes planned for it (or missed).
+
+        Call it at the top of each step; returns ``self`` so ``k = knobs.step(s)`` reads well.
+        """
+        object.__setattr__(self, "_cur", int(step))
+        from .recorder import get_recorder
+
+        get_recorder().mark(int(step))
+        self._advance(int(step))
+        return self
+
+    def _advance(self, step: int) -> None:
+        object.__setattr__(self, "_cur", step)
+        if not self.pending:
+            return
+        with self._lock:
+            due = [p for p in self.pending.values() if p["apply_at"] is None or p["apply_at"] <= step]
+            for p in due:
+                del self.pending[p["id"]]
+        for p in sorted(due, key=lambda p: (p["apply_at"] or 0, p["id"])):
+            late = p["apply_at"] is not None and step > p["apply_at"]
+            self._apply(p, step, late)
+
+    def _apply(self, plan: dict[str, Any], step: int, late: bool) -> None:
+        self._done.add(plan["id"])
+        err = validate(self.spec, plan["values"])
+        if err:
+            self._send("knobs_applied", id=plan["id"], step=step, late=late, error=err)
+            return
+        self.values.update(coerce(self.spec, plan["values"]))
+        self.history.append((step, dict(plan["values"]), late))
+        from .recorder import get_recorder
+
+        rec = get_recorder()
+        for k, v in plan["values"].items():
+            rec.record(step, f"knob/{k}", float(v))
+        self._send("knobs_applied", id=plan["id"], step=step, late=late,
+                   apply_at=plan["apply_at"], values=plan["values"])
+
+    def set(self, **values: Any) -> None:
+        """Change values locally now (this rank only; for scripts and tests)."""
+        err = validate(self.spec, values)
+        if err:
+            raise ValueError(err)
+        self.values.update(coerce(self.spec, values))
+
+    # -------------------------------------------------------------- channel thread
+    def _send(self, kind: str, **payload: Any) -> None:
+        if self.channel is not None:
+            try:
+                self.channel.send(kind, **payload)
+            except Exception:
+                pass
+
+    def announce(self) -> None:
+        self._send("knobs_spec", spec={k: {**s, "value": self.values[k]} for k, s in self.spec.items()})
+
+    def on_request(self, msg: dict[str, Any]) -> None:
+        """Rank 0: a change from the panel; choose the step and publish the plan."""
+        if self.rank != 0 or msg.get("id") in self._seen:
+            return
+        self._seen.add(msg.get("id"))
+        values = msg.get("values")
+        err = validate(self.spec, values) if isinstance(values, dict) else "values must be a dict"
+        if err:
+            self._send("knobs_plan", id=msg.get("id"), error=err)
+            return
+        from .recorder import get_recorder
+
+        rec = get_recorder()
+        if rec.idle():
+            apply_at = None
+        else:
+            st = rec.step_time or 0.05
+            lead = min(MAX_LEAD, max(MIN_LEAD, math.ceil(LEAD_SECONDS / max(st, 1e-6))))
+            apply_at = max(rec.cur_step, self._cur) + lead
+        self._send("knobs_plan", id=msg["id"], apply_at=apply_at, values=values,
+                   planned_at=max(rec.cur_step, self._cur))
+
+    def on_plan(self, msg: dict[str, Any]) -> None:
+        """Every rank: the plan forwarded by the notebook; applied at the step boundary."""
+        if msg.get("error") or not isinstance(msg.get("values"), dict):
+            return
+        plan = {"id": msg["id"], "apply_at": msg.get("apply_at"), "values": msg["values"]}
+        with self._lock:
+            if plan["id"] in self.pending or plan["id"] in self._done:
+                return
+            self.pending[plan["id"]] = plan
+        # rank 0 decides: None means its loop was idle, so apply now (the next loop starts
+        # with the new values); a step means wait for it, even if this rank looks idle
+        if plan["apply_at"] is None:
+            with self._lock:
+                self.pending.pop(plan["id"], None)
+            self._apply(plan, self._cur, late=False)
+
+
+def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -> Knobs:
+    """Knobs the panel can change while the loop runs, applied on every rank at one step.
+
+    Call it in a ``%%distributed`` cell (same values on every rank); read the values in
+    the loop, and call ``knobs.step(step)`` at the top of each step (or rely on
+    ``hvdnb.log(step, ...)`` at its end).
+
+    Parameters
+    ----------
+    ranges : ``{name: (min, max)}`` accepted per knob; defaults: batch_size 1..65536,
+        warmup_steps 0..1e6, lr 1e-8..10, other ints/floats >= 0
+    **values : knob names and initial values (ints or floats)
+
+    Returns
+    -------
+    Knobs
+
+    Examples
+    --------
+    >>> knobs = hvdnb.knobs(batch_size=64, warmup_steps=100, lr=0.1)   # doctest: +SKIP
+    >>> for step in range(1000):
+    ...     knobs.step(step)
+    ...     lr = knobs.lr * min(1.0, (step + 1) / max(1, knobs.warmup_steps))
+    """
+    global CURRENT
+    from .recorder import get_recorder
+
+    rec = get_recorder()
+    rank = rec.rank
+    k = Knobs(values, ranges, rank, rec.channel)
+    old = CURRENT
+    CURRENT = k
+    ch = rec.channel
+    if ch is not None:
+        if old is None or not getattr(ch, "_hvdnb_knob_handlers", False):
+            ch.on("knobs_req", _route("on_request"))
+            ch.on("knobs_plan", _route("on_plan"))
+            try:
+                ch._hvdnb_knob_handlers = True
+            except Exception:
+                pass
+        k.announce()
+    return k
+
+
+def _route(method: str) -> Any:
+    def handler(msg: dict[str, Any]) -> None:
+        k = CURRENT
+        if k is not None:
+            getattr(k, method)(msg)
+
+    handler.__name__ = f"knobs_{method}"
+    return handler

@@ -1,0 +1,458 @@
+"""Client side of the live panel: every point the ranks sent, in one thread-safe store.
+
+Owns: ingesting ``metrics`` messages from the cluster's side channel (handlers run on the
+channel's I/O thread: an append under a lock, nothing more), sequence checks per rank (a
+gap is counted in ``lost``, never hidden), the knob protocol's notebook leg (forwarding
+rank 0's plan to every rank, recording specs, plans and applications), and the views the
+panel and exports read: ``rows()`` (``hvdnb.metrics()``), per-rank series, the step-time
+breakdown with its one-line hint, allreduce and memory summaries. CSV and JSONL exports
+read the same rows.
+
+Never: import torch or widgets, block the channel thread, or invent a value: a reading a
+rank did not send is None (shown as "n/a"), not 0.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = ["MetricsStore", "MetricRow", "MetricRows", "get_store", "attach", "metrics"]
+
+
+class MetricRow(NamedTuple):
+    rank: int
+    step: int
+    name: str
+    value: float
+    time: float
+
+
+class MetricRows(list):  # type: ignore[type-arg]
+    """A list of ``MetricRow`` with exports."""
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write ``rank,step,name,value,time`` rows; returns the path."""
+        p = Path(path)
+        with p.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(MetricRow._fields)
+            w.writerows(self)
+        return p
+
+    def to_jsonl(self, path: str | Path) -> Path:
+        """Write one JSON object per row; returns the path."""
+        p = Path(path)
+        with p.open("w") as f:
+            for r in self:
+                f.write(json.dumps(r._asdict(), allow_nan=True) + "\n")
+        return p
+
+    def to_pandas(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame(list(self), columns=list(MetricRow._fields))
+
+
+class _Series:
+    __slots__ = ("steps", "values", "times")
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.values: list[float] = []
+        self.times: list[float] = []
+
+
+class MetricsStore:
+    """Every point from every rank, plus knob events; safe to feed from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._series: dict[tuple[int, str], _Series] = {}
+        self.version = 0  # bumped on every change; the panel redraws when it moves
+        self.points = 0
+        self.messages = 0
+        self.lost_messages = 0  # sequence gaps
+        self.lost_rows = 0  # rows a rank's ring overwrote before it could flush
+        self._seq: dict[int, tuple[int, int]] = {}  # rank -> (pid, last seq)
+        self._lost_by_rank: dict[int, int] = {}
+        self.rank_info: dict[int, dict[str, Any]] = {}
+        self.knob_spec: dict[str, dict[str, Any]] = {}
+        self.knob_events: list[dict[str, Any]] = []  # requests, plans, applications, errors
+        self.marks: list[tuple[int, str]] = []  # (step, label) for the loss plot
+        self._ids = itertools.count(1)
+        self._cluster: Any = None
+        self._channel: Any = None
+        #: (time a row was logged on its rank, time it reached this store), for latency
+        self.arrivals: list[tuple[float, float]] = []
+        self.keep_arrivals = False
+
+    # -------------------------------------------------------------- ingest (I/O thread)
+    def ingest(self, msg: dict[str, Any]) -> None:
+        """Add one ``metrics`` message."""
+        rank = msg.get("rank")
+        cols = msg.get("cols")
+        if not isinstance(rank, int) or not isinstance(cols, dict):
+            return
+        now = time.time()
+        with self._lock:
+            seq, pid = msg.get("seq"), msg.get("pid")
+            last = self._seq.get(rank)
+            if isinstance(seq, int):
+                if last is not None and last[0] == pid and seq > last[1] + 1:
+                    self.lost_messages += seq - last[1] - 1
+                elif last is None and seq > 1:
+                    self.lost_messages += seq - 1  # the first messages never arrived
+                self._seq[rank] = (pid, seq)
+            lost = msg.get("lost")
+            if isinstance(lost, int):
+                prev = self._lost_by_rank.get(rank, 0)
+                if lost > prev:
+                    self.lost_rows += lost - prev
+                self._lost_by_rank[rank] = lost
+            n = 0
+            for name, col in cols.items():
+                try:
+                    steps, times, values = col
+                except (TypeError, ValueError):
+                    continue
+                s = self._series.get((rank, name))
+                if s is None:
+                    s = self._series[(rank, name)] = _Series()
+                s.steps.extend(steps)
+                s.times.extend(times)
+                s.values.extend(float(v) if v is not None else math.nan for v in values)
+                n += len(steps)
+                if self.keep_arrivals and name == "loss":
+                    self.arrivals.extend((t, now) for t in times)
+            info = self.rank_info.setdefault(rank, {})
+            info.update(
+                step=msg.get("step"), step_time=msg.get("step_time"), backend=msg.get("backend"),
+                idle=msg.get("idle"), seen=now, pid=pid,
+            )
+            if isinstance(msg.get("meta"), dict):
+                info.update(msg["meta"])
+            self.points += n
+            self.messages += 1
+            self.version += 1
+
+    def on_spec(self, msg: dict[str, Any]) -> None:
+        spec = msg.get("spec")
+        if isinstance(spec, dict):
+            with self._lock:
+                self.knob_spec = spec
+                self.version += 1
+
+    def on_plan(self, msg: dict[str, Any]) -> None:
+        """Rank 0's decision: record it and forward it to every rank."""
+        with self._lock:
+            self.knob_events.append({"kind": "plan", "time": time.time(), **_strip(msg)})
+            self.version += 1
+        if msg.get("error"):
+            return
+        ch = self._channel
+        if ch is not None:
+            payload = {k: msg[k] for k in ("id", "apply_at", "values") if k in msg}
+            for r in self._ranks():
+                ch.send(r, "knobs_plan", **payload)
+
+    def on_applied(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            self.knob_events.append({"kind": "applied", "time": time.time(), **_strip(msg)})
+            if not msg.get("error"):
+                vals = msg.get("values") or {}
+                label = ", ".join(f"{k}={v:g}" for k, v in vals.items())
+                mark = (int(msg.get("step", 0)), label)
+                if mark not in self.marks:
+                    self.marks.append(mark)
+                for k, v in vals.items():
+                    if k in self.knob_spec:
+                        self.knob_spec[k] = {**self.knob_spec[k], "value": v}
+            self.version += 1
+
+    def _ranks(self) -> list[int]:
+        c = self._cluster
+        ids = None
+        try:
+            ids = list(c.client.ids) if c is not None and c.client is not None else None
+        except Exception:
+            ids = None
+        if ids:
+            return sorted(ids)
+        ch = self._channel
+        return list(ch.ranks) if ch is not None else []
+
+    # -------------------------------------------------------------- knobs (notebook)
+    def request_knobs(self, **values: Any) -> tuple[bool, str]:
+        """Ask rank 0 to schedule a change; returns (sent, message). Validated here first."""
+        from .knobset import validate
+
+        spec = self.knob_spec
+        if not spec:
+            return False, "no knobs yet: create them with hvdnb.knobs(...) in a %%distributed cell"
+        err = validate(spec, values)
+        if err:
+            with self._lock:
+                self.knob_events.append({"kind": "refused", "time": time.time(), "error": err,
+                                         "values": values})
+                self.version += 1
+            return False, f"refused: {err}"
+        if self._channel is None:
+            return False, "no cluster is running"
+        rid = f"k{next(self._ids)}-{int(time.time() * 1000) % 100000}"
+        with self._lock:
+            self.knob_events.append({"kind": "request", "time": time.time(), "id": rid,
+                                     "values": values})
+            self.version += 1
+        self._channel.send(0, "knobs_req", id=rid, values=values)
+        return True, f"sent to rank 0 ({rid})"
+
+    def knob_status(self, rid: str | None = None) -> dict[str, Any]:
+        """For one request (default: the latest): plan and the ranks that applied it."""
+        with self._lock:
+            events = list(self.knob_events)
+        if rid is None:
+            reqs = [e for e in events if e["kind"] in ("request", "refused")]
+            if not reqs:
+                return {}
+            if reqs[-1]["kind"] == "refused":
+                return {"error": reqs[-1]["error"]}
+            rid = reqs[-1]["id"]
+        plan = next((e for e in events if e["kind"] == "plan" and e.get("id") == rid), None)
+        applied = {e["rank"]: e for e in events if e["kind"] == "applied" and e.get("id") == rid
+                   and "rank" in e}
+        return {"id": rid, "plan": plan, "applied": applied}
+
+    # -------------------------------------------------------------- views
+    def rows(self, name: str | None = None, rank: int | None = None) -> MetricRows:
+        """Every point as ``(rank, step, name, value, time)``, ordered by rank, name, arrival."""
+        with self._lock:
+            items = [(k, s.steps[:], s.values[:], s.times[:]) for k, s in self._series.items()
+                     if (name is None or k[1] == name) and (rank is None or k[0] == rank)]
+        out = MetricRows()
+        for (r, n), steps, values, times in sorted(items, key=lambda it: it[0]):
+            out.extend(MetricRow(r, st, n, v, t) for st, v, t in zip(steps, values, times))
+        return out
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted({n for _, n in self._series})
+
+    def ranks(self) -> list[int]:
+        with self._lock:
+            return sorted({r for r, _ in self._series} | set(self.rank_info))
+
+    def series(self, name: str, rank: int, last: int | None = None
+               ) -> tuple[list[int], list[float], list[float]]:
+        """(steps, values, times) of one metric on one rank (the last ``last`` points)."""
+        with self._lock:
+            s = self._series.get((rank, name))
+            if s is None:
+                return [], [], []
+            sl = slice(-last, None) if last else slice(None)
+            return s.steps[sl], s.values[sl], s.times[sl]
+
+    def latest(self, name: str, rank: int) -> float | None:
+        with self._lock:
+            s = self._series.get((rank, name))
+            return s.values[-1] if s is not None and s.values else None
+
+    def per_step(self, prefix: str, rank: int, last_steps: int = 50) -> dict[int, float]:
+        """Sum of every metric whose name starts with ``prefix`` and ends with ``/time``
+        (or equals ``prefix``), per step, over the last ``last_steps`` steps."""
+        with self._lock:
+            keys = [k for k in self._series if k[0] == rank and
+                    (k[1] == prefix or (k[1].startswith(prefix) and k[1].endswith("/time")))]
+            parts = [(self._series[k].steps[-4 * last_steps:], self._series[k].values[-4 * last_steps:])
+                     for k in keys]
+        out: dict[int, float] = {}
+        for steps, values in parts:
+            for st, v in zip(steps, values):
+                if v == v:
+                    out[st] = out.get(st, 0.0) + v
+        if len(out) > last_steps:
+            keep = sorted(out)[-last_steps:]
+            out = {k: out[k] for k in keep}
+        return out
+
+    def breakdown(self, last_steps: int = 50) -> dict[int, dict[str, float]]:
+        """Median seconds per step on each rank, split into data / compute / comm.
+
+        ``step`` comes from the time between two ``hvdnb.log`` calls, ``data`` from
+        ``phase("data")`` (or ``data_time=``), ``comm`` from ``phase("comm")`` when marked,
+        else the allreduce time ``hvdnb.torch`` reported (overlapping buckets capped at the
+        step), and ``compute`` is the rest (or ``phase("compute")`` when marked).
+        """
+        out: dict[int, dict[str, float]] = {}
+        for r in self.ranks():
+            step = self.per_step("time/step", r, last_steps)
+            if not step:
+                continue
+            data = self.per_step("time/data", r, last_steps)
+            comm = self.per_step("time/comm", r, last_steps) or self.per_step("comm/", r, last_steps)
+            marked_compute = self.per_step("time/compute", r, last_steps)
+            rows = []
+            for st, total in step.items():
+                d = min(data.get(st, 0.0), total)
+                c = min(comm.get(st, 0.0), total - d)
+                comp = marked_compute.get(st, total - d - c)
+                rows.append((total, d, c, comp))
+            med = [statistics.median(col) for col in zip(*rows)]
+            out[r] = {"step": med[0], "data": med[1], "comm": med[2], "compute": med[3]}
+        return out
+
+    def hint(self, last_steps: int = 50) -> str:
+        """One line naming the bottleneck (data, communication or compute) and stragglers."""
+        b = self.breakdown(last_steps)
+        if not b:
+            return "no step times yet: call hvdnb.log(step, loss) once per step"
+        tot = {k: statistics.median(v[k] for v in b.values()) for k in ("data", "comm", "compute")}
+        step = statistics.median(v["step"] for v in b.values()) or 1e-12
+        worst = max(tot, key=lambda k: tot[k])
+        words = {"data": "data loading", "comm": "communication", "compute": "compute"}
+        line = f"bottleneck: {words[worst]} ({100 * tot[worst] / step:.0f}% of a {1e3 * step:.1f} ms step)"
+        busy = {r: v["data"] + v["compute"] for r, v in b.items()}
+        if len(busy) > 1:
+            med = statistics.median(busy.values())
+            slow = max(busy, key=lambda r: busy[r])
+            if med > 0 and busy[slow] > 1.2 * med and busy[slow] - med > 1e-4:
+                line += (f"; straggler: rank {slow} ({busy[slow] / med:.2f}x the median "
+                         "data+compute time; the others wait for it in allreduce)")
+        return line
+
+    def comm_summary(self, last: int = 20) -> list[dict[str, Any]]:
+        """Per rank and bucket: median time, effective bandwidth (bytes/time), backend."""
+        with self._lock:
+            keys = [k for k in self._series if k[1].startswith("comm/") and k[1].endswith("/time")]
+            data = []
+            for r, n in keys:
+                t = self._series[(r, n)].values[-last:]
+                b = self._series.get((r, n[:-5] + "/bytes"))
+                nb = b.values[-last:] if b is not None else []
+                data.append((r, n[5:-5], t, nb))
+        out = []
+        for r, bucket, t, nb in sorted(data):
+            tt = [x for x in t if x == x]
+            med_t = statistics.median(tt) if tt else None
+            med_b = statistics.median(nb) if nb else None
+            bw = med_b / med_t if med_t and med_b is not None else None
+            out.append({"rank": r, "bucket": bucket, "time": med_t, "bytes": med_b,
+                        "bandwidth": bw, "backend": self.rank_info.get(r, {}).get("backend")})
+        return out
+
+    def memory(self) -> dict[int, dict[str, float | None]]:
+        """Latest memory readings per rank (None: the rank did not report it)."""
+        names = ("mem/rss", "mem/gpu_allocated", "mem/gpu_reserved", "mem/gpu_nvml_used")
+        return {r: {n[4:]: self.latest(n, r) for n in names} for r in self.ranks()}
+
+    def throughput(self, window: float = 3.0) -> float | None:
+        """Samples per second over every rank in the last ``window`` seconds of logs."""
+        total, t_lo, t_hi = 0.0, math.inf, -math.inf
+        found = False
+        for r in self.ranks():
+            _, vals, times = self.series("samples", r, last=2000)
+            if not times:
+                continue
+            found = True
+            end = times[-1]
+            sel = [(v, t) for v, t in zip(vals, times) if t > end - window]
+            if len(sel) < 2:
+                continue
+            total += sum(v for v, _ in sel[1:])
+            t_lo, t_hi = min(t_lo, sel[0][1]), max(t_hi, sel[-1][1])
+        if not found or t_hi <= t_lo:
+            return None
+        return total / (t_hi - t_lo)
+
+    def progress(self) -> tuple[int, int | None]:
+        """(latest step seen on any rank, total_steps if the loop said so)."""
+        steps = [i.get("step") or 0 for i in self.rank_info.values()]
+        totals = [i.get("total_steps") for i in self.rank_info.values() if i.get("total_steps")]
+        return (max(steps) if steps else 0), (max(totals) if totals else None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._series.clear()
+            self.marks.clear()
+            self.knob_events.clear()
+            self.points = 0
+            self.version += 1
+
+    # -------------------------------------------------------------- wiring
+    def attach_current(self) -> None:
+        """Follow ``hvdnb.current()`` (a restarted cluster has a new channel)."""
+        from ..cluster import current
+
+        c = current()
+        if c is not None and c.channel is not None and c.channel is not self._channel:
+            self.attach(c)
+
+    def attach(self, cluster: Any) -> None:
+        """Feed this store from ``cluster.channel`` (again after a restart: idempotent)."""
+        ch = getattr(cluster, "channel", None)
+        if ch is None or ch is self._channel:
+            self._cluster = cluster
+            return
+        self._cluster = cluster
+        self._channel = ch
+        ch.on("metrics", self.ingest)
+        ch.on("knobs_spec", self.on_spec)
+        ch.on("knobs_plan", self.on_plan)
+        ch.on("knobs_applied", self.on_applied)
+
+
+def _strip(msg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in msg.items() if k != "kind"}
+
+
+_STORE: MetricsStore | None = None
+_SLOCK = threading.Lock()
+
+
+def get_store() -> MetricsStore:
+    """The notebook's store (one per kernel)."""
+    global _STORE
+    with _SLOCK:
+        if _STORE is None:
+            _STORE = MetricsStore()
+        return _STORE
+
+
+def attach(cluster: Any = None) -> MetricsStore:
+    """Feed the notebook's store from ``cluster`` (default: ``hvdnb.current()``)."""
+    from ..cluster import current
+
+    store = get_store()
+    c = cluster if cluster is not None else current()
+    if c is not None:
+        store.attach(c)
+    return store
+
+
+def metrics(name: str | None = None, rank: int | None = None) -> MetricRows:
+    """Every point the ranks recorded with ``hvdnb.log`` (and allreduce, memory, phases),
+    as rows ``(rank, step, name, value, time)``.
+
+    Parameters
+    ----------
+    name : only this metric (e.g. ``"loss"``)
+    rank : only this rank
+
+    Returns
+    -------
+    MetricRows, a list with ``to_csv(path)``, ``to_jsonl(path)`` and ``to_pandas()``
+
+    Examples
+    --------
+    >>> rows = hvdnb.metrics("loss")                               # doctest: +SKIP
+    >>> rows.to_csv("loss.csv")
+    """
+    return attach().rows(name, rank)
+

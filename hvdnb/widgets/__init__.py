@@ -1,0 +1,7 @@
+"""The notebook's live panel (ipywidgets + matplotlib). Nothing here is imported on engines."""
+
+from __future__ import annotations
+
+from .panel import Panel, get_panel, show_panel
+
+__all__ = ["Panel", "get_panel", "show_panel"]

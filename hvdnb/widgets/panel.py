@@ -1,0 +1,466 @@
+"""The live panel: plots, numbers and knob controls for the running training, in the notebook.
+
+How it stays live: ranks flush their points over the side channel into the notebook's
+``MetricsStore`` (channel thread). The panel redraws on the notebook's main thread: from
+``hvdnb.cells``' wait hook while a ``%%distributed`` cell runs (every ~50 ms, with the
+cell's parent header) and from an idle timer on the kernel's event loop between cells. A
+redraw happens only when the store changed and at most every ``render_interval`` seconds,
+and sends one batched update per widget (``hold_sync``): a handful of comm messages per
+tick, far below the Jupyter server's IOPub limit (1000/s).
+
+Controls while a cell runs: the control widgets' comms are routed to a private ipykernel 7
+subshell (``hvdnb.widgets.kernel``), so a slider moved during training reaches rank 0 at
+once; the handlers only validate and send (thread-safe), the main thread draws the result.
+
+Saved notebooks: the panel is displayed as one output whose bundle holds the widget view
+and a PNG of the plots (plus text); the PNG is refreshed when each cell ends, so GitHub and
+nbviewer show the last picture.
+
+Owns: the widgets, their layout and the display handles. Never: import torch, run on
+engines, block the channel thread, or send a widget message per data point.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+import threading
+import time
+from typing import Any
+
+from ..metrics.store import MetricsStore, get_store
+from . import kernel as _kernel
+from .plots import MAX_LINES, fmt_bytes, render_png
+from .svg import PALETTE, line_chart, stacked_bars
+
+__all__ = ["Panel", "get_panel", "show_panel"]
+
+_PANEL: Panel | None = None
+_NUM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*([-+0-9.eE]+|inf|nan)\s*$")
+
+
+class Panel:
+    """The live panel of one notebook kernel.
+
+    Parameters
+    ----------
+    store : the store to draw (default: the notebook's store)
+    render_interval : minimum seconds between two redraws
+    """
+
+    def __init__(self, store: MetricsStore | None = None, render_interval: float = 0.2) -> None:
+        import ipywidgets as w
+
+        self.store = store or get_store()
+        self.render_interval = render_interval
+        self.renders = 0
+        self.render_seconds = 0.0
+        self._drawn_version = -1
+        self._last_render = 0.0
+        self._lock = threading.RLock()
+        self._note = ""  # set by control handlers (any thread), drawn by tick()
+        self._handles: list[Any] = []
+        self._png = b""
+        self._knob_names: tuple[str, ...] = ()
+        self._knob_widgets: dict[str, Any] = {}
+        self._seen_loss: dict[int, int] = {}
+        self.latencies: list[float] = []
+        self.measure_latency = False
+        self._subshell = _kernel.control_subshell()
+
+        #: everything drawn (header, charts, hint, tables) is this one widget: one comm
+        #: message per redraw
+        self.view = w.HTML(value="<b>hvdnb</b>: waiting for data from the ranks")
+        self.log_y = w.Checkbox(value=False, description="log y", indent=False,
+                                layout=w.Layout(width="80px"))
+        self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01,
+                                       description="smoothing", continuous_update=False)
+        self.knob_box = w.HBox([])
+        self.knob_text = w.Text(placeholder="e.g. lr=0.05, warmup_steps=50",
+                                description="set", continuous_update=False,
+                                layout=w.Layout(width="320px"))
+        self.knob_apply = w.Button(description="apply", layout=w.Layout(width="70px"))
+        self.knob_status = w.HTML(value="knobs: none yet (hvdnb.knobs(...) in a "
+                                  "%%distributed cell)")
+        self.log_y.observe(self._on_view_change, "value")
+        self.smoothing.observe(self._on_view_change, "value")
+        self.knob_apply.on_click(self._on_text_apply)
+        self.knob_text.observe(self._on_text_apply, "value")
+        self.box = w.VBox([
+            self.view,
+            w.HBox([self.log_y, self.smoothing]),
+            self.knob_box,
+            w.HBox([self.knob_text, self.knob_apply]),
+            self.knob_status,
+        ])
+        self.box.add_class("hvdnb-panel")
+        self.view.add_class("hvdnb-view")
+        self.knob_status.add_class("hvdnb-knob-status")
+        _kernel.route_comms([self.log_y, self.smoothing, self.knob_text, self.knob_apply],
+                            self._subshell)
+        self._idle = _kernel.IdleTimer(lambda: self.tick(False), 0.5)
+        self.render(force=True)
+
+    # -------------------------------------------------------------- display
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
+        if self._png:
+            bundle["image/png"] = base64.b64encode(self._png).decode("ascii")
+        bundle["text/plain"] = self._text()
+        return bundle
+
+    def _text(self) -> str:
+        head, _ = self._header()
+        return html.unescape(re.sub(r"<[^>]+>", "", head)) + "\n" + self.store.hint()
+
+    def show(self) -> None:
+        """Display the panel in the current cell's output."""
+        from IPython.display import display
+
+        handle = display(self, display_id=True)
+        if handle is not None:
+            self._handles.append(handle)
+
+    def snapshot(self) -> None:
+        """Refresh the PNG kept in every displayed copy (what a saved notebook shows)."""
+        if not self._handles:
+            return
+        try:
+            self._png = render_png(self.store, log_y=self.log_y.value,
+                                   smoothing=self.smoothing.value)
+        except Exception:  # a missing picture must not break the cell's end
+            return
+        for h in self._handles:
+            try:
+                h.update(self)
+            except Exception:
+                pass
+
+    # -------------------------------------------------------------- controls (any thread)
+    def _on_view_change(self, change: Any) -> None:
+        self._drawn_version = -1  # redraw at the next tick
+
+    def _on_knob_change(self, change: Any) -> None:
+        name = change["owner"].description
+        self.request({name: change["new"]})
+
+    def _on_text_apply(self, *_: Any) -> None:
+        text = self.knob_text.value.strip()
+        if not text:
+            return
+        values: dict[str, Any] = {}
+        for part in text.split(","):
+            m = _NUM.match(part)
+            if not m:
+                self._set_note(f"refused: cannot read {part.strip()!r}; write name=value, ...")
+                return
+            raw = m.group(2)
+            try:
+                values[m.group(1)] = int(raw) if re.fullmatch(r"[-+]?\d+", raw) else float(raw)
+            except ValueError:
+                self._set_note(f"refused: {raw!r} is not a number")
+                return
+        self.request(values)
+
+    def request(self, values: dict[str, Any]) -> tuple[bool, str]:
+        """Ask for a knob change (validated here, scheduled by rank 0)."""
+        self.store.attach_current()
+        ok, msg = self.store.request_knobs(**values)
+        self._set_note(msg)
+        return ok, msg
+
+    def _set_note(self, text: str) -> None:
+        with self._lock:
+            self._note = text
+            self._drawn_version = -1
+
+    # -------------------------------------------------------------- drawing (main thread)
+    def tick(self, final: bool = False) -> None:
+        """Redraw if the store changed (at most every ``render_interval``); the cells'
+        wait hook calls it every ~50 ms and once with ``final=True`` when a cell ends."""
+        self.store.attach_current()
+        now = time.monotonic()
+        if final:
+            self.render(force=True)
+            self.snapshot()
+            return
+        if now - self._last_render < self.render_interval:
+            return
+        self.render()
+
+    def render(self, force: bool = False) -> bool:
+        """Draw now if anything changed; returns whether widgets were updated."""
+        with self._lock:
+            version = self.store.version
+            if version == self._drawn_version and not force:
+                return False
+            t0 = time.perf_counter()
+            self._drawn_version = version
+            self._sync_knob_widgets()
+            view = self._view_html()
+            if view != self.view.value:
+                with self.view.hold_sync():
+                    self.view.value = view
+            status = self._knob_status()
+            if status != self.knob_status.value:
+                self.knob_status.value = status
+            self._last_render = time.monotonic()
+            self.renders += 1
+            self.render_seconds += time.perf_counter() - t0
+            if self.measure_latency:
+                self._record_latency()
+            return True
+
+    def _record_latency(self) -> None:
+        now = time.time()
+        for r in self.store.ranks():
+            _, _, times = self.store.series("loss", r)
+            seen = self._seen_loss.get(r, 0)
+            self.latencies.extend(now - t for t in times[seen:])
+            self._seen_loss[r] = len(times)
+
+    def _header(self) -> tuple[str, tuple[int, int] | None]:
+        s = self.store
+        ranks = s.ranks()
+        if not ranks:
+            return ("<b>hvdnb</b>: waiting for data from the ranks (hvdnb.log(step, loss) in "
+                    "the loop)", None)
+        step, total = s.progress()
+        backends = sorted({_bk(i.get("backend")) for i in s.rank_info.values() if i.get("backend")})
+        rate = s.throughput()
+        seen = max((i.get("seen") or 0) for i in s.rank_info.values()) if s.rank_info else 0
+        age = time.time() - seen if seen else None
+        running = any(not i.get("idle", True) for i in s.rank_info.values())
+        parts = [
+            f"<b>hvdnb</b> {len(ranks)} rank{'s' if len(ranks) > 1 else ''}",
+            "/".join(backends) or "backend n/a",
+            f"step {step}" + (f" of {total}" if total else ""),
+            f"{rate:,.0f} samples/s" if rate is not None else "samples/s n/a",
+            "training" if running else "idle",
+        ]
+        if age is not None:
+            parts.append(f"updated {age:.1f} s ago")
+        if s.lost_messages or s.lost_rows:
+            parts.append(f"<span style='color:#c00'>lost: {s.lost_messages} messages, "
+                         f"{s.lost_rows} points</span>")
+        return " &middot; ".join(parts), ((step, total) if total else None)
+
+    def _view_html(self) -> str:
+        head, prog = self._header()
+        if prog is not None:
+            head += (f" <progress max='{prog[1]}' value='{min(prog[0], prog[1])}' "
+                     "style='width:160px;vertical-align:middle'></progress>")
+        charts = charts_html(self.store, log_y=self.log_y.value, alpha=self.smoothing.value)
+        hint = html.escape(self.store.hint()) if self.store.ranks() else ""
+        return (f"<div class='hvdnb-header'>{head}</div>"
+                f"<div style='display:flex;flex-wrap:wrap;gap:6px'>{charts}</div>"
+                f"<div class='hvdnb-hint'><b>{hint}</b></div>{self._tables()}")
+
+    def _tables(self) -> str:
+        s = self.store
+        rows = s.comm_summary()
+        out = []
+        if rows:
+            by_rank = sorted({r["rank"] for r in rows})
+            shown = [r for r in rows if r["rank"] in by_rank[:8]]
+            out.append("<b>allreduce</b> (median of the last 20)<table><tr><th>rank</th>"
+                       "<th>bucket</th><th>size</th><th>time</th><th>bandwidth</th>"
+                       "<th>backend</th></tr>")
+            for r in shown[:48]:
+                t = f"{1e3 * r['time']:.2f} ms" if r["time"] is not None else "n/a"
+                bw = f"{r['bandwidth'] / 1e9:.2f} GB/s" if r["bandwidth"] else "n/a"
+                out.append(f"<tr><td>{r['rank']}</td><td>{html.escape(r['bucket'])}</td>"
+                           f"<td>{fmt_bytes(r['bytes'])}</td><td>{t}</td><td>{bw}</td>"
+                           f"<td>{_bk(r['backend'])}</td></tr>")
+            out.append("</table>")
+            if len(by_rank) > 8:
+                out.append(f"(first 8 of {len(by_rank)} ranks)")
+        mem = s.memory()
+        if mem:
+            gpu = any(m.get("gpu_allocated") is not None for m in mem.values())
+            cols = ["gpu_allocated", "gpu_reserved", "gpu_nvml_used", "rss"] if gpu else ["rss"]
+            out.append("<b>memory</b><table><tr><th>rank</th>" +
+                       "".join(f"<th>{c}</th>" for c in cols) + "</tr>")
+            for r in sorted(mem)[:MAX_LINES]:
+                out.append(f"<tr><td>{r}</td>" + "".join(
+                    f"<td>{fmt_bytes(mem[r].get(c))}</td>" for c in cols) + "</tr>")
+            out.append("</table>")
+        return "".join(out)
+
+    def _knob_status(self) -> str:
+        s = self.store
+        st = s.knob_status()
+        note = html.escape(self._note)
+        if not s.knob_spec:
+            return f"knobs: none yet (hvdnb.knobs(...) in a %%distributed cell) {note}"
+        cur = ", ".join(f"{k}={v['value']:g}" for k, v in s.knob_spec.items())
+        text = f"knobs: {html.escape(cur)}"
+        if st.get("error"):
+            return text + f" &middot; <span style='color:#c00'>{html.escape(st['error'])}</span>"
+        if st.get("id"):
+            plan, applied = st.get("plan"), st.get("applied") or {}
+            if plan is None:
+                text += " &middot; waiting for rank 0"
+            elif plan.get("error"):
+                text += f" &middot; <span style='color:#c00'>rank 0 refused: {html.escape(plan['error'])}</span>"
+            else:
+                at = plan.get("apply_at")
+                text += f" &middot; rank 0 planned step {at if at is not None else 'now (idle)'}"
+                if applied:
+                    steps = sorted({a.get("step") for a in applied.values()})
+                    late = sorted(r for r, a in applied.items() if a.get("late"))
+                    text += (f"; applied on ranks {','.join(map(str, sorted(applied)))} at step "
+                             f"{','.join(map(str, steps))}")
+                    if late:
+                        text += f" (late on ranks {','.join(map(str, late))})"
+        if note and not st.get("id"):
+            text += f" &middot; {note}"
+        elif note.startswith("refused"):
+            text += f" &middot; <span style='color:#c00'>{note}</span>"
+        return text
+
+    def _sync_knob_widgets(self) -> None:
+        import ipywidgets as w
+
+        spec = self.store.knob_spec
+        names = tuple(spec)
+        if names != self._knob_names:
+            ws = []
+            for name in names:
+                s = spec[name]
+                v = s["value"]
+                if s["kind"] == "int":
+                    hi = int(min(s["max"], max(4 * v, 100)))
+                    ctl = w.IntSlider(value=int(v), min=int(s["min"]), max=hi, description=name,
+                                      continuous_update=False)
+                else:
+                    import math
+
+                    base = max(v, 1e-12)
+                    lo = max(math.log10(max(s["min"], 1e-12)), math.log10(base) - 2)
+                    hi = min(math.log10(s["max"]), math.log10(base) + 2)
+                    ctl = w.FloatLogSlider(value=v, base=10, min=lo, max=hi, step=0.05,
+                                           description=name, continuous_update=False,
+                                           readout_format=".3g")
+                ctl.add_class(f"hvdnb-knob-{name}")
+                ctl.observe(self._on_knob_change, "value")
+                ws.append(ctl)
+            self._knob_widgets = dict(zip(names, ws))
+            self._knob_names = names
+            _kernel.route_comms(ws, self._subshell)
+            self.knob_box.children = tuple(ws)
+
+    def close(self) -> None:
+        self._idle.stop()
+        self.box.close()
+
+
+#: points per line in the live charts (older points are thinned, not dropped from the store)
+LIVE_POINTS = 300
+
+
+def _thin(steps: list[int], vals: list[float], n: int = LIVE_POINTS
+          ) -> tuple[list[float], list[float], int]:
+    if len(steps) <= n:
+        return [float(x) for x in steps], list(vals), 1
+    stride = len(steps) / n
+    idx = [int(i * stride) for i in range(n)] + [len(steps) - 1]
+    return [float(steps[i]) for i in idx], [vals[i] for i in idx], max(1, int(stride))
+
+
+def _ema(vals: list[float], alpha: float) -> list[float]:
+    if alpha <= 0:
+        return vals
+    out, acc = [], None
+    for v in vals:
+        if v == v:
+            acc = v if acc is None else alpha * acc + (1 - alpha) * v
+        out.append(acc if acc is not None else v)
+    return out
+
+
+def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0) -> str:
+    """The live charts as inline SVG: loss, allreduce per step, step-time breakdown."""
+    ranks = store.ranks()
+    lines = []
+    for r in ranks:
+        steps, vals, _ = store.series("loss", r)
+        if steps:
+            xs, ys, stride = _thin(steps, vals)
+            lines.append((f"rank {r}", xs, _ema(ys, alpha ** stride if alpha else 0.0)))
+    band = None
+    if len(lines) > MAX_LINES:
+        band = _band(lines)
+        lines = []
+    marks = [(float(st), lab) for st, lab in list(store.marks)[-8:]]
+    out = [line_chart("loss" + (" (log)" if log_y else ""), lines, band=band, marks=marks,
+                      log_y=log_y, empty="no loss yet: hvdnb.log(step, loss)")]
+    comm = []
+    shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
+    for r in shown:
+        per = store.per_step("comm/", r, last_steps=LIVE_POINTS)
+        if per:
+            st = sorted(per)
+            comm.append((f"rank {r}", [float(x) for x in st], [1e3 * per[k] for k in st]))
+    backends = sorted({_bk(i.get("backend")) for i in store.rank_info.values() if i.get("backend")})
+    out.append(line_chart(f"allreduce ms per step ({'/'.join(backends) or 'backend n/a'})",
+                          comm, empty="no allreduce timings (hvdnb.torch reports them)"))
+    b = store.breakdown()
+    rows = [(f"rank {r}", [1e3 * b[r]["data"], 1e3 * b[r]["compute"], 1e3 * b[r]["comm"]])
+            for r in sorted(b)]
+    out.append(stacked_bars("step time (median of last 50 steps)", rows,
+                            [("data", "#f2a541"), ("compute", PALETTE[0]), ("comm", "#e45756")],
+                            empty="no step times yet"))
+    return "".join(out)
+
+
+def _band(lines: list[tuple[str, list[float], list[float]]]
+          ) -> tuple[list[float], list[float], list[float], list[float]]:
+    import numpy as np
+
+    lo = min(xs[0] for _, xs, _ in lines)
+    hi = max(xs[-1] for _, xs, _ in lines)
+    grid = np.linspace(lo, hi, LIVE_POINTS) if hi > lo else np.array([lo])
+    stack = np.vstack([np.interp(grid, xs, ys, left=np.nan, right=np.nan)
+                       for _, xs, ys in lines])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mn, mx, med = np.nanmin(stack, 0), np.nanmax(stack, 0), np.nanmedian(stack, 0)
+    return grid.tolist(), mn.tolist(), mx.tolist(), med.tolist()
+
+
+def _bk(b: Any) -> str:
+    return {"nccl": "NCCL", "gloo": "Gloo", "mpi": "MPI"}.get(str(b).lower(), str(b or "n/a"))
+
+
+def get_panel(create: bool = True) -> Panel | None:
+    """The notebook's panel (created on first use, registered as a cell wait hook)."""
+    global _PANEL
+    if _PANEL is None and create:
+        from .. import cells
+
+        _PANEL = Panel()
+        cells.add_wait_hook(_PANEL.tick)
+    return _PANEL
+
+
+def show_panel(cluster: Any = None, *, only_with_frontend: bool = False) -> Panel | None:
+    """Attach the store to ``cluster`` and display the panel.
+
+    Parameters
+    ----------
+    cluster : the cluster to watch (default: ``hvdnb.current()``)
+    only_with_frontend : do nothing visible outside a Jupyter kernel (plain IPython, tests)
+    """
+    from ..metrics.store import attach
+
+    attach(cluster)
+    if only_with_frontend and _kernel.kernel() is None:
+        return None
+    p = get_panel()
+    assert p is not None
+    p.show()
+    return p

@@ -1,0 +1,162 @@
+"""Cheap live charts: inline SVG strings for the panel's HTML widgets.
+
+A matplotlib redraw of the four plots took ~430 ms on the project's 2-core machine (tick
+layout dominates), which would take CPU from the ranks at the panel's 5 Hz; an SVG string
+of the same data costs about a millisecond and the browser draws it. matplotlib is kept
+for the PNG snapshot a saved notebook shows (``plots.render_png``).
+
+Owns: line charts (lines, min/max band + median, vertical marks, log y) and stacked bars.
+Never: touch widgets or the store; never draw a missing value as 0.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+
+__all__ = ["line_chart", "stacked_bars", "PALETTE"]
+
+PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6",
+           "#9d755d", "#bab0ac", "#eeca3b", "#1f77b4", "#2ca02c", "#d62728", "#9467bd",
+           "#8c564b", "#17becf"]
+W, H = 460, 220
+L, R, T, B = 52, 10, 22, 26
+
+
+def _fmt(v: float) -> str:
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e4 or a < 1e-3:
+        return f"{v:.1e}"
+    return f"{v:.4g}"
+
+
+def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    return [lo + (hi - lo) * i / n for i in range(n + 1)]
+
+
+def line_chart(
+    title: str,
+    series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+    *,
+    band: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]] | None = None,
+    marks: Sequence[tuple[float, str]] = (),
+    log_y: bool = False,
+    empty: str = "no data yet",
+    width: int = W,
+    height: int = H,
+) -> str:
+    """An SVG line chart. ``series``: (label, xs, ys); ``band``: (xs, lo, hi, median)."""
+    pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys) if y == y]
+    if band is not None:
+        pts += [(x, y) for x, lo, hi, _ in zip(*band) for y in (lo, hi) if y == y]
+    head = (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+            f"class='hvdnb-chart' data-title='{html.escape(title)}' "
+            f"style='font:10px sans-serif;background:#fff'>"
+            f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
+            f"{html.escape(title)}</text>")
+    if log_y:
+        pts = [(x, y) for x, y in pts if y > 0]
+    if not pts:
+        return head + (f"<text x='{width / 2}' y='{height / 2}' text-anchor='middle' "
+                       f"fill='#888'>{html.escape(empty)}</text></svg>")
+    tf = (lambda y: math.log10(y)) if log_y else (lambda y: y)
+    xs_all = [p[0] for p in pts]
+    ys_all = [tf(p[1]) for p in pts]
+    x0, x1 = min(xs_all), max(xs_all)
+    y0, y1 = min(ys_all), max(ys_all)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5 * (abs(y0) or 1), y1 + 0.5 * (abs(y1) or 1)
+    pw, ph = width - L - R, height - T - B
+
+    def sx(x: float) -> float:
+        return L + (x - x0) / (x1 - x0) * pw
+
+    def sy(y: float) -> float:
+        return T + ph - (tf(y) - y0) / (y1 - y0) * ph
+
+    out = [head, f"<rect x='{L}' y='{T}' width='{pw}' height='{ph}' fill='none' stroke='#ccc'/>"]
+    for t in _ticks(y0, y1):
+        yy = T + ph - (t - y0) / (y1 - y0) * ph
+        label = _fmt(10**t if log_y else t)
+        out.append(f"<line x1='{L}' x2='{L + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#eee'/>"
+                   f"<text x='{L - 3}' y='{yy + 3:.1f}' text-anchor='end' fill='#555'>{label}</text>")
+    for t in _ticks(x0, x1):
+        xx = sx(t)
+        out.append(f"<text x='{xx:.1f}' y='{height - 10}' text-anchor='middle' fill='#555'>"
+                   f"{_fmt(round(t))}</text>")
+    if band is not None:
+        bx, lo, hi, med = band
+        upper = [(sx(x), sy(h)) for x, h in zip(bx, hi) if h == h and (h > 0 or not log_y)]
+        lower = [(sx(x), sy(v)) for x, v in zip(bx, lo) if v == v and (v > 0 or not log_y)]
+        if upper and lower:
+            poly = " ".join(f"{a:.1f},{b:.1f}" for a, b in upper + lower[::-1])
+            out.append(f"<polygon points='{poly}' fill='#4c78a8' fill-opacity='0.25' stroke='none'/>")
+        mp = " ".join(f"{sx(x):.1f},{sy(m):.1f}" for x, m in zip(bx, med)
+                      if m == m and (m > 0 or not log_y))
+        out.append(f"<polyline points='{mp}' fill='none' stroke='#4c78a8' stroke-width='1.5'/>")
+    for i, (label, xs, ys) in enumerate(series):
+        p = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys)
+                     if y == y and (y > 0 or not log_y))
+        color = PALETTE[i % len(PALETTE)]
+        out.append(f"<polyline points='{p}' fill='none' stroke='{color}' stroke-width='1.2'>"
+                   f"<title>{html.escape(label)}</title></polyline>")
+    for x, label in marks:
+        if x0 <= x <= x1:
+            xx = sx(x)
+            out.append(f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='#d62728' "
+                       f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{xx + 2:.1f}' "
+                       f"y='{T + 10}' fill='#d62728'>{html.escape(label)}</text>")
+    legend = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
+    if band is not None:
+        legend = [("min-max band + median", "#4c78a8")]
+    for i, (label, color) in enumerate(legend[:8]):
+        out.append(f"<text x='{L + pw - 4}' y='{T + 12 + 11 * i}' text-anchor='end' "
+                   f"fill='{color}'>{html.escape(label)}</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def stacked_bars(title: str, rows: Sequence[tuple[str, Sequence[float]]],
+                 parts: Sequence[tuple[str, str]], *, unit: str = "ms",
+                 empty: str = "no data yet", width: int = W) -> str:
+    """Horizontal stacked bars: ``rows`` (label, values per part); ``parts`` (name, color)."""
+    n = len(rows)
+    bar = 12 if n <= 16 else max(2, 200 // n)
+    height = T + B + max(1, n) * (bar + 2) + 4
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+           f"class='hvdnb-chart' style='font:10px sans-serif;background:#fff'>"
+           f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
+           f"{html.escape(title)}</text>"]
+    if not rows:
+        out.append(f"<text x='{width / 2}' y='{height / 2 + 5}' text-anchor='middle' fill='#888'>"
+                   f"{html.escape(empty)}</text></svg>")
+        return "".join(out)
+    vmax = max(sum(v for v in vals if v == v) for _, vals in rows) or 1.0
+    pw = width - L - R
+    for i, (label, vals) in enumerate(rows):
+        y = T + i * (bar + 2)
+        x = float(L)
+        if n <= 32 or i % max(1, n // 16) == 0:
+            out.append(f"<text x='{L - 3}' y='{y + bar - 2}' text-anchor='end' fill='#555'>"
+                       f"{html.escape(label)}</text>")
+        for (name, color), v in zip(parts, vals):
+            if v != v or v <= 0:
+                continue
+            w = v / vmax * pw
+            out.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{bar}' fill='{color}'>"
+                       f"<title>{html.escape(label)} {name}: {v:.3g} {unit}</title></rect>")
+            x += w
+    ly = height - 8
+    for i, (name, color) in enumerate(parts):
+        out.append(f"<rect x='{L + 70 * i}' y='{ly - 8}' width='9' height='9' fill='{color}'/>"
+                   f"<text x='{L + 70 * i + 12}' y='{ly}'>{html.escape(name)}</text>")
+    out.append(f"<text x='{width - R}' y='{ly}' text-anchor='end' fill='#555'>max "
+               f"{_fmt(vmax)} {unit}</text></svg>")
+    return "".join(out)

@@ -1,0 +1,116 @@
+"""The panel with a recording dummy comm: batched updates, throttling, knob controls."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    import comm
+
+    log: list[tuple[str, str | None]] = []
+
+    class Recording(comm.DummyComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+            log.append((msg_type, (data or {}).get("method")))
+
+    monkeypatch.setattr(comm, "create_comm", lambda *a, **k: Recording(*a, **k))
+    return log
+
+
+def _feed(store, seq: int, nranks: int = 2, per: int = 10) -> None:
+    for rank in range(nranks):
+        steps = list(range((seq - 1) * per, seq * per))
+        t = [1000.0 + s for s in steps]
+        store.ingest({"rank": rank, "seq": seq, "pid": 1, "step": steps[-1] + 1,
+                      "backend": "gloo", "idle": False,
+                      "cols": {"loss": [steps, t, [1.0 / (s + 1) for s in steps]],
+                               "time/step": [steps, t, [0.01] * per],
+                               "mem/rss": [[steps[-1]], [t[-1]], [3e8]]}})
+
+
+def test_updates_are_batched_and_throttled(sent):
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import Panel
+
+    st = MetricsStore()
+    p = Panel(st, render_interval=0.2)
+    p._idle.stop()
+    sent.clear()
+    # 100 flushes arrive between two ticks: one redraw, one message for the view
+    for seq in range(1, 101):
+        _feed(st, seq)
+    p._last_render = 0.0
+    p.tick()
+    updates = [m for m in sent if m == ("comm_msg", "update")]
+    assert 1 <= len(updates) <= 3, sent
+    # ticks inside the render interval send nothing, even with new data
+    sent.clear()
+    _feed(st, 101)
+    for _ in range(10):
+        p.tick()
+    assert not sent
+    # nothing new: a due tick sends nothing either
+    p._last_render = 0.0
+    p.tick()
+    sent.clear()
+    p._last_render = 0.0
+    p.tick()
+    assert not sent
+
+
+def test_many_ranks_draw_a_band_not_64_lines(sent):
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import charts_html
+
+    st = MetricsStore()
+    _feed(st, 1, nranks=64)
+    html = charts_html(st)
+    loss_svg = html.split("</svg>")[0]
+    assert "min-max band" in loss_svg and loss_svg.count("<polyline") == 1
+
+
+def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
+    from hvdnb.metrics import knobset as kn
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import Panel
+
+    class Ch:
+        ranks = [0, 1]
+
+        def __init__(self) -> None:
+            self.sent: list[tuple] = []
+
+        def send(self, rank, kind, **p) -> None:
+            self.sent.append((rank, kind, p))
+
+    st = MetricsStore()
+    st._channel = Ch()
+    st.on_spec({"spec": kn.make_spec({"batch_size": 64, "warmup_steps": 100, "lr": 0.1})})
+    p = Panel(st)
+    p._idle.stop()
+    p.render(force=True)
+    assert set(p._knob_widgets) == {"batch_size", "warmup_steps", "lr"}
+    p._knob_widgets["warmup_steps"].value = 150  # what a slider drag does
+    assert st._channel.sent[-1][:2] == (0, "knobs_req")
+    assert st._channel.sent[-1][2]["values"] == {"warmup_steps": 150}
+    p.knob_text.value = "lr=-1"
+    p.render(force=True)
+    assert "out of range" in p.knob_status.value and len(st._channel.sent) == 1
+    p.knob_text.value = "lr=oops"
+    assert "refused" in p._note
+
+
+def test_missing_memory_is_na_never_zero(sent):
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import Panel
+
+    st = MetricsStore()
+    st.ingest({"rank": 0, "seq": 1, "pid": 1, "cols": {"loss": [[0], [1.0], [0.5]]}})
+    p = Panel(st)
+    p._idle.stop()
+    p.render(force=True)
+    assert "<td>n/a</td>" in p.view.value
