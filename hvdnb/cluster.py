@@ -314,6 +314,12 @@ class Cluster:
             raise ClusterError(f"could not start the cluster: {type(exc).__name__}: {exc}") from exc
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
+        try:  # feed the metrics store (hvdnb.metrics(), the panel) from this cluster
+            from .metrics import store
+
+            store.attach(self)
+        except Exception as exc:  # metrics are an extra: never fail a start over them
+            log.warning("hvdnb: metrics are unavailable: %s", exc)
         _ALL.add(self)
         _CURRENT = self
         return self

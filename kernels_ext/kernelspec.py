@@ -27,7 +27,10 @@ def get_kernel_dict(executable: str | None = None) -> dict[str, Any]:
     exe = executable or sys.executable
     bindir = str(Path(exe).parent)
     return {
-        "argv": [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext=hvdnb"],
+        "argv": [
+            exe, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+            "--ext=kernels_ext.autoload",
+        ],
         "display_name": DISPLAY_NAME,
         "language": "python",
         "env": {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"},

@@ -70,7 +70,7 @@ def test_binder_environment_builds_and_runs_a_notebook(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "hvdnb ready, torch 2.13.0" in res.stdout
     spec = json.loads((venv / "share/jupyter/kernels/hvdnb/kernel.json").read_text())
-    assert Path(spec["argv"][0]) == py and "--ext=hvdnb" in spec["argv"]
+    assert Path(spec["argv"][0]) == py and "--ext=kernels_ext.autoload" in spec["argv"]
     res = subprocess.run([str(bindir / "jupyter"), "kernelspec", "list"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert re.search(r"^\s*hvdnb\s", res.stdout, re.M), res.stdout

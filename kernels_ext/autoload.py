@@ -1,0 +1,16 @@
+"""Loaded by the "Python 3 (hvdnb)" kernel at start (``--ext=kernels_ext.autoload``).
+
+It registers hvdnb's magics under its own name, so a notebook's own ``%load_ext hvdnb``
+(kept so notebooks also run in a plain Python kernel) loads quietly instead of printing
+"already loaded".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from hvdnb import load_ipython_extension as load
+
+    load(ipython)
