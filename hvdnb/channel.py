@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["ClientChannel", "sign", "verify", "encode", "decode"]
+__all__ = ["ClientChannel", "Endpoint", "sign", "verify", "encode", "decode"]
 
 log = logging.getLogger("hvdnb.channel")
 
@@ -66,43 +66,45 @@ def decode(key: bytes, frames: list[bytes]) -> dict[str, Any] | None:
     return msg
 
 
-class ClientChannel:
-    """The notebook side: one ROUTER socket and an I/O thread.
+class Endpoint:
+    """One ZeroMQ socket owned by one I/O thread: queued sends, dispatched receives.
 
-    Parameters
-    ----------
-    ip : address to bind (127.0.0.1 for local clusters)
-    key : the HMAC key; may be set later (``channel.key = ...``) before engines send
+    Subclasses make the socket (``_make_socket``), say how a queued item goes out
+    (``_send_item``) and how received frames become a message (``_handle``). ``send`` is
+    safe from any thread: it queues and wakes the I/O thread through an inproc pipe.
     """
 
-    def __init__(self, ip: str = "127.0.0.1", key: bytes = b"") -> None:
+    def __init__(self, key: bytes, name: str) -> None:
         self.key = key
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its slot
-        bind_ip = "*" if ip in ("0.0.0.0", "*") else ip
-        port = self._sock.bind_to_random_port(f"tcp://{bind_ip}")
-        self.endpoint = f"tcp://{ip if bind_ip != '*' else '0.0.0.0'}:{port}"
-        self.port = port
-        self._wake_addr = f"inproc://hvdnb-channel-{id(self)}"
+        self._sock = self._make_socket()
+        self._wake_addr = f"inproc://hvdnb-{name}-{id(self)}"
         self._wake_recv = self._ctx.socket(zmq.PULL)
         self._wake_recv.bind(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(self._wake_addr)
-        self._outbox: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
-        self._idents: dict[int, bytes] = {}
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._handlers: dict[str, list[Handler]] = {}
         self.dropped = 0
         self.received = 0
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hvdnb-channel", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"hvdnb-{name}", daemon=True)
         self._thread.start()
+
+    # -------------------------------------------------------------- subclass hooks
+    def _make_socket(self) -> zmq.Socket:
+        raise NotImplementedError
+
+    def _send_item(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def _handle(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
 
     # -------------------------------------------------------------- public
     def on(self, kind: str, handler: Handler) -> None:
-        """Call ``handler(msg)`` (on the channel's thread) for each message of ``kind``."""
+        """Call ``handler(msg)`` (on the I/O thread) for each message of ``kind``."""
         self._handlers.setdefault(kind, []).append(handler)
 
     def off(self, kind: str, handler: Handler) -> None:
@@ -111,37 +113,41 @@ class ClientChannel:
         except ValueError:
             pass
 
-    @property
-    def ranks(self) -> list[int]:
-        """Ranks that have connected (said hello) so far."""
-        return sorted(self._idents)
-
-    def send(self, rank: int, kind: str, **payload: Any) -> None:
-        """Queue a message for ``rank`` (dropped with a warning if it never connected)."""
-        self._outbox.put((rank, {"kind": kind, **payload}))
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
-
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
-        with self._wake_lock:
-            try:
-                self._wake_send.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self._wake()
         self._thread.join(2)
         with self._wake_lock:
             self._wake_send.close(0)
 
-    # -------------------------------------------------------------- I/O thread
+    # -------------------------------------------------------------- internals
+    def _queue(self, item: Any) -> None:
+        self._outbox.put(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:  # closed, or the pipe is full: the thread is awake anyway
+                pass
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        self.received += 1
+        for handler in list(self._handlers.get(msg["kind"], ())):
+            try:
+                handler(msg)
+            except Exception:  # a broken handler must not kill the channel
+                log.exception("hvdnb: channel handler for %r failed", msg["kind"])
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
         try:
-            while not self._closed.is_set():
+            while True:
                 events = dict(poller.poll(500))
                 if self._wake_recv in events:
                     while True:
@@ -149,7 +155,14 @@ class ClientChannel:
                             self._wake_recv.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                    self._flush_outbox()
+                while True:  # flush the outbox (also the last words before closing)
+                    try:
+                        item = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._send_item(item)
+                if self._closed.is_set():
+                    return
                 if self._sock in events:
                     while True:
                         try:
@@ -158,20 +171,48 @@ class ClientChannel:
                             break
                         self._handle(frames)
         finally:
-            self._sock.close(0)
+            self._sock.close()
             self._wake_recv.close(0)
 
-    def _flush_outbox(self) -> None:
-        while True:
-            try:
-                rank, msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            ident = self._idents.get(rank)
-            if ident is None:
-                log.warning("hvdnb: rank %s has not connected its channel; dropped %s", rank, msg)
-                continue
-            self._sock.send_multipart([ident, *encode(self.key, msg)])
+
+class ClientChannel(Endpoint):
+    """The notebook side: one ROUTER socket, bound on ``ip`` at a free port.
+
+    Parameters
+    ----------
+    ip : address to bind (127.0.0.1 for local clusters)
+    key : the HMAC key; may be set later (``channel.key = ...``) before engines send
+    """
+
+    def __init__(self, ip: str = "127.0.0.1", key: bytes = b"") -> None:
+        self._bind_ip = "*" if ip in ("0.0.0.0", "*") else ip
+        self._idents: dict[int, bytes] = {}
+        super().__init__(key, "channel")
+        self.endpoint = f"tcp://{ip if self._bind_ip != '*' else '0.0.0.0'}:{self.port}"
+
+    def _make_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its slot
+        self.port = sock.bind_to_random_port(f"tcp://{self._bind_ip}")
+        return sock
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that have connected (said hello) so far."""
+        return sorted(self._idents)
+
+    def send(self, rank: int, kind: str, **payload: Any) -> None:
+        """Queue a message for ``rank`` (dropped with a warning if it never connected)."""
+        self._queue((rank, {"kind": kind, **payload}))
+
+    def _send_item(self, item: tuple[int, dict[str, Any]]) -> None:
+        rank, msg = item
+        ident = self._idents.get(rank)
+        if ident is None:
+            log.warning("hvdnb: rank %s has not connected its channel; dropped %s", rank, msg)
+            return
+        self._sock.send_multipart([ident, *encode(self.key, msg)])
 
     def _handle(self, frames: list[bytes]) -> None:
         ident, rest = frames[0], frames[1:]
@@ -179,12 +220,7 @@ class ClientChannel:
         if msg is None:
             self.dropped += 1
             return
-        self.received += 1
         rank = msg.get("rank")
         if isinstance(rank, int):
             self._idents[rank] = ident
-        for handler in list(self._handlers.get(msg["kind"], ())):
-            try:
-                handler(msg)
-            except Exception:  # a broken handler must not kill the channel
-                log.exception("hvdnb: channel handler for %r failed", msg["kind"])
+        self._dispatch(msg)

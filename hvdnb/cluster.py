@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -34,6 +35,11 @@ from .config import get_config
 __all__ = ["Cluster", "ClusterError", "find_mpiexec", "gpu_count", "current", "cores"]
 
 log = logging.getLogger("hvdnb")
+#: engine output lines that only bury the message: C++ frames, ipengine start-up chatter
+_NOISE = re.compile(
+    r"^(frame #\d+:|<omitting python frames>|Exception raised from |.*\[IPEngine\] WARNING"
+    r"|.*WARNING \| (Not using CurveZMQ|debugpy_stream)|.*\[KernelNanny)"
+)
 _ipp_log = logging.getLogger("hvdnb.ipyparallel")
 _ipp_log.setLevel(logging.ERROR)
 
@@ -399,15 +405,21 @@ class Cluster:
     def _engine_sets(self) -> list[Any]:
         return list(self._ipp.engines.values()) if self._ipp is not None else []
 
-    def _engine_output(self, tail: int = 30) -> str:
-        out = []
+    def _engine_output(self, tail: int = 20) -> str:
+        """What the engines said: hvdnb's own one-line reports first, then the last lines
+        without C++ stack frames (torch prints dozens when a peer has already gone)."""
+        ours, rest = [], []
         for es in self._engine_sets():
             try:
                 text = es.get_output(remove=False) or ""
             except Exception:
                 text = ""
-            out.extend(text.splitlines()[-tail:])
-        return "\n".join(out) or "(no output)"
+            for line in text.splitlines():
+                if line.startswith("hvdnb:"):
+                    ours.append(line)
+                elif not _NOISE.match(line):
+                    rest.append(line)
+        return "\n".join(ours + rest[-tail:]) or "(no output)"
 
     def _check_alive(self) -> None:
         """Raise ClusterError if the controller or an engine set has exited."""

@@ -203,8 +203,16 @@ def init_process_group(
     if dist.is_available() and dist.is_initialized():
         return w
     timeout_s = cfg.collective_timeout if timeout is None else timeout
-    setup_device(w)
     backend = backend or default_backend()
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():  # every rank checks before the rendezvous
+            raise RuntimeError(
+                "backend nccl needs a CUDA GPU on every rank and this rank sees none: use "
+                "--backend gloo, or leave --backend out to choose automatically"
+            )
+    setup_device(w)
     if w.source == "env":
         # torchrun (or the user) already published the rendezvous address
         dist.init_process_group(

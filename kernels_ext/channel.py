@@ -12,20 +12,15 @@ connect out to the notebook).
 
 from __future__ import annotations
 
-import logging
 import os
-import queue
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from hvdnb.channel import decode, encode
+from hvdnb.channel import Endpoint, decode, encode
 
 __all__ = ["EngineChannel", "get"]
-
-log = logging.getLogger("hvdnb.channel")
 
 _LOCK = threading.Lock()
 _CHANNEL: EngineChannel | None = None
@@ -45,94 +40,35 @@ def _session_key() -> bytes:
         return b""
 
 
-class EngineChannel:
-    """One DEALER socket connected to the notebook's ROUTER, and its I/O thread."""
+class EngineChannel(Endpoint):
+    """One DEALER socket connected to the notebook's ROUTER (says hello on connect)."""
 
     def __init__(self, endpoint: str, key: bytes, rank: int) -> None:
         self.endpoint = endpoint
-        self.key = key
         self.rank = rank
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 500)
-        self._sock.setsockopt(zmq.SNDHWM, 10000)
-        self._sock.connect(endpoint)
-        self._wake_addr = f"inproc://hvdnb-engine-channel-{id(self)}"
-        self._wake_recv = self._ctx.socket(zmq.PULL)
-        self._wake_recv.bind(self._wake_addr)
-        self._wake_lock = threading.Lock()
-        self._wake_send = self._ctx.socket(zmq.PUSH)
-        self._wake_send.connect(self._wake_addr)
-        self._outbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        self._handlers: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
-        self.dropped = 0
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hvdnb-channel", daemon=True)
-        self._thread.start()
+        super().__init__(key, "engine-channel")
         self.send("hello", pid=os.getpid())
 
-    def on(self, kind: str, handler: Callable[[dict[str, Any]], None]) -> None:
-        self._handlers.setdefault(kind, []).append(handler)
+    def _make_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 500)  # last metrics still go out at exit
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.connect(self.endpoint)
+        return sock
 
     def send(self, kind: str, **payload: Any) -> None:
         """Queue a message to the notebook; returns at once."""
-        self._outbox.put({"kind": kind, "rank": self.rank, **payload})
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._queue({"kind": kind, "rank": self.rank, **payload})
 
-    def close(self) -> None:
-        if self._closed.is_set():
+    def _send_item(self, msg: dict[str, Any]) -> None:
+        self._sock.send_multipart(encode(self.key, msg))
+
+    def _handle(self, frames: list[bytes]) -> None:
+        msg = decode(self.key, frames)
+        if msg is None:
+            self.dropped += 1
             return
-        self._closed.set()
-        with self._wake_lock:
-            try:
-                self._wake_send.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        self._thread.join(2)
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll(500))
-                if self._wake_recv in events:
-                    while True:
-                        try:
-                            self._wake_recv.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                self._flush()
-                if self._closed.is_set():
-                    return
-                if self._sock in events:
-                    while True:
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        msg = decode(self.key, frames)
-                        if msg is None:
-                            self.dropped += 1
-                            continue
-                        for h in list(self._handlers.get(msg["kind"], ())):
-                            try:
-                                h(msg)
-                            except Exception:
-                                log.exception("hvdnb: handler for %r failed", msg["kind"])
-        finally:
-            self._sock.close()
-            self._wake_recv.close(0)
-
-    def _flush(self) -> None:
-        while True:
-            try:
-                msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._sock.send_multipart(encode(self.key, msg))
+        self._dispatch(msg)
 
 
 def get() -> EngineChannel | None:
