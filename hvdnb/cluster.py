@@ -518,11 +518,39 @@ class Cluster:
                 pass
         return sorted(found)
 
+    def _rank_pids(self) -> list[int]:
+        """The engine processes themselves (children of each mpiexec)."""
+        import psutil
+
+        pids = []
+        for es in self._engine_sets():
+            proc = getattr(es, "process", None)
+            try:
+                pids.extend(p.pid for p in psutil.Process(proc.pid).children())
+            except (AttributeError, psutil.NoSuchProcess):
+                pass
+        return pids
+
     async def _stop_async(self) -> None:
+        import psutil
+
         c = self._ipp
+        # wait for the ranks (not mpiexec: gforker lingers ~2 s after its children exit),
+        # then stop_engines signals whatever launcher is left
+        ranks = self._rank_pids()
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(es.running for es in c.engines.values()):
+        while time.monotonic() < deadline and any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+            for p in ranks
+        ):
             await asyncio.sleep(0.02)
+        for es in self._engine_sets():  # the ranks are gone: mpiexec has nothing left to do
+            proc = getattr(es, "process", None)  # a psutil.Process in ipyparallel 9
+            try:
+                if proc is not None and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+            except (psutil.NoSuchProcess, OSError):
+                pass
         if c.engines:
             await c.stop_engines()
         if c.controller is not None:
@@ -608,7 +636,20 @@ def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=wait)
+    # not our children, so a killed one may linger as a zombie until init reaps it:
+    # "gone" means gone or zombie (psutil.wait_procs would wait out its whole timeout)
+    deadline = time.monotonic() + wait
+    while procs and time.monotonic() < deadline:
+        left = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        procs = left
+        if procs:
+            time.sleep(0.01)
 
 
 def _stop_all_at_exit() -> None:
