@@ -26,8 +26,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 	$(BIN)/hvdnb install-kernel
 
+# JupyterLab refuses to start as root (containers, CI boxes) unless told it is intended
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: install
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(ALLOW_ROOT)
 
 demo: $(VENV)/.installed
 	$(BIN)/hvdnb demo -n 2
