@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys

@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-import hvdnb
 from tests.conftest import alive
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import zmq
 
 from hvdnb.channel import ClientChannel, decode, encode
