@@ -5,8 +5,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch is pinned to the CPU build through constraints.txt: a fresh resolve of an open
-# range would pull the newest torch with several GB of CUDA wheels.
-PIP    := $(BIN)/python -m pip install -q -c constraints.txt
+# range would pull the newest torch with several GB of CUDA wheels. On a GPU node:
+#   make lab TORCH=torch CONSTRAINTS=      (pip's default torch, with CUDA)
+TORCH       ?= torch==2.13.0
+CONSTRAINTS ?= -c constraints.txt
+PIP    := $(BIN)/python -m pip install -q $(CONSTRAINTS)
 PYTEST_ARGS ?=
 
 .PHONY: lab test demo bench install clean
@@ -15,7 +18,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) "torch==2.13.0"
+	$(PIP) "$(TORCH)"
 	$(PIP) -e .
 	touch $@
 
