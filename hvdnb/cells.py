@@ -316,7 +316,7 @@ def run_cell(
                 for r, fut in futures.items():
                     if r not in done and fut.done():
                         done.add(r)
-                        _collect(result, r, children[r])
+                        _collect(result, r, children[r], cluster)
                         if r in result.errors and failed_at is None:
                             failed_at = time.monotonic()
             if stream:
@@ -385,7 +385,7 @@ def run_cell(
     return result
 
 
-def _collect(result: CellResult, rank: int, child: Any) -> None:
+def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> None:
     try:
         out = child.get(0)
         if isinstance(out, list):  # a one-rank AsyncResult still returns a list
@@ -394,10 +394,15 @@ def _collect(result: CellResult, rank: int, child: Any) -> None:
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError":  # the engine process is gone: say so, not ipyparallel's stack
+            why = (
+                "died or became unreachable (the controller stopped hearing from it: its "
+                "host may be down or cut off the network)"
+                if getattr(cluster, "multi_host", False)
+                else "died while running this cell (killed by a signal, for example out of memory)"
+            )
             result.errors[rank] = {
                 "ename": "RankDied",
-                "evalue": f"rank {rank} died while running this cell (killed by a signal, "
-                "for example out of memory)",
+                "evalue": f"rank {rank} {why}",
                 "traceback": "",
                 "dead": True,
             }

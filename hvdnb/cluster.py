@@ -7,6 +7,14 @@ venv's own ``mpiexec``, input validation, and clean stops (engines first, then t
 controller: 0.5 s instead of ipyparallel's 3.5 s). Every ipyparallel coroutine runs on one
 private event-loop thread so that launcher callbacks (an engine set exiting) keep working.
 
+Across hosts (``launcher="slurm"``/``"ssh"``/..., ``hosts=HOSTFILE`` for one MPI job over
+several hosts under hydra, or ``engine_sets=[...]`` for one engine set per host): the
+controller and the side channel listen on one reachable address (``ip``; by default the
+address of this host's route to the first host named, else its hostname's address),
+never on every interface; rank 0's rendezvous store listens on its own route to the
+notebook; transports are not pinned to ``lo``. Slurm jobs are submitted with ipyparallel's
+``SlurmEngineSetLauncher`` (an sbatch script running ``srun``), never a scheduler of ours.
+
 Never: import torch in the notebook kernel (it would cost seconds and may initialise CUDA
 where engines need it), choose fixed ports, or listen beyond loopback unless a multi-host
 launcher asks for it.
@@ -168,6 +176,18 @@ class Cluster:
     engine_env : extra environment variables for the engines
     launcher_config : extra ipyparallel config for the engine launcher class, e.g.
         ``{"mpi_args": ["-hostfile", "hosts"]}``
+    hosts : an MPI hostfile (``host[:slots]`` per line): one MPI job across those hosts
+        under MPICH's hydra ``mpiexec -f HOSTFILE``
+    engine_sets : one engine set per host instead of one MPI job: a list of dicts with
+        ``n`` (ranks on that host) and ipyparallel ``MPILauncher`` traits such as
+        ``mpi_cmd`` (e.g. ``["ssh", "gpu2", "mpiexec"]``) or ``mpi_args``; global ranks
+        are numbered set after set
+    ip : the address the controller and the side channel listen on when ranks run on
+        other hosts (default: this host's address on the route to them); ignored (loopback)
+        when every rank is on this host
+    partition, time_limit, gpus_per_node, account, sbatch_args : Slurm job options
+        (``launcher="slurm"``): ``#SBATCH --partition/--time/--gpus-per-node/--account``
+        lines, plus any further ``sbatch`` arguments
 
     Examples
     --------
@@ -185,24 +205,57 @@ class Cluster:
         oversubscribe: bool = False,
         engine_env: dict[str, str] | None = None,
         launcher_config: dict[str, Any] | None = None,
+        hosts: str | None = None,
+        engine_sets: list[dict[str, Any]] | None = None,
+        ip: str | None = None,
+        partition: str | None = None,
+        time_limit: str | None = None,
+        gpus_per_node: int | None = None,
+        account: str | None = None,
+        sbatch_args: list[str] | None = None,
     ) -> None:
         cfg = get_config()
-        self.n = self._check_n(n, oversubscribe)
+        if not isinstance(launcher, str) or not launcher:
+            raise ClusterError(f"launcher must be a name such as 'mpi' or 'slurm', not {launcher!r}")
+        self.launcher = launcher.lower()
+        self.hosts = self._check_hostfile(hosts) if hosts else None
+        self.engine_sets = self._check_sets(engine_sets, n) if engine_sets else None
+        if self.hosts and self.launcher != "mpi":
+            raise ClusterError(
+                f"a hostfile runs one MPI job across hosts: use it with --launcher mpi, not "
+                f"{self.launcher!r} (Slurm chooses the hosts itself)"
+            )
+        if self.engine_sets is not None:
+            n = sum(int(es["n"]) for es in self.engine_sets)
+        if self.hosts and n is None:
+            n = _hostfile_slots(self.hosts)  # mpiexec -f fills the slots in order
+        #: ranks may run on other hosts: listen on a reachable address, pin nothing to lo
+        self.multi_host = bool(
+            self.launcher not in _LOCAL_LAUNCHERS or self.hosts or self.engine_sets
+        )
+        self.slurm = {
+            "partition": partition, "time": time_limit, "gpus-per-node": gpus_per_node,
+            "account": account,
+        }
+        self.sbatch_args = list(sbatch_args or [])
+        if self.launcher != "slurm" and (any(self.slurm.values()) or self.sbatch_args):
+            raise ClusterError(
+                "--partition, --time, --gpus-per-node, --account and sbatch arguments are "
+                "Slurm options: add `--launcher slurm`"
+            )
+        self.n = self._check_n(n, oversubscribe or self.multi_host)
         if backend not in (None, "auto", "gloo", "nccl", "mpi"):
             raise ClusterError(
                 f"unknown backend {backend!r}: use gloo (CPU), nccl (GPU), mpi, or leave it "
                 "out for automatic"
             )
         self.backend = None if backend == "auto" else backend
-        if not isinstance(launcher, str) or not launcher:
-            raise ClusterError(f"launcher must be a name such as 'mpi' or 'slurm', not {launcher!r}")
-        self.launcher = launcher.lower()
         if timeout is not None and not timeout > 0:
             raise ClusterError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.timeout = float(timeout or cfg.start_timeout)
         self.engine_env = dict(engine_env or {})
         self.launcher_config = dict(launcher_config or {})
-        self.ip = cfg.ip
+        self.ip = self._listen_ip(ip, cfg.ip)
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.client: Any = None
         self.view: Any = None
@@ -235,6 +288,64 @@ class Cluster:
             )
         return n
 
+    @staticmethod
+    def _check_hostfile(path: str) -> str:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ClusterError(
+                f"hostfile {path!r} not found: write one host per line (`gpu1:4` for 4 "
+                "ranks on gpu1), then `%dist start --hosts FILE`"
+            )
+        if not _hostfile_hosts(str(p)):
+            raise ClusterError(f"hostfile {path!r} names no host: one `host[:slots]` per line")
+        return str(p.resolve())
+
+    @staticmethod
+    def _check_sets(sets: Any, n: Any) -> list[dict[str, Any]]:
+        if not isinstance(sets, list) or not sets:
+            raise ClusterError("engine_sets must be a non-empty list of dicts with `n`")
+        out = []
+        for i, es in enumerate(sets):
+            k = es.get("n") if isinstance(es, dict) else None
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ClusterError(f"engine set {i} needs `n`, a whole number >= 1 (got {es!r})")
+            out.append(dict(es))
+        total = sum(es["n"] for es in out)
+        if n is not None and n != total:
+            raise ClusterError(f"-n {n} but the engine sets hold {total} ranks: leave -n out")
+        return out
+
+    def _listen_ip(self, ip: str | None, default: str) -> str:
+        """Loopback for one host; across hosts one reachable address, never every one."""
+        if not self.multi_host:
+            return ip or default
+        if ip:
+            return ip
+        if default not in ("127.0.0.1", "localhost"):
+            return default  # HVDNB_IP
+        peers = []
+        if self.hosts:
+            peers = _hostfile_hosts(self.hosts)
+        for es in self.engine_sets or []:
+            if es.get("host"):
+                peers.append(str(es["host"]))
+        from .rendezvous import route_addr
+
+        for peer in peers:
+            try:
+                addr = route_addr(socket.gethostbyname(peer))
+            except OSError:
+                continue
+            if not addr.startswith("127."):
+                return addr
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            raise ClusterError(
+                "cannot tell which address the other hosts reach this one on: pass "
+                "`--ip ADDRESS` (or Cluster(ip=...))"
+            ) from None
+
     # ------------------------------------------------------------------ lifecycle
     @property
     def running(self) -> bool:
@@ -244,7 +355,7 @@ class Cluster:
         import ipyparallel as ipp
 
         cfg = get_config()
-        local = self.launcher in _LOCAL_LAUNCHERS
+        local = not self.multi_host
         env = {"HVDNB_BACKEND": self.backend or "", **self.engine_env}
         if self.channel is not None:
             env["HVDNB_CHANNEL"] = self.channel_endpoint
@@ -261,7 +372,7 @@ class Cluster:
             engines=self.launcher,
             n=self.n,
             cluster_id=self.cluster_id,
-            controller_ip=self.ip if local else "*",
+            controller_ip=self.ip,
             controller_args=[f"--HeartMonitor.period={cfg.heartbeat_ms}"],
             # engines wait for the connection file themselves: start them with the controller
             send_engines_connection_env=False,
@@ -277,13 +388,49 @@ class Cluster:
             f"--IPEngine.wait_for_url_file={self.timeout}",
             "--log-level=WARN",
         ]
+        # ranks that rendezvous through the notebook read the session key from here
+        env["HVDNB_ENGINE_FILE"] = os.path.join(
+            c.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json"
+        )
         c.config[launcher_cls].environment = env
         if self.launcher == "mpi":
-            hostfile = any("host" in str(a) for a in self.launcher_config.get("mpi_args", []))
+            hostfile = self.hosts is not None or any(
+                "host" in str(a) for a in self.launcher_config.get("mpi_args", [])
+            )
             c.config.MPILauncher.mpi_cmd = [find_mpiexec(local=not hostfile)]
+            if self.hosts:
+                c.config.MPILauncher.mpi_args = ["-f", self.hosts]
+        if self.launcher == "slurm":
+            # script and job output beside the connection files, not in the notebook's cwd
+            base = os.path.join(c.profile_dir, "log", f"ipengine-{self.cluster_id}-slurm")
+            c.config[launcher_cls].batch_file_name = base + ".sbatch"
+            c.config[launcher_cls].output_file = base + ".out"
+            c.config[launcher_cls].batch_template = self._sbatch_template(base + ".out")
         for k, v in self.launcher_config.items():
             c.config[launcher_cls][k] = v
         return c
+
+    def _sbatch_template(self, output: str) -> str:
+        """The engines' sbatch script: ipyparallel fills ``{n}``, ``{cluster_id}`` and
+        ``{program_and_args}``; ``srun`` starts one engine per task."""
+        lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+                 "#SBATCH --ntasks={n}", f"#SBATCH --output={output}"]
+        for k, v in self.slurm.items():
+            if v not in (None, ""):
+                lines.append(f"#SBATCH --{k}={v}")
+        lines += [f"#SBATCH {a}" for a in self.sbatch_args]
+        lines.append("srun {program_and_args}")
+        return "\n".join(lines) + "\n"
+
+    def _set_env(self, i: int, base: int) -> dict[str, str]:
+        """What tells the ranks of engine set ``i`` their global numbers."""
+        assert self.engine_sets is not None
+        return {
+            "HVDNB_RANK_BASE": str(base),
+            "HVDNB_WORLD_SIZE": str(self.n),
+            "HVDNB_CROSS_RANK": str(i),
+            "HVDNB_CROSS_SIZE": str(len(self.engine_sets)),
+        }
 
     def start(self) -> Cluster:
         """Start the controller and ``n`` engines; return when every rank can train.
@@ -297,6 +444,11 @@ class Cluster:
             )
         if self.launcher == "mpi":
             find_mpiexec()  # fail before starting anything
+        if self.launcher == "slurm" and shutil.which("sbatch") is None:
+            raise ClusterError(
+                "sbatch not found: --launcher slurm submits the engines with sbatch; run the "
+                "notebook on a host of the Slurm cluster (a login node), or load its module"
+            )
         _warn_cuda_in_kernel()
         t0 = time.perf_counter()
         self._loop = self._loop or _LoopThread()
@@ -332,12 +484,30 @@ class Cluster:
 
     async def _start_async(self) -> None:
         c = self._ipp
-        await asyncio.gather(c.start_controller(), c.start_engines(self.n))
+        if not self.engine_sets:
+            await asyncio.gather(c.start_controller(), c.start_engines(self.n))
+            return
+        # one engine set per host; each launcher copies the config when it is created
+        base_env = dict(c.config.MPIEngineSetLauncher.environment)
+        base_args = list(c.config.MPILauncher.get("mpi_args", []))
+        ctrl = asyncio.ensure_future(c.start_controller())
+        base = 0
+        for i, es in enumerate(self.engine_sets):
+            c.config.MPIEngineSetLauncher.environment = {**base_env, **self._set_env(i, base)}
+            c.config.MPILauncher.mpi_cmd = list(es.get("mpi_cmd") or [find_mpiexec()])
+            c.config.MPILauncher.mpi_args = list(es.get("mpi_args", base_args))
+            await c.start_engines(es["n"], engine_set_id=f"host{i}")
+            base += es["n"]
+        await ctrl
 
     def _connect(self) -> None:
         from ipyparallel import Client
 
         info = self._loop.run(self._connection_info(), timeout=self.timeout)  # type: ignore[union-attr]
+        if self.channel is not None and info.get("key"):
+            # ranks that rendezvous through the channel talk before they register
+            key = info["key"]
+            self.channel.key = key.encode() if isinstance(key, str) else bytes(key)
         self.client = Client(info, cluster=self._ipp, cluster_id=self.cluster_id)
         deadline = time.monotonic() + self.timeout
         while len(self.client.ids) < self.n:
@@ -360,16 +530,36 @@ class Cluster:
 
         import zmq
 
-        local = self.launcher in _LOCAL_LAUNCHERS
         try:
-            self.channel = ClientChannel(ip=self.ip if local else "0.0.0.0")
+            self.channel = ClientChannel(ip=self.ip)
         except zmq.ZMQError as exc:
             raise ClusterError(
-                f"cannot listen on {self.ip} ({exc}): HVDNB_IP must be an address of this "
-                "host; leave it unset for 127.0.0.1"
+                f"cannot listen on {self.ip} ({exc}): --ip / HVDNB_IP must be an address of "
+                "this host; leave it unset for 127.0.0.1"
             ) from None
-        host = self.ip if local else socket.gethostbyname(socket.gethostname())
-        self.channel_endpoint = f"tcp://{host}:{self.channel.port}"
+        self.channel_endpoint = f"tcp://{self.ip}:{self.channel.port}"
+        self._rdv: dict[str, Any] = {}
+        self.hosts_seen: dict[int, str] = {}
+        ch = self.channel
+        ch.on("rdv_announce", self._on_rdv_announce)
+        ch.on("rdv_ask", self._on_rdv_ask)
+        ch.on("rank_info", self._on_rank_info)
+
+    # rendezvous through the notebook (ranks without an MPI world): rank 0 announces its
+    # store, the others ask until it is known; every message is answered (channel thread)
+    def _on_rdv_announce(self, msg: dict[str, Any]) -> None:
+        if msg.get("rank") != 0:
+            return
+        self._rdv = {"addr": msg.get("addr"), "port": msg.get("port")}
+        self.channel.send(0, "rdv_ok", **self._rdv)
+
+    def _on_rdv_ask(self, msg: dict[str, Any]) -> None:
+        if self._rdv and isinstance(msg.get("rank"), int):
+            self.channel.send(msg["rank"], "rdv_store", **self._rdv)
+
+    def _on_rank_info(self, msg: dict[str, Any]) -> None:
+        if isinstance(msg.get("rank"), int) and msg.get("host"):
+            self.hosts_seen[msg["rank"]] = str(msg["host"])
 
     def _root_pids(self) -> list[int]:
         pids = []
@@ -431,8 +621,11 @@ class Cluster:
         for es in self._engine_sets():
             if es.stop_data is not None:
                 code = es.stop_data.get("exit_code")
+                where = ""
+                if len(self._engine_sets()) > 1:
+                    where = f" of engine set {getattr(es, 'engine_set_id', '?')}"
                 raise ClusterError(
-                    f"the engines exited (mpiexec exit code {code}). Last output:\n"
+                    f"the engines{where} exited (launcher exit code {code}). Last output:\n"
                     f"{self._engine_output()}\nFix the cause above, then `%dist restart`."
                 )
 
@@ -616,6 +809,38 @@ class Cluster:
             row["last cell"] = f"[{last['cell']}] {last['state']}" if last else "-"
             rows.append(row)
         return rows
+
+
+def _hostfile_slots(path: str) -> int:
+    """Ranks an MPI hostfile holds: ``host:4`` or ``host slots=4`` count 4, a bare host 1."""
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        head, *rest = line.split()
+        slots = 1
+        if ":" in head:
+            slots = int(head.split(":", 1)[1] or 1)
+        for word in rest:
+            if word.startswith("slots="):
+                slots = int(word.split("=", 1)[1])
+        total += max(slots, 1)
+    return total
+
+
+def _hostfile_hosts(path: str) -> list[str]:
+    """Host names of an MPI hostfile (``host[:slots]`` or ``host slots=N`` per line)."""
+    hosts = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            hosts.append(line.split()[0].split(":")[0])
+    return hosts
 
 
 def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:

@@ -17,6 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import cells
+from ._output import format_ranks
 from . import cluster as _cluster
 
 __all__ = ["DistMagics"]
@@ -57,12 +58,32 @@ class DistMagics(Magics):
         action="store_true",
         help="allow more ranks than this host has cores (or GPUs)",
     )
+    @argument(
+        "--hosts",
+        default=None,
+        metavar="HOSTFILE",
+        help="MPI hostfile (host[:slots] per line): one MPI job across those hosts",
+    )
+    @argument(
+        "--ip",
+        default=None,
+        help="address the controller listens on when ranks run on other hosts "
+        "(default: this host's address on the route to them; loopback for one host)",
+    )
+    @argument("--partition", default=None, help="Slurm partition (--launcher slurm)")
+    @argument("--time", default=None, help="Slurm time limit, e.g. 1:00:00 (--launcher slurm)")
+    @argument(
+        "--gpus-per-node", type=int, default=None, help="Slurm GPUs per node (--launcher slurm)"
+    )
+    @argument("--account", default=None, help="Slurm account (--launcher slurm)")
     def dist(self, line: str) -> Any:
         """Start, stop, restart or inspect the cluster of ranks.
 
         Examples::
 
             %dist start -n 2          # 2 ranks under mpiexec, torch.distributed ready
+            %dist start -n 8 --launcher slurm --partition gpu --time 1:00:00 --gpus-per-node 4
+            %dist start --hosts hostfile   # one MPI job across the hosts in the file
             %dist status              # rank, host, pid, device, state, last cell
             %dist restart             # fresh ranks, same settings
             %dist stop                # nothing left running
@@ -91,13 +112,21 @@ class DistMagics(Magics):
                 launcher=args.launcher,
                 timeout=args.timeout,
                 oversubscribe=args.oversubscribe,
+                hosts=args.hosts,
+                ip=args.ip,
+                partition=args.partition,
+                time_limit=args.time,
+                gpus_per_node=args.gpus_per_node,
+                account=args.account,
             )
             c.start()
         except (_cluster.ClusterError, ValueError) as exc:
             raise _usage(exc) from None
+        where = f"; listening on {c.ip}" if c.multi_host else ""
         print(
             f"hvdnb: {c.n} ranks ready in {c.start_seconds:.1f} s "
-            f"(launcher {c.launcher}, backend {c.backend or 'auto'}); "
+            f"(launcher {c.launcher}{' with ' + args.hosts if args.hosts else ''}, backend "
+            f"{c.backend or 'auto'}{where}); "
             "use %%distributed to run a cell on every rank"
         )
         _show_panel(c)
@@ -136,6 +165,11 @@ class DistMagics(Magics):
         except _cluster.ClusterError as exc:
             raise _usage(exc) from None
         print(_table(rows))
+        hosts: dict[str, list[int]] = {}
+        for r in rows:
+            hosts.setdefault(str(r.get("host", "?")), []).append(r["rank"])
+        if len(hosts) > 1:
+            print("hosts: " + "; ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in hosts.items()))
 
     @cell_magic
     @magic_arguments()

@@ -1,9 +1,17 @@
 """Who am I in the job, and the default torch.distributed process group.
 
-Owns: discovering rank / size / local rank (from MPI under ``mpiexec``, from torchrun's
-variables, or a world of one), exporting the torchrun-style variables, choosing the
-device and the thread count, and (re)initialising the default process group through a
-TCPStore that rank 0 opens on a free port and announces over MPI (race-free).
+Owns: discovering rank / size / local rank (from MPI under ``mpiexec``, from Slurm's task
+variables under ``srun``, from hvdnb's per-host engine sets, from torchrun's variables, or
+a world of one), exporting the torchrun-style variables, choosing the device, the thread
+count and the network interface, and (re)initialising the default process group through a
+TCPStore that rank 0 opens on a free port and announces race-free: over MPI when MPI sees
+the whole job, else over hvdnb's signed side channel through the notebook.
+
+Ranks under srun: Slurm's ``--mpi=pmi2``/``pmix`` give MPICH its world, and then MPI is
+used as under mpiexec; with a site's default ``--mpi=none`` MPI sees a world of one, so
+rank, size and local rank come from ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID``
+and rank 0's store address and port travel over the side channel (MASTER_ADDR is the
+address of rank 0's route to the notebook, so it is reachable wherever the notebook is).
 
 Never: start processes, talk to ipyparallel, or pick a fixed port.
 """
@@ -35,7 +43,8 @@ class World:
     cross_rank: int
     cross_size: int
     hostname: str
-    #: "mpi" under mpiexec, "env" under torchrun, "single" otherwise
+    #: "mpi" under mpiexec, "slurm" under srun without a PMI world, "sets" for one of
+    #: several per-host engine sets, "env" under torchrun, "single" otherwise
     source: str
 
     @property
@@ -63,17 +72,65 @@ def _launched_size() -> int:
     return 0
 
 
+def _under_srun_without_pmi() -> bool:
+    """A Slurm task whose MPI would see a world of one (srun --mpi=none)."""
+    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and not any(
+        k in os.environ for k in ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+    )
+
+
+def _int_env(key: str, default: int) -> int:
+    try:
+        return int(os.environ[key])
+    except (KeyError, ValueError):
+        return default
+
+
 def discover() -> World:
     """Find this process's rank, size and local rank, once per process.
 
-    Order: MPI (when started by mpiexec), then torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``,
-    else a world of one.
+    Order: one of hvdnb's per-host engine sets (``HVDNB_WORLD_SIZE`` set by the client,
+    MPI within the set), a Slurm task without a PMI world (``SLURM_PROCID`` ...), MPI (when
+    started by mpiexec, or srun with PMI), then torchrun's ``RANK``/``WORLD_SIZE``/
+    ``LOCAL_RANK``, else a world of one.
     """
     global _WORLD
     if _WORLD is not None:
         return _WORLD
     host = socket.gethostname()
-    if _under_mpiexec():
+    if "HVDNB_WORLD_SIZE" in os.environ and "HVDNB_RANK_BASE" in os.environ:
+        # one engine set per host: MPI numbers the ranks within the set, the client
+        # numbered the sets
+        local_rank, local_size = 0, 1
+        if _under_mpiexec():
+            from mpi4py import MPI
+
+            local_rank, local_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        _WORLD = World(
+            rank=_int_env("HVDNB_RANK_BASE", 0) + local_rank,
+            size=_int_env("HVDNB_WORLD_SIZE", 1),
+            local_rank=local_rank,
+            local_size=local_size,
+            cross_rank=_int_env("HVDNB_CROSS_RANK", 0),
+            cross_size=_int_env("HVDNB_CROSS_SIZE", 1),
+            hostname=host,
+            source="sets",
+        )
+    elif _under_srun_without_pmi():
+        size = _int_env("SLURM_NTASKS", 1)
+        nodes = max(_int_env("SLURM_NNODES", 1), 1)
+        local_size = _int_env("SLURM_NTASKS_PER_NODE", 0) or _slurm_local_size(size, nodes)
+        _WORLD = World(
+            rank=_int_env("SLURM_PROCID", 0),
+            size=size,
+            local_rank=_int_env("SLURM_LOCALID", 0),
+            local_size=local_size,
+            cross_rank=_int_env("SLURM_NODEID", 0),
+            cross_size=nodes,
+            hostname=host,
+            source="slurm",
+        )
+    elif _under_mpiexec():
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
@@ -119,6 +176,23 @@ def discover() -> World:
     return _WORLD
 
 
+def _slurm_local_size(size: int, nodes: int) -> int:
+    """Tasks on this node, from ``SLURM_TASKS_PER_NODE`` ("2(x3),1" style) or an even split."""
+    spec = os.environ.get("SLURM_TASKS_PER_NODE", "")
+    node = _int_env("SLURM_NODEID", 0)
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        num, _, rep = part.partition("(x")
+        try:
+            counts += [int(num)] * (int(rep.rstrip(")")) if rep else 1)
+        except ValueError:
+            counts = []
+            break
+    if node < len(counts):
+        return counts[node]
+    return max(1, -(-size // nodes))
+
+
 def world() -> World:
     """The World of this process (discovered on first use)."""
     return discover()
@@ -136,13 +210,60 @@ def threads_per_rank(w: World) -> int:
     return max(1, _cores() // max(w.local_size, 1))
 
 
+def _channel_host() -> str | None:
+    """The notebook's address, from the side channel's endpoint (``tcp://host:port``)."""
+    ep = os.environ.get("HVDNB_CHANNEL", "")
+    if not ep.startswith("tcp://"):
+        return None
+    host = ep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host or None
+
+
+def route_addr(peer: str) -> str:
+    """This host's address on the route to ``peer`` (a UDP connect sends no packet)."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return str(s.getsockname()[0])
+
+
+def ifname_of(addr: str) -> str | None:
+    """The network interface that owns ``addr`` (None when none does)."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None
+
+
 def _master_addr(w: World, ip: str) -> str:
-    """Rank 0's address: loopback when the whole job is on one host."""
+    """Rank 0's address: loopback when the whole job is on one host; across hosts, an
+    explicit non-loopback ``ip``, else the address of rank 0's route to the notebook (an
+    address the other hosts can reach, as the notebook's own is reachable from them)."""
     if w.local_size == w.size:
         return ip
     if ip not in ("127.0.0.1", "localhost"):
         return ip
+    peer = _channel_host()
+    if peer and peer not in ("127.0.0.1", "localhost", "0.0.0.0"):
+        try:
+            return route_addr(peer)
+        except OSError:
+            pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def _pin_interface(addr: str) -> None:
+    """Make gloo use the interface of ``addr`` (its default resolves the hostname, which
+    on a multi-homed node may name an address the other hosts cannot reach)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or addr.startswith("127."):
+        return
+    name = ifname_of(addr)
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def export_env(w: World, master_addr: str, master_port: int) -> None:
@@ -245,22 +366,116 @@ def _shutdown() -> None:
 def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
     from torch.distributed import TCPStore
 
-    addr = _master_addr(w, ip)
     if w.size == 1:
+        addr = _master_addr(w, ip)
         store, port = _listen_store(addr, 1, wait)
         return store, addr, port
     comm = w.comm
+    if comm is None:  # srun without PMI, per-host engine sets: through the notebook
+        return _open_store_via_channel(w, ip, wait)
     if w.rank == 0:
+        addr = _master_addr(w, ip)
         try:
             store, port = _listen_store(addr, w.size, wait)
         except Exception as exc:  # tell the others instead of leaving them in bcast
-            comm.bcast(-1, root=0)
+            comm.bcast(("", -1), root=0)
             raise RuntimeError(f"rank 0 could not open a rendezvous store on {addr}: {exc}")
-        comm.bcast(port, root=0)
+        comm.bcast((addr, port), root=0)
+        _pin_interface(addr)
         return store, addr, port
-    port = comm.bcast(None, root=0)
+    # rank 0's address, not ours: across hosts they differ
+    addr, port = comm.bcast(None, root=0)
     if port < 0:
         raise RuntimeError("rank 0 could not open the rendezvous store; see rank 0's error")
+    _pin_interface(_route_or(addr))
+    store = TCPStore(addr, port, w.size, False, timeout=timedelta(seconds=wait))
+    return store, addr, port
+
+
+def _route_or(peer: str) -> str:
+    try:
+        return route_addr(peer)
+    except OSError:
+        return peer
+
+
+def _engine_key(wait: float) -> bytes:
+    """The ipyparallel session key, read from the engine connection file (0600) that the
+    engine itself is about to read: the side channel is signed with it."""
+    import json
+    import time
+
+    key = os.environ.get("HVDNB_CHANNEL_KEY")
+    if key:
+        return key.encode()
+    path = os.environ.get("HVDNB_ENGINE_FILE", "")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(path) as f:
+                return str(json.load(f)["key"]).encode()
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no engine connection file at {path or '(HVDNB_ENGINE_FILE unset)'} after "
+                    f"{wait:.0f} s: ranks on other hosts need the notebook's profile directory "
+                    "on a shared file system (as ipyparallel's own engines do)"
+                ) from None
+            time.sleep(0.1)
+
+
+def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
+    """Rank 0 opens the store and tells the notebook; the others ask the notebook. Each
+    message is repeated until answered (the notebook may not hold the key yet)."""
+    import threading
+    import time
+
+    from torch.distributed import TCPStore
+
+    from kernels_ext import channel as kch
+
+    if not os.environ.get("HVDNB_CHANNEL"):
+        raise RuntimeError(
+            f"rank {w.rank} of {w.size} has no MPI world and no hvdnb side channel to "
+            "rendezvous through: start the ranks with hvdnb.Cluster / %dist start"
+        )
+    ch = kch.get(rank=w.rank, key=_engine_key(wait))
+    assert ch is not None
+    got: dict[str, Any] = {}
+    done = threading.Event()
+
+    def on_store(msg: dict[str, Any]) -> None:
+        got.update(addr=msg.get("addr"), port=msg.get("port"))
+        done.set()
+
+    ch.on("rdv_store", on_store)
+    ch.on("rdv_ok", on_store)
+    store = None
+    if w.rank == 0:
+        addr = _master_addr(w, ip)
+        store, port = _listen_store(addr, w.size, wait)
+        _pin_interface(addr)
+        ask = ("rdv_announce", {"addr": addr, "port": port})
+    else:
+        ask = ("rdv_ask", {})
+    deadline = time.monotonic() + wait
+    try:
+        while not done.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank {w.rank}: no rendezvous address from the notebook after {wait:.0f} s "
+                    f"(channel {os.environ.get('HVDNB_CHANNEL')}): is the notebook's address "
+                    "reachable from this host? Pass Cluster(ip=...) / `%dist start --ip ...`"
+                )
+            ch.send(ask[0], **ask[1])
+            done.wait(0.5)
+    finally:
+        ch.off("rdv_store", on_store)
+        ch.off("rdv_ok", on_store)
+    if store is not None:
+        return store, got["addr"], int(got["port"])
+    addr, port = str(got["addr"]), int(got["port"])
+    _pin_interface(_route_or(addr))
     store = TCPStore(addr, port, w.size, False, timeout=timedelta(seconds=wait))
     return store, addr, port
 

@@ -71,8 +71,12 @@ class EngineChannel(Endpoint):
         self._dispatch(msg)
 
 
-def get() -> EngineChannel | None:
-    """This rank's channel (connected on first call), or None outside an hvdnb cluster."""
+def get(rank: int | None = None, key: bytes | None = None) -> EngineChannel | None:
+    """This rank's channel (connected on first call), or None outside an hvdnb cluster.
+
+    ``rank`` and ``key`` are for the rendezvous, which connects before ``RANK`` is set and
+    before the engine holds its session key; later calls return the same channel.
+    """
     global _CHANNEL
     if _CHANNEL is not None:
         return _CHANNEL
@@ -81,6 +85,6 @@ def get() -> EngineChannel | None:
         return None
     with _LOCK:
         if _CHANNEL is None:
-            rank = int(os.environ.get("RANK", "0"))
-            _CHANNEL = EngineChannel(endpoint, _session_key(), rank)
+            r = int(os.environ.get("RANK", "0")) if rank is None else rank
+            _CHANNEL = EngineChannel(endpoint, _session_key() if key is None else key, r)
     return _CHANNEL

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         bootstrap(backend)
     except Exception as exc:
-        rank = os.environ.get("PMI_RANK", "?")
+        rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get(
+            "SLURM_PROCID", "?"
+        )
         print(
             f"hvdnb: rank {rank} could not initialise torch.distributed "
             f"(backend={backend or 'auto'}): {type(exc).__name__}: {exc}",
@@ -65,6 +67,13 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(3)
     from ipyparallel.engine.app import IPEngine
 
+    from hvdnb import rendezvous
+
+    w = rendezvous.discover()
+    if w.source in ("slurm", "sets") and not any(a.startswith("--IPEngine.id") for a in argv):
+        # MPI does not number these ranks (ipyparallel's --mpi would use a per-set or
+        # per-task rank of 0): register under the global rank, so engine id == rank
+        argv.append(f"--IPEngine.id={w.rank}")
     code = 0
     try:
         IPEngine.launch_instance(argv)
@@ -152,6 +161,19 @@ def _connect_channel() -> None:
     ch = channel.get()
     if ch is not None:
         ch.on("where?", lambda msg: ch.send("where", ask=msg.get("ask"), **where()))
+        _announce(ch)
+
+
+def _announce(ch: Any) -> None:
+    """Tell the notebook which host this rank is on (the panel groups ranks by host)."""
+    import socket
+
+    ch.send(
+        "rank_info",
+        host=socket.gethostname(),
+        local_rank=int(os.environ.get("LOCAL_RANK", -1)),
+        pid=os.getpid(),
+    )
 
 
 def rebuild_group(generation: int) -> None:
