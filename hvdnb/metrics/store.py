@@ -5,8 +5,10 @@ channel's I/O thread: an append under a lock, nothing more), sequence checks per
 gap is counted in ``lost``, never hidden), the knob protocol's notebook leg (forwarding
 rank 0's plan to every rank, recording specs, plans and applications), and the views the
 panel and exports read: ``rows()`` (``hvdnb.metrics()``), per-rank series, the step-time
-breakdown with its one-line hint, allreduce and memory summaries. CSV and JSONL exports
-read the same rows.
+breakdown with its one-line hint, allreduce and memory summaries, and the ranks grouped
+by host (``hosts()``, ``host_summary()``: each rank says its host once, in ``rank_info``).
+CSV and JSONL exports read the same rows. Series are indexed by rank as well as by
+(rank, name), so views cost O(ranks), not O(ranks x series): 1,024 ranks stay cheap.
 
 Never: import torch or widgets, block the channel thread, or invent a value: a reading a
 rank did not send is None (shown as "n/a"), not 0.
@@ -25,6 +27,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = ["MetricsStore", "MetricRow", "MetricRows", "get_store", "attach", "metrics"]
+
+
+#: beyond this many ranks, views summarise (shorter windows, per-host rows)
+MANY_RANKS = 256
 
 
 class MetricRow(NamedTuple):
@@ -76,6 +82,7 @@ class MetricsStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._series: dict[tuple[int, str], _Series] = {}
+        self._names_of: dict[int, list[str]] = {}  # rank -> its series' names
         self.version = 0  # bumped on every change; the panel redraws when it moves
         self.points = 0
         self.messages = 0
@@ -93,6 +100,7 @@ class MetricsStore:
         #: (time a row was logged on its rank, time it reached this store), for latency
         self.arrivals: list[tuple[float, float]] = []
         self.keep_arrivals = False
+        self._breakdown_cache: tuple[tuple[int, int], dict[int, dict[str, float]]] | None = None
 
     # -------------------------------------------------------------- ingest (I/O thread)
     def ingest(self, msg: dict[str, Any]) -> None:
@@ -126,6 +134,7 @@ class MetricsStore:
                 s = self._series.get((rank, name))
                 if s is None:
                     s = self._series[(rank, name)] = _Series()
+                    self._names_of.setdefault(rank, []).append(name)
                 s.steps.extend(steps)
                 s.times.extend(times)
                 s.values.extend(float(v) if v is not None else math.nan for v in values)
@@ -141,6 +150,18 @@ class MetricsStore:
                 info.update(msg["meta"])
             self.points += n
             self.messages += 1
+            self.version += 1
+
+    def on_rank_info(self, msg: dict[str, Any]) -> None:
+        """A rank says where it runs (sent once when its channel connects)."""
+        rank = msg.get("rank")
+        if not isinstance(rank, int):
+            return
+        with self._lock:
+            info = self.rank_info.setdefault(rank, {})
+            for k in ("host", "local_rank"):
+                if msg.get(k) is not None:
+                    info[k] = msg[k]
             self.version += 1
 
     def on_spec(self, msg: dict[str, Any]) -> None:
@@ -247,7 +268,7 @@ class MetricsStore:
 
     def ranks(self) -> list[int]:
         with self._lock:
-            return sorted({r for r, _ in self._series} | set(self.rank_info))
+            return sorted(set(self._names_of) | set(self.rank_info))
 
     def series(self, name: str, rank: int, last: int | None = None
                ) -> tuple[list[int], list[float], list[float]]:
@@ -268,8 +289,8 @@ class MetricsStore:
         """Sum of every metric whose name starts with ``prefix`` and ends with ``/time``
         (or equals ``prefix``), per step, over the last ``last_steps`` steps."""
         with self._lock:
-            keys = [k for k in self._series if k[0] == rank and
-                    (k[1] == prefix or (k[1].startswith(prefix) and k[1].endswith("/time")))]
+            keys = [(rank, n) for n in self._names_of.get(rank, ()) if
+                    n == prefix or (n.startswith(prefix) and n.endswith("/time"))]
             parts = [(self._series[k].steps[-4 * last_steps:], self._series[k].values[-4 * last_steps:])
                      for k in keys]
         out: dict[int, float] = {}
@@ -289,9 +310,20 @@ class MetricsStore:
         ``phase("data")`` (or ``data_time=``), ``comm`` from ``phase("comm")`` when marked,
         else the allreduce time ``hvdnb.torch`` reported (overlapping buckets capped at the
         step), and ``compute`` is the rest (or ``phase("compute")`` when marked).
+
+        Computed once per store version (the panel's chart and hint share it); beyond
+        ``MANY_RANKS`` ranks the medians cover the last ``last_steps // 5`` steps, which
+        keeps a redraw at 1,024 ranks within ~0.1 s.
         """
+        cached = self._breakdown_cache
+        if cached is not None and cached[0] == (self.version, last_steps):
+            return cached[1]
+        version = self.version
+        ranks = self.ranks()
+        if len(ranks) > MANY_RANKS:
+            last_steps = max(5, last_steps // 5)
         out: dict[int, dict[str, float]] = {}
-        for r in self.ranks():
+        for r in ranks:
             step = self.per_step("time/step", r, last_steps)
             if not step:
                 continue
@@ -306,6 +338,8 @@ class MetricsStore:
                 rows.append((total, d, c, comp))
             med = [statistics.median(col) for col in zip(*rows)]
             out[r] = {"step": med[0], "data": med[1], "comm": med[2], "compute": med[3]}
+        self._breakdown_cache = ((version, last_steps if len(ranks) <= MANY_RANKS else
+                                  last_steps * 5), out)
         return out
 
     def hint(self, last_steps: int = 50) -> str:
@@ -326,6 +360,39 @@ class MetricsStore:
                 line += (f"; straggler: rank {slow} ({busy[slow] / med:.2f}x the median "
                          "data+compute time; the others wait for it in allreduce)")
         return line
+
+    def hosts(self) -> dict[str, list[int]]:
+        """Ranks grouped by the host they said they run on (``"?"`` until they say)."""
+        out: dict[str, list[int]] = {}
+        for r in self.ranks():
+            out.setdefault(str(self.rank_info.get(r, {}).get("host") or "?"), []).append(r)
+        return dict(sorted(out.items(), key=lambda kv: kv[1][0]))
+
+    def host_summary(self, name: str = "loss") -> list[dict[str, Any]]:
+        """Per host: its ranks, the step range, and the min / median / max over its ranks
+        of the latest ``name`` and of the step time (None where no rank sent them)."""
+        out = []
+        for host, ranks in self.hosts().items():
+            vals, steps, times = [], [], []
+            for r in ranks:
+                v = self.latest(name, r)
+                if v is not None and v == v:
+                    vals.append(v)
+                info = self.rank_info.get(r, {})
+                if info.get("step") is not None:
+                    steps.append(int(info["step"]))
+                if info.get("step_time") is not None:
+                    times.append(float(info["step_time"]))
+            out.append({
+                "host": host, "ranks": ranks,
+                "step_min": min(steps) if steps else None, "step_max": max(steps) if steps else None,
+                f"{name}_min": min(vals) if vals else None,
+                f"{name}_median": statistics.median(vals) if vals else None,
+                f"{name}_max": max(vals) if vals else None,
+                "step_time_min": min(times) if times else None,
+                "step_time_max": max(times) if times else None,
+            })
+        return out
 
     def comm_summary(self, last: int = 20) -> list[dict[str, Any]]:
         """Per rank and bucket: median time, effective bandwidth (bytes/time), backend."""
@@ -356,8 +423,10 @@ class MetricsStore:
         """Samples per second over every rank in the last ``window`` seconds of logs."""
         total, t_lo, t_hi = 0.0, math.inf, -math.inf
         found = False
-        for r in self.ranks():
-            _, vals, times = self.series("samples", r, last=2000)
+        ranks = self.ranks()
+        last = 2000 if len(ranks) <= MANY_RANKS else 200
+        for r in ranks:
+            _, vals, times = self.series("samples", r, last=last)
             if not times:
                 continue
             found = True
@@ -380,6 +449,7 @@ class MetricsStore:
     def clear(self) -> None:
         with self._lock:
             self._series.clear()
+            self._names_of.clear()
             self.marks.clear()
             self.knob_events.clear()
             self.points = 0
@@ -403,6 +473,7 @@ class MetricsStore:
         self._cluster = cluster
         self._channel = ch
         ch.on("metrics", self.ingest)
+        ch.on("rank_info", self.on_rank_info)
         ch.on("knobs_spec", self.on_spec)
         ch.on("knobs_plan", self.on_plan)
         ch.on("knobs_applied", self.on_applied)

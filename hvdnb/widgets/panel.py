@@ -16,6 +16,10 @@ Saved notebooks: the panel is displayed as one output whose bundle holds the wid
 and a PNG of the plots (plus text); the PNG is refreshed when each cell ends, so GitHub and
 nbviewer show the last picture.
 
+Many ranks (more than ``MAX_LINES``): the loss chart draws the min/max band and median
+over all ranks plus one median line per host, and a table gives each host's min/max
+(loss, step, step time); per-rank tables show the first ranks only.
+
 Owns: the widgets, their layout and the display handles. Never: import torch, run on
 engines, block the channel thread, or send a widget message per data point.
 """
@@ -58,6 +62,7 @@ class Panel:
         self.render_seconds = 0.0
         self._drawn_version = -1
         self._last_render = 0.0
+        self._last_cost = 0.0
         self._lock = threading.RLock()
         self._note = ""  # set by control handlers (any thread), drawn by tick()
         self._handles: list[Any] = []
@@ -185,7 +190,8 @@ class Panel:
             self.render(force=True)
             self.snapshot()
             return
-        if now - self._last_render < self.render_interval:
+        # a redraw may take most of this thread at 1,000 ranks: keep it under ~25 % of it
+        if now - self._last_render < max(self.render_interval, 3 * self._last_cost):
             return
         self.render()
 
@@ -207,7 +213,8 @@ class Panel:
                 self.knob_status.value = status
             self._last_render = time.monotonic()
             self.renders += 1
-            self.render_seconds += time.perf_counter() - t0
+            self._last_cost = time.perf_counter() - t0
+            self.render_seconds += self._last_cost
             if self.measure_latency:
                 self._record_latency()
             return True
@@ -260,7 +267,7 @@ class Panel:
     def _tables(self) -> str:
         s = self.store
         rows = s.comm_summary()
-        out = []
+        out = [self._host_table()]
         if rows:
             by_rank = sorted({r["rank"] for r in rows})
             shown = [r for r in rows if r["rank"] in by_rank[:8]]
@@ -286,6 +293,32 @@ class Panel:
                 out.append(f"<tr><td>{r}</td>" + "".join(
                     f"<td>{fmt_bytes(mem[r].get(c))}</td>" for c in cols) + "</tr>")
             out.append("</table>")
+        return "".join(out)
+
+    def _host_table(self) -> str:
+        """One row per host (when ranks span hosts): ranks, steps, loss and step-time bands."""
+        hs = self.store.host_summary()
+        if len(hs) < 2:
+            return ""
+        from .._output import format_ranks
+
+        def num(v: Any, fmt: str = ".4g") -> str:
+            return "n/a" if v is None else format(v, fmt)
+
+        out = ["<b>hosts</b><table class='hvdnb-hosts'><tr><th>host</th><th>ranks</th>"
+               "<th>step min..max</th><th>loss min / median / max</th>"
+               "<th>step time min..max</th></tr>"]
+        for h in hs[:64]:
+            st = (f"{1e3 * h['step_time_min']:.1f}..{1e3 * h['step_time_max']:.1f} ms"
+                  if h["step_time_min"] is not None else "n/a")
+            out.append(
+                f"<tr><td>{html.escape(h['host'])}</td><td>{format_ranks(h['ranks'])}</td>"
+                f"<td>{num(h['step_min'], 'd')}..{num(h['step_max'], 'd')}</td>"
+                f"<td>{num(h['loss_min'])} / {num(h['loss_median'])} / {num(h['loss_max'])}</td>"
+                f"<td>{st}</td></tr>")
+        out.append("</table>")
+        if len(hs) > 64:
+            out.append(f"(first 64 of {len(hs)} hosts)")
         return "".join(out)
 
     def _knob_status(self) -> str:
@@ -391,8 +424,18 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0)
             lines.append((f"rank {r}", xs, _ema(ys, alpha ** stride if alpha else 0.0)))
     band = None
     if len(lines) > MAX_LINES:
-        band = _band(lines)
-        lines = []
+        grid, stack = _stack(lines)
+        band = _band_of(grid, stack)
+        hosts = store.hosts()
+        lines_out = []
+        if 1 < len(hosts) <= MAX_LINES:  # one median line per host over the band
+            row_of = {int(lab.split()[1]): i for i, (lab, _, _) in enumerate(lines)}
+            for host, rs in hosts.items():
+                rows = [row_of[r] for r in rs if r in row_of]
+                if rows:
+                    lines_out.append((f"{host} ({len(rows)})", band[0],
+                                      _band_of(grid, stack[rows])[3]))
+        lines = lines_out
     marks = [(float(st), lab) for st, lab in list(store.marks)[-8:]]
     out = [line_chart("loss" + (" (log)" if log_y else ""), lines, band=band, marks=marks,
                       log_y=log_y, empty="no loss yet: hvdnb.log(step, loss)")]
@@ -409,14 +452,24 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0)
     b = store.breakdown()
     rows = [(f"rank {r}", [1e3 * b[r]["data"], 1e3 * b[r]["compute"], 1e3 * b[r]["comm"]])
             for r in sorted(b)]
+    hosts = store.hosts()
+    if len(rows) > MAX_LINES and 1 < len(hosts):  # one bar per host: the median of its ranks
+        import statistics
+
+        rows = []
+        for host, rs in list(hosts.items())[:64]:
+            mine = [b[r] for r in rs if r in b]
+            if mine:
+                rows.append((f"{host} ({len(mine)})", [
+                    1e3 * statistics.median(m[k] for m in mine) for k in ("data", "compute", "comm")]))
     out.append(stacked_bars("step time (median of last 50 steps)", rows,
                             [("data", "#f2a541"), ("compute", PALETTE[0]), ("comm", "#e45756")],
                             empty="no step times yet"))
     return "".join(out)
 
 
-def _band(lines: list[tuple[str, list[float], list[float]]]
-          ) -> tuple[list[float], list[float], list[float], list[float]]:
+def _stack(lines: list[tuple[str, list[float], list[float]]]) -> tuple[Any, Any]:
+    """Every line resampled on one grid of ``LIVE_POINTS`` steps (NaN outside its range)."""
     import numpy as np
 
     lo = min(xs[0] for _, xs, _ in lines)
@@ -424,12 +477,24 @@ def _band(lines: list[tuple[str, list[float], list[float]]]
     grid = np.linspace(lo, hi, LIVE_POINTS) if hi > lo else np.array([lo])
     stack = np.vstack([np.interp(grid, xs, ys, left=np.nan, right=np.nan)
                        for _, xs, ys in lines])
+    return grid, stack
+
+
+def _band_of(grid: Any, stack: Any) -> tuple[list[float], list[float], list[float], list[float]]:
     import warnings
+
+    import numpy as np
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         mn, mx, med = np.nanmin(stack, 0), np.nanmax(stack, 0), np.nanmedian(stack, 0)
     return grid.tolist(), mn.tolist(), mx.tolist(), med.tolist()
+
+
+def _band(lines: list[tuple[str, list[float], list[float]]]
+          ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(grid, min, max, median) over ``lines``."""
+    return _band_of(*_stack(lines))
 
 
 def _bk(b: Any) -> str:
