@@ -4,7 +4,8 @@ While a cell runs longer than ``Config.stall_after`` seconds, the client asks ev
 running rank, once a second, over the side channel where its main thread is (the rank's channel thread
 answers even while the main thread is blocked in a collective). When the answers show
 ranks waiting in a collective while others are elsewhere, or in different collectives,
-and the picture has not changed since the previous look, it prints once, e.g.::
+and neither the picture nor any rank's progress counters (collective sequence number,
+hvdnb.torch calls, last logged step) changed since the previous look, it prints once, e.g.::
 
     hvdnb: stalled for 6 s: rank 0 waits in all_reduce at <cell 3> line 4
     (dist.all_reduce(x)); rank 1 is at <cell 3> line 6 (time.sleep(60)), not in a collective
@@ -85,11 +86,15 @@ class StallWatch:
         running = [r for r in self.ranks if r not in done]
         if not running:
             return None
+        # position *and* progress counters: in a training loop every step passes the same
+        # lines, so only unchanged counters (collectives, hvdnb.torch calls, logged step)
+        # show that nobody moved between two looks
         state = {
             r: (
                 self.replies.get(r, {}).get("collective"),
                 self.replies.get(r, {}).get("cell"),
                 self.replies.get(r, {}).get("line"),
+                tuple(self.replies.get(r, {}).get("progress") or ()),
             )
             for r in running
         }

@@ -130,7 +130,9 @@ def where() -> dict[str, Any]:
     for i, fr in enumerate(stack):
         if fr.filename.startswith("<cell "):
             user_i = i
-    info: dict[str, Any] = {"cell": None, "line": None, "code": None, "collective": None}
+    info: dict[str, Any] = {
+        "cell": None, "line": None, "code": None, "collective": None, "progress": _progress(),
+    }
     if user_i is None:
         info["idle"] = True
         return info
@@ -149,6 +151,28 @@ def where() -> dict[str, Any]:
                 info["collective"] = f"MPI {name}"
                 break
     return info
+
+
+def _progress() -> list[Any]:
+    """Counters that move while a rank makes progress, read without touching the main
+    thread: the default group's collective sequence number (gloo/nccl), hvdnb.torch's
+    negotiated calls, and the last step given to hvdnb.log."""
+    out: list[Any] = [None, None, None]
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            out[0] = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    except Exception:
+        pass
+    transport = sys.modules.get("hvdnb.torch.transport")
+    if transport is not None:
+        out[1] = transport.CALLS[0]
+    recorder = sys.modules.get("hvdnb.metrics.recorder")
+    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
+    if rec is not None:
+        out[2] = getattr(rec, "_prev_step", None)
+    return out
 
 
 def _connect_channel() -> None:

@@ -23,7 +23,7 @@ import torch
 
 from . import listeners as _lst
 from .process_sets import STATE, ProcessSet, global_process_set
-from .transport import HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
+from .transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "CollectiveMismatchError",
@@ -330,6 +330,7 @@ def _plan(t: torch.Tensor, name: str, op: int, pre: float, post: float,
 
 def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool, name: str, op: int) -> torch.Tensor:
     tr = p.tr
+    CALLS[0] += 1
     tr.comm.Sendrecv(p.spec, tr.peer, TAG, tr.rspec, tr.peer, TAG)
     if p.rsig != p.sig:
         _mismatch(tr, _desc(Kind.ALLREDUCE, name, t, op=_OPNAMES[op], prescale=1.0,

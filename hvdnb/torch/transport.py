@@ -22,6 +22,9 @@ __all__ = ["HDR", "HDR_BYTES", "SIG_BYTES", "TAG", "MPITransport", "TorchTranspo
 #: 12 signature words (must be equal on every rank) + 4 per-rank words
 HDR = struct.Struct("<16q")
 HDR_BYTES = HDR.size
+#: collectives negotiated by this process so far: the stall detector reads it (from another
+#: thread) as evidence that a rank is still making progress
+CALLS = [0]
 SIG_BYTES = 12 * 8
 TAG = 17
 
@@ -77,6 +80,7 @@ class MPITransport:
     # -- negotiation -------------------------------------------------------------------
     def exchange(self, hdr: bytes, payload: torch.Tensor | None = None) -> list[bytes]:
         """Every rank's header, by rank; with 2 ranks the peer's payload stays in rbuf."""
+        CALLS[0] += 1
         if self.size == 1:
             return [hdr]
         if self.size == 2:
@@ -102,6 +106,7 @@ class MPITransport:
 
         The hot path of small allreduces: one ``Sendrecv``, no allocation.
         """
+        CALLS[0] += 1
         self.smv[:HDR_BYTES] = hdr
         ctypes.memmove(self.saddr + HDR_BYTES, payload.data_ptr(), nbytes)
         spec = self._sspecs.get(nbytes)

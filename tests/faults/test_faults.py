@@ -179,3 +179,24 @@ def test_rank_ignoring_sigint_escalates_to_a_restart(ready, shell, capsys):
     shell.run_cell_magic("distributed", "-q", "import time, torch, torch.distributed as dist")
     assert _collective_ok(shell)
     report(capsys, f"SIGINT-ignoring rank: restarted automatically, cell ended after {took:.1f} s")
+
+
+def test_a_busy_training_loop_is_not_called_a_stall(ready, shell, capsys, monkeypatch):
+    """Every step passes the same lines, with one rank often waiting in a collective for
+    the other: only unchanged progress counters may count as a stall."""
+    monkeypatch.setenv("HVDNB_STALL_AFTER", "1")
+    ready.last_stall = None
+    shell.run_cell_magic(
+        "distributed", "-q",
+        "import time, torch, hvdnb.torch as hvd\nhvd.init()\ntorch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),\n"
+        "                               named_parameters=model.named_parameters())\n"
+        "x = torch.randn(64, 256)\nt0 = time.time()\n"
+        "while time.time() - t0 < 5:\n"
+        "    opt.zero_grad(); loss = model(x).pow(2).mean(); loss.backward(); opt.step()\n"
+        "    if dist.get_rank() == 1: time.sleep(0.002)  # a mild straggler\n"
+        "x = torch.ones(1); dist.all_reduce(x)",
+    )
+    assert ready.last_stall is None, ready.last_stall["text"]
+    report(capsys, "busy training loop: no stall reported (detector armed after 1 s)")
