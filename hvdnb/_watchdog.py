@@ -1,10 +1,12 @@
-"""``python -m hvdnb._watchdog KERNEL_PID PID...``: stop a cluster whose notebook died.
+"""``python -m hvdnb._watchdog KERNEL_PID PID... [--cancel CMD...]``: stop a cluster whose
+notebook died.
 
 A kernel killed with SIGKILL (or by the OOM killer) runs no atexit hook, and ipyparallel
 leaves its controller, mpiexec and the engines running. Each started cluster gets one of
 these tiny processes (stdlib only, in its own session): it polls the kernel twice a second
 and, once the kernel is gone, terminates the process groups it was given (SIGTERM, then
-SIGKILL after 2 s). It exits by itself when the cluster stops first.
+SIGKILL after 2 s) and runs the given cancel commands (``scancel JOBID`` for a Slurm
+cluster, whose ranks run on other machines). It exits by itself when the cluster stops first.
 
 Never: touch processes it was not given, or outlive both the kernel and the cluster.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -40,12 +43,32 @@ def _signal(pid: int, sig: int) -> None:
             continue
 
 
+def _parse(argv: list[str]) -> tuple[int, list[int], list[list[str]]]:
+    """``KERNEL PID... [--cancel CMD ARG... ]...``: the cancel commands end a batch job."""
+    kernel, rest = int(argv[0]), argv[1:]
+    pids, cancels = [], []
+    while rest and rest[0] != "--cancel":
+        pids.append(int(rest.pop(0)))
+    while rest:
+        rest.pop(0)  # "--cancel"
+        cmd = []
+        while rest and rest[0] != "--cancel":
+            cmd.append(rest.pop(0))
+        cancels.append(cmd)
+    return kernel, pids, cancels
+
+
 def main(argv: list[str]) -> int:
-    kernel, pids = int(argv[0]), [int(p) for p in argv[1:]]
+    kernel, pids, cancels = _parse(argv)
     while _alive(kernel) and os.getppid() == kernel:
         if not any(_alive(p) for p in pids):
             return 0  # the cluster stopped first: nothing to guard
         time.sleep(0.5)
+    for cmd in cancels:  # e.g. scancel JOBID: the ranks run on other machines
+        try:
+            subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + 2.0

@@ -573,9 +573,15 @@ class Cluster:
         """A stdlib-only process that stops this cluster if the notebook kernel is killed."""
         import subprocess
 
+        cancel: list[str] = []
+        for es in self._engine_sets():  # batch jobs (Slurm, PBS...) are cancelled, not killed
+            job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
+            if job and delete:
+                cancel += ["--cancel", *map(str, delete), str(job)]
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "hvdnb._watchdog", str(os.getpid())]
-            + [str(pid) for pid in self._root_pids()],
+            + [str(pid) for pid in self._root_pids()]
+            + cancel,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

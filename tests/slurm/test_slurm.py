@@ -110,3 +110,30 @@ dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
     while _jobs(c.cluster_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _jobs(c.cluster_id) == [], "the engines' Slurm job is still in squeue"
+
+
+def test_killed_kernel_cancels_its_slurm_job(slurm, tmp_path):
+    """No atexit runs for a SIGKILLed kernel: the watchdog must scancel the job."""
+    import signal
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent(
+        """
+        import os, signal, hvdnb
+        c = hvdnb.Cluster(n=2, launcher="slurm", ip="127.0.0.1", time_limit="10", timeout=120)
+        c.start()
+        print(c.cluster_id, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    cluster_id = proc.stdout.split()[-1]
+    assert cluster_id.startswith("hvdnb-")
+    deadline = time.monotonic() + 30
+    while _jobs(cluster_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _jobs(cluster_id) == [], "the dead kernel's Slurm job is still in squeue"
