@@ -319,6 +319,12 @@ def run_cell(
                         _collect(result, r, children[r], cluster)
                         if r in result.errors and failed_at is None:
                             failed_at = time.monotonic()
+                        if result.errors.get(r, {}).get("dead") and interrupted_at is None:
+                            # a dead peer: the others' collectives can never complete, so
+                            # no grace period before interrupting them
+                            interrupted_at = _interrupt(
+                                cluster, [q for q in ranks if q not in done]
+                            )
             if stream:
                 streamer.pump()
             _run_hooks(False)

@@ -188,7 +188,8 @@ def test_a_busy_training_loop_is_not_called_a_stall(ready, shell, capsys, monkey
     ready.last_stall = None
     shell.run_cell_magic(
         "distributed", "-q",
-        "import time, torch, hvdnb.torch as hvd\nhvd.init()\ntorch.manual_seed(0)\n"
+        "import time, torch, torch.distributed as dist, hvdnb.torch as hvd\nhvd.init()\n"
+        "torch.manual_seed(0)\n"
         "model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))\n"
         "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),\n"
         "                               named_parameters=model.named_parameters())\n"
