@@ -186,15 +186,17 @@ def test_a_busy_training_loop_is_not_called_a_stall(ready, shell, capsys, monkey
     the other: only unchanged progress counters may count as a stall."""
     monkeypatch.setenv("HVDNB_STALL_AFTER", "1")
     ready.last_stall = None
+    # a fixed step count: a time-based loop lets the ranks run different numbers of steps
+    # and meet in different collectives, a real deadlock (the kind this detector reports)
     shell.run_cell_magic(
-        "distributed", "-q",
+        "distributed", "-q --timeout 90",
         "import time, torch, torch.distributed as dist, hvdnb.torch as hvd\nhvd.init()\n"
         "torch.manual_seed(0)\n"
         "model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))\n"
         "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),\n"
         "                               named_parameters=model.named_parameters())\n"
-        "x = torch.randn(64, 256)\nt0 = time.time()\n"
-        "while time.time() - t0 < 5:\n"
+        "x = torch.randn(64, 256)\n"
+        "for step in range(1200):\n"
         "    opt.zero_grad(); loss = model(x).pow(2).mean(); loss.backward(); opt.step()\n"
         "    if dist.get_rank() == 1: time.sleep(0.002)  # a mild straggler\n"
         "x = torch.ones(1); dist.all_reduce(x)",
