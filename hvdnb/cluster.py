@@ -136,6 +136,20 @@ def current() -> Cluster | None:
     return _CURRENT
 
 
+def _transient_mpi_init_failure(exc: BaseException, multi_host: bool) -> bool:
+    """Did a one-host start fail inside MPI_Init for a reason a second try can clear?
+
+    Seen here once in ~100 starts made at the same instant as another job's: UCX's
+    loopback address exchange ("failed to unpack address") aborts MPI_Init. A real
+    misconfiguration fails the second time too and is reported then.
+    """
+    return (
+        not multi_host
+        and isinstance(exc, ClusterError)
+        and "internal_Init_thread" in str(exc)
+    )
+
+
 class _LoopThread:
     """One long-lived asyncio loop in a daemon thread, for ipyparallel's coroutines."""
 
@@ -456,20 +470,27 @@ class Cluster:
             import tempfile
 
             self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
-        self._open_channel()
-        self._ipp = self._make_ipp()
-        try:
-            self._loop.run(self._start_async(), timeout=self.timeout + 30)
-            self._connect()
-            self._protect_files()
-            self._start_watchdog()
-        except BaseException as exc:
-            self._teardown()
-            if isinstance(exc, ClusterError):
-                raise
-            if isinstance(exc, KeyboardInterrupt):
-                raise ClusterError("start interrupted; nothing was left running") from None
-            raise ClusterError(f"could not start the cluster: {type(exc).__name__}: {exc}") from exc
+        for attempt in (1, 2):
+            self._open_channel()
+            self._ipp = self._make_ipp()
+            try:
+                self._loop.run(self._start_async(), timeout=self.timeout + 30)
+                self._connect()
+                self._protect_files()
+                self._start_watchdog()
+                break
+            except BaseException as exc:
+                self._teardown()
+                if attempt == 1 and _transient_mpi_init_failure(exc, self.multi_host):
+                    log.warning("hvdnb: MPI_Init failed on one host; starting again: %s", exc)
+                    continue
+                if isinstance(exc, ClusterError):
+                    raise
+                if isinstance(exc, KeyboardInterrupt):
+                    raise ClusterError("start interrupted; nothing was left running") from None
+                raise ClusterError(
+                    f"could not start the cluster: {type(exc).__name__}: {exc}"
+                ) from exc
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
         try:  # feed the metrics store (hvdnb.metrics(), the panel) from this cluster

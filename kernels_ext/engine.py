@@ -46,6 +46,31 @@ def bootstrap(backend: str | None = None) -> None:
 
     _STATE["backend"] = dist.get_backend()
     _STATE["device"] = rendezvous.setup_device(w)
+    _release_shm_names(w)
+
+
+def _release_shm_names(w: Any) -> None:
+    """Unlink MPICH's shared-memory segment names once every local rank has mapped them.
+
+    MPICH removes ``/dev/shm/mpich_shm_*`` in MPI_Finalize, which an engine never reaches
+    (it ``os._exit``s, or is killed): each stopped cluster left a 2 MB file behind, and a
+    later job whose segment name collided with a leftover failed in MPI_Init ("Out of
+    memory"). The mappings stay valid after the unlink, so nothing changes for this job.
+    """
+    comm = w.comm
+    if comm is None:
+        return
+    comm.Barrier()  # every local rank has attached the segment by now
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/dev/shm/mpich_shm_" in line}
+    except OSError:  # not Linux
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:  # another local rank was first
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:

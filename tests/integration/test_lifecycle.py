@@ -66,3 +66,36 @@ def test_interpreter_exit_leaves_no_orphans(tmp_path):
     pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].split()]
     assert len(pids) >= 4
     assert alive(pids) == []
+
+
+def _mpich_segments() -> set[str]:
+    import glob
+
+    return set(glob.glob("/dev/shm/mpich_shm_*"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
+def test_stopped_cluster_leaves_no_shared_memory_segment():
+    # engines never reach MPI_Finalize, which is where MPICH unlinks its segment: before
+    # the fix each cluster left a 2 MB file in /dev/shm, and a later start whose segment
+    # name collided with a leftover failed in MPI_Init
+    before = _mpich_segments()
+    c = hvdnb.Cluster(n=2, timeout=120).start()
+    try:
+        code = "import torch, torch.distributed as d\nt = torch.ones(1 << 16)\nd.all_reduce(t)\nfloat(t[0])"
+        r = hvdnb.run_cell(c, code, stream=False)
+        assert r.values == {0: 2.0, 1: 2.0}
+        assert _mpich_segments() - before == set()  # unlinked once every rank mapped it
+    finally:
+        c.stop()
+    assert _mpich_segments() - before == set()
+
+
+def test_mpi_init_failure_is_retried_once_then_reported(caplog):
+    c = hvdnb.Cluster(n=2, timeout=60, engine_env={"UCX_TLS": "no-such-transport"})
+    with caplog.at_level("WARNING", logger="hvdnb"):
+        with pytest.raises(hvdnb.ClusterError, match="internal_Init_thread"):
+            c.start()
+    retries = [r for r in caplog.records if "starting again" in r.getMessage()]
+    assert len(retries) == 1
+    assert not c.running and c.pids() == []
