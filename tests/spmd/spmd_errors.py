@@ -62,6 +62,15 @@ for numel in (10, 100_000):
     got = hvd.synchronize(hvd.allreduce_async(t, name=f"mix{numel}", op=hvd.Sum)) if odd \
         else hvd.allreduce(t, name=f"mix{numel}", op=hvd.Sum)
     assert torch.equal(got, torch.full((numel,), float(n))), f"sync/async mix at {numel}"
+    # in place too, on the planned path of rank 0 (which may block only when all can)
+    t = torch.ones(numel)
+    for rep in range(2):
+        t.fill_(1.0)
+        if odd:
+            hvd.synchronize(hvd.allreduce_async_(t, name=f"mix_{numel}", op=hvd.Sum))
+        else:
+            hvd.allreduce_(t, name=f"mix_{numel}", op=hvd.Sum)
+        assert torch.equal(t, torch.full((numel,), float(n))), f"in-place mix at {numel}"
 
 # a wrong root everywhere (agreed, but outside the set) raises ValueError everywhere
 try:

@@ -62,6 +62,14 @@ for dt in DTYPES:
             if is_float:
                 eq(hvd.allreduce(x, op=hvd.Sum, name=f"ps.{dt}.{shape}", postscale_factor=0.5),
                    full(shape, total / 2, dt), f"named scaled {tag}")
+        for op, want in ((hvd.Sum, total), (hvd.Min, 1), (hvd.Max, n),
+                         (hvd.Product, math.factorial(n))):
+            for rep in range(2):  # every op on the planned paths, in place and not
+                yy = x.clone()
+                assert hvd.allreduce_(yy, op=op, name=f"o_.{op}.{dt}.{shape}") is yy
+                eq(yy, full(shape, want, dt), f"named allreduce_ op {op} {tag}")
+                eq(hvd.allreduce(x, op=op, name=f"o.{op}.{dt}.{shape}"), full(shape, want, dt),
+                   f"named allreduce op {op} {tag}")
         y = x.clone()
         assert hvd.allreduce_(y, op=hvd.Sum) is y
         eq(y, full(shape, total, dt), f"allreduce_ {tag}")

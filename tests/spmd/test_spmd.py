@@ -52,6 +52,19 @@ def test_spmd_under_mpiexec(script: Path) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors"])
+def test_spmd_three_ranks(script: str) -> None:
+    """More than two ranks: headers go through Allgather, no inline data, no Sendrecv."""
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    proc = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, f"{script}.py"],
+                          capture_output=True, text=True, timeout=HANG_S + 30, env=_env(),
+                          cwd=HERE)
+    assert proc.returncode == 0, _report(proc)
+    assert proc.stdout.count(f"OK {script}") == 3, _report(proc)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors"])
 def test_torchrun_style_gloo(script: str) -> None:
     """The same checks without MPI: torchrun's variables, every collective over gloo.
 
