@@ -682,7 +682,7 @@ class Cluster:
             _kill_survivors(pids)
         if self.client is not None:
             if not force:
-                self._polite_shutdown(self.client, wait=2.0)
+                self._polite_shutdown(self.client, wait=2.0, ranks=self._rank_pids())
             try:
                 self.client.close(linger=0)
             except Exception:
@@ -709,9 +709,15 @@ class Cluster:
                 pass
 
     @staticmethod
-    def _polite_shutdown(client: Any, wait: float) -> None:
+    def _polite_shutdown(client: Any, wait: float, ranks: list[int]) -> None:
         """Ask engines to exit (they exit 0, faster than a signal) without ever blocking
-        for longer than ``wait``: a dead or stuck engine never answers."""
+        for longer than ``wait``: a dead or stuck engine never answers.
+
+        Done when every engine has answered or every rank process has gone: an engine
+        can exit before its reply leaves the socket (one stop in ~8 waited the full
+        ``wait`` for replies that were never sent).
+        """
+        import psutil
 
         def ask() -> None:
             try:
@@ -720,9 +726,19 @@ class Cluster:
             except Exception:
                 pass
 
+        def gone(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
         t = threading.Thread(target=ask, name="hvdnb-shutdown", daemon=True)
         t.start()
-        t.join(wait)
+        deadline = time.monotonic() + wait
+        while t.is_alive() and time.monotonic() < deadline:
+            t.join(0.02)
+            if ranks and all(gone(p) for p in ranks):
+                break
 
     def pids(self) -> list[int]:
         """Every process of this cluster: controller, mpiexec, engines, and their children."""
