@@ -117,6 +117,13 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--cells", type=int, default=200)
     args = ap.parse_args()
+    # raw ipyparallel finds mpiexec on PATH (hvdnb uses the environment's own): give the
+    # baseline the same one, as an activated venv would
+    import os
+    import sys
+
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
+                                          os.environ.get("PATH", "")])
 
     raw_start, raw_stop, our_start, our_stop = [], [], [], []
     for _ in range(args.starts):  # interleaved so machine noise hits both
