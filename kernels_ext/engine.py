@@ -57,10 +57,14 @@ def _release_shm_names(w: Any) -> None:
     later job whose segment name collided with a leftover failed in MPI_Init ("Out of
     memory"). The mappings stay valid after the unlink, so nothing changes for this job.
     """
-    comm = w.comm
-    if comm is None:
+    if "mpi4py.MPI" not in sys.modules:
         return
-    comm.Barrier()  # every local rank has attached the segment by now
+    MPI = sys.modules["mpi4py.MPI"]
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    # every rank of this mpiexec runs this (per-host engine sets and srun tasks have their
+    # own COMM_WORLD): after the barrier every local rank has attached the segment
+    MPI.COMM_WORLD.Barrier()
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/dev/shm/mpich_shm_" in line}
