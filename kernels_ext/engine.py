@@ -46,10 +46,10 @@ def bootstrap(backend: str | None = None) -> None:
 
     _STATE["backend"] = dist.get_backend()
     _STATE["device"] = rendezvous.setup_device(w)
-    _release_shm_names(w)
+    _release_shm_names()
 
 
-def _release_shm_names(w: Any) -> None:
+def _release_shm_names() -> None:
     """Unlink MPICH's shared-memory segment names once every local rank has mapped them.
 
     MPICH removes ``/dev/shm/mpich_shm_*`` in MPI_Finalize, which an engine never reaches

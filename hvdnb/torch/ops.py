@@ -353,7 +353,7 @@ class _BigPlan:
     memory). ``t.numpy()`` alone costs 1.5 us.
     """
 
-    __slots__ = ("comm", "peer", "rspec", "rsig", "allh", "hspec", "sig", "mop", "scale",
+    __slots__ = ("comm", "peer", "rspec", "rsig", "hdr", "hspec", "sig", "mop", "scale",
                  "buf", "mtype", "count", "desc", "tr", "in_place", "rreq", "sreq", "rblock")
 
     def __init__(self, tr: MPITransport, t: torch.Tensor, name: str, op: int, post: float):
@@ -364,7 +364,7 @@ class _BigPlan:
         self.rblock = tr.rmv[_BLOCKING_AT : _BLOCKING_AT + 8]
         self.in_place = MPI.IN_PLACE
         self.rsig = tr.rmv[:SIG_BYTES]
-        self.allh = [tr.allh, MPI.BYTE]
+        self.hdr = hdr
         self.hspec = [np.frombuffer(bytearray(hdr), np.uint8), MPI.BYTE]
         self.sig = hdr[:SIG_BYTES]
         self.mop = tr.ops[op]
@@ -434,8 +434,8 @@ def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool, name: str, op: int) -> t
 
 
 def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor:
-    CALLS[0] += 1
     if p.rreq is not None:  # two ranks: swap headers; a peer's inline message fits rbuf too
+        CALLS[0] += 1
         p.rreq.Start()
         p.sreq.Start()
         p.rreq.Wait()
@@ -443,13 +443,11 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor:
         if p.rsig.tobytes() != p.sig:  # 60 ns; memoryview != bytes: 290
             _mismatch(p.tr, p.desc)
         blocking = p.rblock.tobytes() == _BLOCKING
-    else:
-        p.comm.Allgather(p.hspec, p.allh)
-        raw, sig = p.tr.allh.tobytes(), p.sig
-        if any(raw[i : i + SIG_BYTES] != sig for i in range(0, len(raw), HDR_BYTES)):
+    else:  # the transport's own all-headers exchange
+        hdrs = p.tr.exchange(p.hdr)
+        if any(h[:SIG_BYTES] != p.sig for h in hdrs):
             _mismatch(p.tr, p.desc)
-        blocking = all(raw[i + _BLOCKING_AT : i + _BLOCKING_AT + 8] == _BLOCKING
-                       for i in range(0, len(raw), HDR_BYTES))
+        blocking = all(h[_BLOCKING_AT : _BLOCKING_AT + 8] == _BLOCKING for h in hdrs)
     # MPI never matches a blocking collective with a nonblocking one, and Horovod lets
     # another rank use allreduce_async for this tensor (the general path, which always
     # goes nonblocking and says so in its header): block only when every rank can
