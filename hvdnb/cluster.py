@@ -1,7 +1,7 @@
 """Start, watch and stop a cluster of ipyparallel engines under MPI, ready to train.
 
 Owns: the ``ipyparallel.Cluster`` (controller + engines), its configuration for fast starts
-(200 ms heartbeat, no artificial delay, engines and controller started together so the
+(100 ms heartbeat, no artificial delay, engines and controller started together so the
 engines' ``import torch`` overlaps the controller's start-up), engine id == MPI rank, the
 venv's own ``mpiexec``, input validation, and clean stops (engines first, then the
 controller: 0.5 s instead of ipyparallel's 3.5 s). Every ipyparallel coroutine runs on one
@@ -387,7 +387,12 @@ class Cluster:
             n=self.n,
             cluster_id=self.cluster_id,
             controller_ip=self.ip,
-            controller_args=[f"--HeartMonitor.period={cfg.heartbeat_ms}"],
+            controller_args=[
+                f"--HeartMonitor.period={cfg.heartbeat_ms}",
+                # a fast heartbeat for start-up, but no less patience than 3 s before an
+                # engine that stops answering (a starved host) is declared dead
+                f"--HeartMonitor.max_heartmonitor_misses={max(10, -(-3000 // cfg.heartbeat_ms))}",
+            ],
             # engines wait for the connection file themselves: start them with the controller
             send_engines_connection_env=False,
             delay=0,
@@ -401,6 +406,8 @@ class Cluster:
         c.config[launcher_cls].engine_args = [
             f"--IPEngine.wait_for_url_file={self.timeout}",
             "--log-level=WARN",
+            # ipykernel's OutStream minus the cross-thread waits of empty flushes
+            "--IPEngine.out_stream_factory=kernels_ext.iostream.OutStream",
         ]
         # ranks that rendezvous through the notebook read the session key from here
         env["HVDNB_ENGINE_FILE"] = os.path.join(

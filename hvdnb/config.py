@@ -26,8 +26,9 @@ class Config:
     ranks: int = 0
     #: seconds to wait for engines, process groups and rendezvous before giving up
     start_timeout: float = 60.0
-    #: controller heartbeat period in ms; ipyparallel's 3 s default costs ~6 s per start
-    heartbeat_ms: int = 200
+    #: controller heartbeat period in ms: an engine counts as registered one to three
+    #: periods after it connects, so ipyparallel's 3 s default costs ~6 s per start
+    heartbeat_ms: int = 100
     #: address the controller, the rendezvous store and side channels listen on
     ip: str = "127.0.0.1"
     #: torch.distributed collective timeout (seconds); torch's default is 30 minutes

@@ -206,3 +206,52 @@ def test_side_channel_answers_while_the_cell_runs(dist2, shell):
     assert shell.user_ns["replies"] == {0: 0, 1: 10}
     assert sorted(m["rank"] for m in pings) == [0, 1]
     assert channel.dropped == 0
+
+
+def test_engines_publish_idle_not_busy_and_never_lose_output(dist2, shell, capsys):
+    """What the engines' two shortcuts must keep: every request still ends with "idle"
+    after all of its output (ipyparallel's client waits on it), no "busy" is published for
+    shell requests, and output without a newline or a flush of its own still arrives."""
+    import json
+    import zmq
+    from jupyter_client.session import Session
+
+    info_file = os.path.join(
+        dist2._ipp.profile_dir, "security", f"ipcontroller-{dist2.cluster_id}-client.json"
+    )
+    with open(info_file) as f:
+        info = json.load(f)
+    session = Session(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"{info['interface']}:{info['iopub']}")
+    try:
+        time.sleep(0.3)  # let the subscription reach the relay
+        shell.run_cell_magic(
+            "distributed", "",
+            "import os, sys\nsys.stdout.write('tail-' + os.environ['RANK'])\n"
+            "sys.stderr.write('err-tail')",
+        )
+        seen: dict[str, list[str]] = {}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(k == "idle" for v in seen.values() for k in v) < 2:
+            if not sub.poll(200):
+                continue
+            _, parts = session.feed_identities(sub.recv_multipart())
+            msg = session.deserialize(parts)
+            events = seen.setdefault(msg["parent_header"].get("msg_id", ""), [])
+            if msg["msg_type"] == "status":
+                events.append(msg["content"]["execution_state"])
+            else:
+                events.append(msg["msg_type"])
+    finally:
+        sub.close(linger=0)
+    out = capsys.readouterr()
+    assert "tail-0" in out.out and "tail-1" in out.out
+    assert "err-tail" in out.err
+    # one apply request per rank: each saw its output, then "idle" as the last word
+    requests = [v for v in seen.values() if "idle" in v]
+    assert len(requests) == 2, seen
+    for events in requests:
+        assert "busy" not in events, events
+        assert events[-1] == "idle" and events.count("stream") >= 1, events
