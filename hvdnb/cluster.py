@@ -799,6 +799,12 @@ class Cluster:
         if c.controller is not None:
             await c.stop_controller()
         c.remove_cluster_file()
+        # the hub's engine-state file (for `restore_engines`, which a stopped hvdnb cluster
+        # never uses) would otherwise stay behind in the profile's log/ for every start
+        try:
+            os.unlink(os.path.join(c.profile_dir, "log", f"engines{self.cluster_id}.json"))
+        except OSError:
+            pass
 
     def _kill_all(self) -> None:
         import signal

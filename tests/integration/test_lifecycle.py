@@ -75,12 +75,25 @@ def _mpich_segments() -> set[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
-def test_stopped_cluster_leaves_no_shared_memory_segment():
+def _profile_files(c) -> set[str]:
+    import glob
+    import os
+
+    return {
+        p for sub in ("security", "log")
+        for p in glob.glob(os.path.join(c._ipp.profile_dir, sub, f"*{c.cluster_id}*"))
+    }
+
+
+def test_stopped_cluster_leaves_no_shared_memory_segment_or_profile_file():
     # engines never reach MPI_Finalize, which is where MPICH unlinks its segment: before
     # the fix each cluster left a 2 MB file in /dev/shm, and a later start whose segment
     # name collided with a leftover failed in MPI_Init
     before = _mpich_segments()
     c = hvdnb.Cluster(n=2, timeout=120).start()
+    ipp = c._ipp
+    files = _profile_files(c)
+    assert files  # connection files, logs, the hub's engine-state file
     try:
         code = "import torch, torch.distributed as d\nt = torch.ones(1 << 16)\nd.all_reduce(t)\nfloat(t[0])"
         r = hvdnb.run_cell(c, code, stream=False)
@@ -89,6 +102,9 @@ def test_stopped_cluster_leaves_no_shared_memory_segment():
     finally:
         c.stop()
     assert _mpich_segments() - before == set()
+    c._ipp = ipp  # (stop drops it; _profile_files only reads its profile_dir)
+    assert _profile_files(c) == set()
+    c._ipp = None
 
 
 def test_mpi_init_failure_is_retried_once_then_reported(caplog):
