@@ -1,18 +1,21 @@
-"""``python -m hvdnb._watchdog KERNEL_PID PID... [--cancel CMD...]``: stop a cluster whose
-notebook died.
+"""``python -m hvdnb._watchdog KERNEL_PID PID... [--cancel CMD...] [--files GLOB...]``: stop
+a cluster whose notebook died.
 
 A kernel killed with SIGKILL (or by the OOM killer) runs no atexit hook, and ipyparallel
 leaves its controller, mpiexec and the engines running. Each started cluster gets one of
 these tiny processes (stdlib only, in its own session): it polls the kernel twice a second
 and, once the kernel is gone, terminates the process groups it was given (SIGTERM, then
-SIGKILL after 2 s) and runs the given cancel commands (``scancel JOBID`` for a Slurm
-cluster, whose ranks run on other machines). It exits by itself when the cluster stops first.
+SIGKILL after 2 s), runs the given cancel commands (``scancel JOBID`` for a Slurm
+cluster, whose ranks run on other machines) and removes the files the cluster would have
+removed on a clean stop (its connection files, cluster file and logs: ``--files``).
+It exits by itself when the cluster stops first.
 
-Never: touch processes it was not given, or outlive both the kernel and the cluster.
+Never: touch processes or files it was not given, or outlive both the kernel and the cluster.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -43,23 +46,41 @@ def _signal(pid: int, sig: int) -> None:
             continue
 
 
-def _parse(argv: list[str]) -> tuple[int, list[int], list[list[str]]]:
-    """``KERNEL PID... [--cancel CMD ARG... ]...``: the cancel commands end a batch job."""
+_OPTIONS = ("--cancel", "--files")
+
+
+def _parse(argv: list[str]) -> tuple[int, list[int], list[list[str]], list[str]]:
+    """``KERNEL PID... [--cancel CMD ARG...]... [--files GLOB...]``: the cancel commands
+    end a batch job; the globs name the files to remove once everything is stopped."""
     kernel, rest = int(argv[0]), argv[1:]
-    pids, cancels = [], []
-    while rest and rest[0] != "--cancel":
+    pids: list[int] = []
+    cancels: list[list[str]] = []
+    files: list[str] = []
+    while rest and rest[0] not in _OPTIONS:
         pids.append(int(rest.pop(0)))
     while rest:
-        rest.pop(0)  # "--cancel"
-        cmd = []
-        while rest and rest[0] != "--cancel":
-            cmd.append(rest.pop(0))
-        cancels.append(cmd)
-    return kernel, pids, cancels
+        opt = rest.pop(0)
+        args = []
+        while rest and rest[0] not in _OPTIONS:
+            args.append(rest.pop(0))
+        if opt == "--cancel":
+            cancels.append(args)
+        else:
+            files += args
+    return kernel, pids, cancels, files
+
+
+def _remove(patterns: list[str]) -> None:
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def main(argv: list[str]) -> int:
-    kernel, pids, cancels = _parse(argv)
+    kernel, pids, cancels, files = _parse(argv)
     while _alive(kernel) and os.getppid() == kernel:
         if not any(_alive(p) for p in pids):
             return 0  # the cluster stopped first: nothing to guard
@@ -77,6 +98,7 @@ def main(argv: list[str]) -> int:
     for pid in pids:
         if _alive(pid):
             _signal(pid, signal.SIGKILL)
+    _remove(files)
     return 0
 
 

@@ -606,10 +606,17 @@ class Cluster:
             job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
             if job and delete:
                 cancel += ["--cancel", *map(str, delete), str(job)]
+        # what a clean stop removes (ipyparallel: connection, cluster and log files; hvdnb:
+        # the hub's engine-state file): every name carries the cluster id
+        profile = self._ipp.profile_dir
+        files = ["--files"] + [
+            os.path.join(profile, sub, f"*{self.cluster_id}*") for sub in ("security", "log")
+        ]
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "hvdnb._watchdog", str(os.getpid())]
             + [str(pid) for pid in self._root_pids()]
-            + cancel,
+            + cancel
+            + files,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -801,10 +808,15 @@ class Cluster:
         c.remove_cluster_file()
         # the hub's engine-state file (for `restore_engines`, which a stopped hvdnb cluster
         # never uses) would otherwise stay behind in the profile's log/ for every start
-        try:
-            os.unlink(os.path.join(c.profile_dir, "log", f"engines{self.cluster_id}.json"))
-        except OSError:
-            pass
+        import glob
+
+        log_dir = os.path.join(c.profile_dir, "log")
+        for path in [os.path.join(log_dir, f"engines{self.cluster_id}.json"),
+                     *glob.glob(os.path.join(log_dir, f"ipengine-{self.cluster_id}-slurm.*"))]:
+            try:  # ... and so would the sbatch script and job output of a Slurm cluster
+                os.unlink(path)
+            except OSError:
+                pass
 
     def _kill_all(self) -> None:
         import signal

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -37,17 +38,27 @@ def test_everything_listens_on_loopback_and_files_are_private(dist2, shell):
     assert oct(Path(dist2.state_dir).stat().st_mode & 0o777) == "0o700"
 
 
-def test_killed_kernel_leaves_nothing_running():
+def test_killed_kernel_leaves_nothing_running_or_on_disk():
     script = textwrap.dedent(
         """
         import os, signal, hvdnb
         c = hvdnb.Cluster(n=2, timeout=120).start()
+        print(c._ipp.profile_dir, c.cluster_id, flush=True)
         print(*c.pids(), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit runs: the watchdog must clean up
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert proc.returncode == -signal.SIGKILL
-    pids = [int(p) for p in proc.stdout.split()]
+    head, tail = proc.stdout.splitlines()
+    profile, cluster_id = head.split()
+    pids = [int(p) for p in tail.split()]
     assert len(pids) >= 4
     assert alive(pids, within=8.0) == []
+    # connection files (with the session key), cluster file, logs: gone too
+    left = [p for sub in ("security", "log") for p in (Path(profile) / sub).glob(f"*{cluster_id}*")]
+    deadline = time.monotonic() + 5
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if p.exists()]
+    assert left == []
