@@ -135,7 +135,7 @@ def _use_engine_kernel() -> None:
     The engine app looks the kernel class up as a module global when it registers; if a
     future ipyparallel renames it, engines keep the stock kernel.
     """
-    import ipyparallel.engine.app as app
+    from ipyparallel.engine import app
 
     base = getattr(app, "Kernel", None)
     if base is None or not hasattr(base, "_publish_status"):
