@@ -1,10 +1,10 @@
 """Start, watch and stop a cluster of ipyparallel engines under MPI, ready to train.
 
-Owns: the ``ipyparallel.Cluster`` (controller + engines), its configuration for fast starts
-(100 ms heartbeat, no artificial delay, engines and controller started together so the
-engines' ``import torch`` overlaps the controller's start-up), engine id == MPI rank, the
-venv's own ``mpiexec``, input validation, and clean stops (engines first, then the
-controller: 0.5 s instead of ipyparallel's 3.5 s). Every ipyparallel coroutine runs on one
+Owns: the life of the ``ipyparallel.Cluster`` (controller + engines) that ``launch.py``
+configures: input validation, starting engines and controller together (so the engines'
+``import torch`` overlaps the controller's start-up), connecting, watching the ranks, and
+clean stops (engines first, then the controller: 0.2 s instead of ipyparallel's 3.5 s)
+that leave no process or file behind, even when the notebook is killed (a watchdog). Every ipyparallel coroutine runs on one
 private event-loop thread so that launcher callbacks (an engine set exiting) keep working.
 
 Across hosts (``launcher="slurm"``/``"ssh"``/..., ``hosts=HOSTFILE`` for one MPI job over
@@ -38,7 +38,9 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from . import launch
 from .config import get_config
+from .launch import ClusterError, cores, find_mpiexec, gpu_count
 
 __all__ = ["Cluster", "ClusterError", "find_mpiexec", "gpu_count", "current", "cores"]
 
@@ -48,8 +50,6 @@ _NOISE = re.compile(
     r"^(frame #\d+:|<omitting python frames>|Exception raised from |.*\[IPEngine\] WARNING"
     r"|.*WARNING \| (Not using CurveZMQ|debugpy_stream)|.*\[KernelNanny)"
 )
-_ipp_log = logging.getLogger("hvdnb.ipyparallel")
-_ipp_log.setLevel(logging.ERROR)
 
 #: launchers that start engines on this host only (controller stays on loopback)
 _LOCAL_LAUNCHERS = {"mpi", "local"}
@@ -57,97 +57,9 @@ _ALL: weakref.WeakSet[Cluster] = weakref.WeakSet()
 _CURRENT: Cluster | None = None
 
 
-class ClusterError(RuntimeError):
-    """A cluster could not be started, reached or stopped; the message says what to do."""
-
-
-def cores() -> int:
-    """CPU cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-def gpu_count() -> int:
-    """GPUs on this host, found without importing torch or initialising CUDA here."""
-    try:
-        import pynvml  # from nvidia-ml-py, the [gpu] extra
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML: fall back to the driver's own listing
-        pass
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = Path("/proc/driver/nvidia/gpus")
-    if not gpus.is_dir():
-        return 0
-    n = len(list(gpus.iterdir()))
-    if visible is not None:
-        n = min(n, len([v for v in visible.split(",") if v.strip() not in ("", "-1")]))
-    return n
-
-
-def find_mpiexec(local: bool = False) -> str:
-    """The mpiexec beside this Python (the ``mpich`` wheel's), else the one on PATH.
-
-    With ``local``, MPICH's ``mpiexec.gforker`` is preferred where it exists: it forks the
-    ranks on this host and, unlike hydra, opens no listening socket on 0.0.0.0.
-    """
-    bindir = Path(sys.executable).parent
-    names = ["mpiexec.gforker", "mpiexec"] if local else ["mpiexec"]
-    for name in names:
-        if (bindir / name).exists():
-            return str(bindir / name)
-    found = shutil.which("mpiexec")
-    if found:
-        return found
-    raise ClusterError(
-        "mpiexec not found: install an MPI runtime into this environment with "
-        "`pip install mpich` (or load your site's MPI module), then `%dist start` again."
-    )
-
-
-def _warn_cuda_in_kernel() -> None:
-    """Engines are separate processes (not forks), so a CUDA context in the notebook kernel
-    does not break them as it breaks fork-based launchers; but it holds memory on GPU 0,
-    which rank 0 then shares. Say so once, with the fix."""
-    torch = sys.modules.get("torch")
-    try:
-        if torch is None or not torch.cuda.is_initialized():
-            return
-        held = torch.cuda.memory_reserved() / 2**20
-    except Exception:
-        return
-    log.warning(
-        "hvdnb: CUDA is initialised in this notebook kernel (%.0f MiB reserved on GPU %d); "
-        "rank 0 will share that GPU. Do GPU work in %%%%distributed cells, or restart the "
-        "kernel before %%dist start to give the ranks whole GPUs.",
-        held,
-        torch.cuda.current_device(),
-    )
-
-
 def current() -> Cluster | None:
     """The cluster that ``%dist`` and ``%%distributed`` act on (None before ``%dist start``)."""
     return _CURRENT
-
-
-def _transient_mpi_init_failure(exc: BaseException, multi_host: bool) -> bool:
-    """Did a one-host start fail inside MPI_Init for a reason a second try can clear?
-
-    Seen here once in ~100 starts made at the same instant as another job's: UCX's
-    loopback address exchange ("failed to unpack address") aborts MPI_Init. A real
-    misconfiguration fails the second time too and is reported then.
-    """
-    return (
-        not multi_host
-        and isinstance(exc, ClusterError)
-        and "internal_Init_thread" in str(exc)
-    )
 
 
 class _LoopThread:
@@ -242,7 +154,7 @@ class Cluster:
         if self.engine_sets is not None:
             n = sum(int(es["n"]) for es in self.engine_sets)
         if self.hosts and n is None:
-            n = _hostfile_slots(self.hosts)  # mpiexec -f fills the slots in order
+            n = launch.hostfile_slots(self.hosts)  # mpiexec -f fills the slots in order
         #: ranks may run on other hosts: listen on a reachable address, pin nothing to lo
         self.multi_host = bool(
             self.launcher not in _LOCAL_LAUNCHERS or self.hosts or self.engine_sets
@@ -310,7 +222,7 @@ class Cluster:
                 f"hostfile {path!r} not found: write one host per line (`gpu1:4` for 4 "
                 "ranks on gpu1), then `%dist start --hosts FILE`"
             )
-        if not _hostfile_hosts(str(p)):
+        if not launch.hostfile_hosts(str(p)):
             raise ClusterError(f"hostfile {path!r} names no host: one `host[:slots]` per line")
         return str(p.resolve())
 
@@ -339,7 +251,7 @@ class Cluster:
             return default  # HVDNB_IP
         peers = []
         if self.hosts:
-            peers = _hostfile_hosts(self.hosts)
+            peers = launch.hostfile_hosts(self.hosts)
         for es in self.engine_sets or []:
             if es.get("host"):
                 peers.append(str(es["host"]))
@@ -365,94 +277,6 @@ class Cluster:
     def running(self) -> bool:
         return self.client is not None
 
-    def _make_ipp(self) -> Any:
-        import ipyparallel as ipp
-
-        cfg = get_config()
-        local = not self.multi_host
-        env = {"HVDNB_BACKEND": self.backend or "", **self.engine_env}
-        if self.channel is not None:
-            env["HVDNB_CHANNEL"] = self.channel_endpoint
-        if self.state_dir is not None:
-            env["HVDNB_STATE_DIR"] = self.state_dir
-        if local:
-            # keep every transport on loopback: MPICH's UCX netmod and gloo's pairs would
-            # otherwise listen on the host's public address
-            env.setdefault("UCX_NET_DEVICES", "lo")
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env["PYTHONUNBUFFERED"] = "1"
-        engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
-        c = ipp.Cluster(
-            engines=self.launcher,
-            n=self.n,
-            cluster_id=self.cluster_id,
-            controller_ip=self.ip,
-            controller_args=[
-                f"--HeartMonitor.period={cfg.heartbeat_ms}",
-                # a fast heartbeat for start-up, but no less patience than 3 s before an
-                # engine that stops answering (a starved host) is declared dead
-                f"--HeartMonitor.max_heartmonitor_misses={max(10, -(-3000 // cfg.heartbeat_ms))}",
-            ],
-            # engines wait for the connection file themselves: start them with the controller
-            send_engines_connection_env=False,
-            delay=0,
-            # our own logger: ipyparallel's default writes to the sys.stdout of the moment
-            # (a closed capture later), and what it would say we report ourselves
-            log=_ipp_log,
-            engine_timeout=self.timeout,
-        )
-        launcher_cls = c.engine_launcher_class.__name__
-        c.config[launcher_cls].engine_cmd = engine_cmd
-        c.config[launcher_cls].engine_args = [
-            f"--IPEngine.wait_for_url_file={self.timeout}",
-            "--log-level=WARN",
-            # ipykernel's OutStream minus the cross-thread waits of empty flushes
-            "--IPEngine.out_stream_factory=kernels_ext.iostream.OutStream",
-        ]
-        # ranks that rendezvous through the notebook read the session key from here
-        env["HVDNB_ENGINE_FILE"] = os.path.join(
-            c.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json"
-        )
-        c.config[launcher_cls].environment = env
-        if self.launcher == "mpi":
-            hostfile = self.hosts is not None or any(
-                "host" in str(a) for a in self.launcher_config.get("mpi_args", [])
-            )
-            c.config.MPILauncher.mpi_cmd = [find_mpiexec(local=not hostfile)]
-            if self.hosts:
-                c.config.MPILauncher.mpi_args = ["-f", self.hosts]
-        if self.launcher == "slurm":
-            # script and job output beside the connection files, not in the notebook's cwd
-            base = os.path.join(c.profile_dir, "log", f"ipengine-{self.cluster_id}-slurm")
-            c.config[launcher_cls].batch_file_name = base + ".sbatch"
-            c.config[launcher_cls].output_file = base + ".out"
-            c.config[launcher_cls].batch_template = self._sbatch_template(base + ".out")
-        for k, v in self.launcher_config.items():
-            c.config[launcher_cls][k] = v
-        return c
-
-    def _sbatch_template(self, output: str) -> str:
-        """The engines' sbatch script: ipyparallel fills ``{n}``, ``{cluster_id}`` and
-        ``{program_and_args}``; ``srun`` starts one engine per task."""
-        lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
-                 "#SBATCH --ntasks={n}", f"#SBATCH --output={output}"]
-        for k, v in self.slurm.items():
-            if v not in (None, ""):
-                lines.append(f"#SBATCH --{k}={v}")
-        lines += [f"#SBATCH {a}" for a in self.sbatch_args]
-        lines.append("srun {program_and_args}")
-        return "\n".join(lines) + "\n"
-
-    def _set_env(self, i: int, base: int) -> dict[str, str]:
-        """What tells the ranks of engine set ``i`` their global numbers."""
-        assert self.engine_sets is not None
-        return {
-            "HVDNB_RANK_BASE": str(base),
-            "HVDNB_WORLD_SIZE": str(self.n),
-            "HVDNB_CROSS_RANK": str(i),
-            "HVDNB_CROSS_SIZE": str(len(self.engine_sets)),
-        }
-
     def start(self) -> Cluster:
         """Start the controller and ``n`` engines; return when every rank can train.
 
@@ -470,7 +294,7 @@ class Cluster:
                 "sbatch not found: --launcher slurm submits the engines with sbatch; run the "
                 "notebook on a host of the Slurm cluster (a login node), or load its module"
             )
-        _warn_cuda_in_kernel()
+        launch.warn_cuda_in_kernel()
         t0 = time.perf_counter()
         self._loop = self._loop or _LoopThread()
         if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
@@ -479,7 +303,7 @@ class Cluster:
             self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
         for attempt in (1, 2):
             self._open_channel()
-            self._ipp = self._make_ipp()
+            self._ipp = launch.make_ipp(self)
             try:
                 self._loop.run(self._start_async(), timeout=self.timeout + 30)
                 self._connect()
@@ -488,7 +312,7 @@ class Cluster:
                 break
             except BaseException as exc:
                 self._teardown()
-                if attempt == 1 and _transient_mpi_init_failure(exc, self.multi_host):
+                if attempt == 1 and launch.transient_mpi_init_failure(exc, self.multi_host):
                     log.warning("hvdnb: MPI_Init failed on one host; starting again: %s", exc)
                     continue
                 if isinstance(exc, ClusterError):
@@ -521,7 +345,9 @@ class Cluster:
         ctrl = asyncio.ensure_future(c.start_controller())
         base = 0
         for i, es in enumerate(self.engine_sets):
-            c.config.MPIEngineSetLauncher.environment = {**base_env, **self._set_env(i, base)}
+            c.config.MPIEngineSetLauncher.environment = {
+                **base_env, **launch.engine_set_env(self, i, base)
+            }
             c.config.MPILauncher.mpi_cmd = list(es.get("mpi_cmd") or [find_mpiexec()])
             c.config.MPILauncher.mpi_args = list(es.get("mpi_args", base_args))
             await c.start_engines(es["n"], engine_set_id=f"host{i}")
@@ -877,38 +703,6 @@ class Cluster:
             row["last cell"] = f"[{last['cell']}] {last['state']}" if last else "-"
             rows.append(row)
         return rows
-
-
-def _hostfile_slots(path: str) -> int:
-    """Ranks an MPI hostfile holds: ``host:4`` or ``host slots=4`` count 4, a bare host 1."""
-    total = 0
-    for line in Path(path).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        head, *rest = line.split()
-        slots = 1
-        if ":" in head:
-            slots = int(head.split(":", 1)[1] or 1)
-        for word in rest:
-            if word.startswith("slots="):
-                slots = int(word.split("=", 1)[1])
-        total += max(slots, 1)
-    return total
-
-
-def _hostfile_hosts(path: str) -> list[str]:
-    """Host names of an MPI hostfile (``host[:slots]`` or ``host slots=N`` per line)."""
-    hosts = []
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            hosts.append(line.split()[0].split(":")[0])
-    return hosts
 
 
 def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:

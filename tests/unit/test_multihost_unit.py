@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hvdnb import rendezvous
-from hvdnb.cluster import Cluster, ClusterError, _hostfile_hosts
+from hvdnb.cluster import Cluster, ClusterError
+from hvdnb.launch import hostfile_hosts, sbatch_template
 from hvdnb.metrics.store import MetricsStore
 
 _CLEAN = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
@@ -58,7 +59,7 @@ def test_route_addr_to_loopback_is_loopback():
 def test_sbatch_script_carries_the_slurm_options():
     c = Cluster(n=8, launcher="slurm", ip="127.0.0.1", partition="gpu", time_limit="1:00:00",
                 gpus_per_node=4, account="lab", sbatch_args=["--exclusive"])
-    script = c._sbatch_template("/tmp/out")
+    script = sbatch_template(c, "/tmp/out")
     for line in ("#SBATCH --ntasks={n}", "#SBATCH --partition=gpu", "#SBATCH --time=1:00:00",
                  "#SBATCH --gpus-per-node=4", "#SBATCH --account=lab", "#SBATCH --exclusive",
                  "#SBATCH --output=/tmp/out", "srun {program_and_args}"):
@@ -78,7 +79,7 @@ def test_option_mistakes_are_explained(tmp_path):
         Cluster(hosts=str(tmp_path / "nope"))
     hf = tmp_path / "hosts"
     hf.write_text("# nodes\nnode1:4\nnode2 slots=4\n\n")
-    assert _hostfile_hosts(str(hf)) == ["node1", "node2"]
+    assert hostfile_hosts(str(hf)) == ["node1", "node2"]
     with pytest.raises(ClusterError, match="Slurm chooses"):
         Cluster(n=2, launcher="slurm", hosts=str(hf), ip="127.0.0.1")
     with pytest.raises(ClusterError, match="engine sets hold 2"):
@@ -100,8 +101,8 @@ def test_store_groups_ranks_by_host():
 
 
 def test_hostfile_slots_give_the_default_rank_count(tmp_path):
-    from hvdnb.cluster import _hostfile_slots
+    from hvdnb.launch import hostfile_slots
 
     f = tmp_path / "hosts"
     f.write_text("# comment\ngpu1:4\ngpu2 slots=2\ngpu3\n\n")
-    assert _hostfile_slots(str(f)) == 7
+    assert hostfile_slots(str(f)) == 7
