@@ -432,12 +432,8 @@ class Cluster:
             job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
             if job and delete:
                 cancel += ["--cancel", *map(str, delete), str(job)]
-        # what a clean stop removes (ipyparallel: connection, cluster and log files; hvdnb:
-        # the hub's engine-state file): every name carries the cluster id
-        profile = self._ipp.profile_dir
-        files = ["--files"] + [
-            os.path.join(profile, sub, f"*{self.cluster_id}*") for sub in ("security", "log")
-        ]
+        # and, as a stop would, the cluster's files
+        files = ["--files", *_cluster_files(self._ipp.profile_dir, self.cluster_id)]
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "hvdnb._watchdog", str(os.getpid())]
             + [str(pid) for pid in self._root_pids()]
@@ -518,6 +514,7 @@ class Cluster:
         """Stop everything. ``force``: ranks are known to be stuck, so kill them first
         instead of asking (and waiting) politely."""
         pids = self.pids() if self._ipp is not None else []
+        profile = self._ipp.profile_dir if self._ipp is not None else None
         if force:
             _kill_survivors(pids)
         if self.client is not None:
@@ -540,6 +537,8 @@ class Cluster:
                 self._kill_all()
         self._ipp = None
         _kill_survivors(pids)
+        if profile is not None:
+            _remove_cluster_files(profile, self.cluster_id)
         wd, self._watchdog = getattr(self, "_watchdog", None), None
         if wd is not None and wd.poll() is None:
             wd.terminate()
@@ -632,17 +631,6 @@ class Cluster:
         if c.controller is not None:
             await c.stop_controller()
         c.remove_cluster_file()
-        # the hub's engine-state file (for `restore_engines`, which a stopped hvdnb cluster
-        # never uses) would otherwise stay behind in the profile's log/ for every start
-        import glob
-
-        log_dir = os.path.join(c.profile_dir, "log")
-        for path in [os.path.join(log_dir, f"engines{self.cluster_id}.json"),
-                     *glob.glob(os.path.join(log_dir, f"ipengine-{self.cluster_id}-slurm.*"))]:
-            try:  # ... and so would the sbatch script and job output of a Slurm cluster
-                os.unlink(path)
-            except OSError:
-                pass
 
     def _kill_all(self) -> None:
         import signal
@@ -737,6 +725,27 @@ def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:
         procs = left
         if procs:
             time.sleep(0.01)
+
+
+def _cluster_files(profile: str, cluster_id: str) -> list[str]:
+    """Glob patterns of every file a cluster writes in its ipyparallel profile: connection
+    files (with the session key) in security/, logs, the hub's engine-state file and a
+    Slurm script and job output in log/. Each name carries the cluster id."""
+    return [os.path.join(profile, sub, f"*{cluster_id}*") for sub in ("security", "log")]
+
+
+def _remove_cluster_files(profile: str, cluster_id: str) -> None:
+    """After a stop: ipyparallel removes its own files on a clean stop, but not the hub's
+    engine-state file, the Slurm script, or anything of a controller that had to be
+    killed (a forced restart), so one start left up to four files behind."""
+    import glob
+
+    for pattern in _cluster_files(profile, cluster_id):
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def _stop_all_at_exit() -> None:

@@ -49,13 +49,16 @@ def bootstrap(backend: str | None = None) -> None:
     _release_shm_names()
 
 
-def _release_shm_names() -> None:
+def _release_shm_names(barrier: bool = True) -> None:
     """Unlink MPICH's shared-memory segment names once every local rank has mapped them.
 
     MPICH removes ``/dev/shm/mpich_shm_*`` in MPI_Finalize, which an engine never reaches
     (it ``os._exit``s, or is killed): each stopped cluster left a 2 MB file behind, and a
     later job whose segment name collided with a leftover failed in MPI_Init ("Out of
     memory"). The mappings stay valid after the unlink, so nothing changes for this job.
+
+    ``barrier=False`` is for a rank that is about to exit after a failed start: its peers
+    may never reach a barrier, and a segment only it still maps must go anyway.
     """
     if "mpi4py.MPI" not in sys.modules:
         return
@@ -64,7 +67,8 @@ def _release_shm_names() -> None:
         return
     # every rank of this mpiexec runs this (per-host engine sets and srun tasks have their
     # own COMM_WORLD): after the barrier every local rank has attached the segment
-    MPI.COMM_WORLD.Barrier()
+    if barrier:
+        MPI.COMM_WORLD.Barrier()
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/dev/shm/mpich_shm_" in line}
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
+        try:  # os._exit skips MPI_Finalize, which would unlink MPICH's segment
+            _release_shm_names(barrier=False)
+        except Exception:
+            pass
         os._exit(3)
     from ipyparallel.engine.app import IPEngine
 

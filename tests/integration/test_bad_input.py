@@ -97,10 +97,15 @@ def test_the_wrong_mpi_is_named(no_cluster, tmp_path):
         "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=$?; done; exit $rc\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    import glob
+
+    segments = set(glob.glob("/dev/shm/mpich_shm_*"))
     c = hvdnb.Cluster(n=2, timeout=60, launcher_config={"mpi_cmd": [str(fake)]})
     with pytest.raises(hvdnb.ClusterError, match="belongs to another MPI"):
         c.start()
     assert not c.running and c.pids() == []
+    # each singleton rank made its own MPICH segment: gone with the rank
+    assert set(glob.glob("/dev/shm/mpich_shm_*")) - segments == set()
 
 
 @pytest.mark.mpi

@@ -43,11 +43,39 @@ def test_stop_and_restart_leave_no_process_behind(shell, capsys):
 
 
 def test_engines_that_fail_to_start_give_a_clear_error_and_leave_nothing(tmp_path):
+    segments = _mpich_segments()
     c = hvdnb.Cluster(n=2, backend="nccl", timeout=60)  # no GPU here: nccl cannot start
     with pytest.raises(hvdnb.ClusterError, match="could not initialise torch.distributed"):
         c.start()
     assert not c.running
     assert c.pids() == []
+    # the ranks exit without MPI_Finalize: they unlink MPICH's segment themselves
+    assert _mpich_segments() - segments == set()
+    assert _files_of(c.cluster_id) == []
+
+
+def test_forced_restart_leaves_no_file_of_the_old_cluster():
+    c = hvdnb.Cluster(n=2, timeout=120).start()
+    try:
+        old = c.cluster_id
+        assert _files_of(old)  # connection files, logs
+        c.restart(force=True)  # what a rank ignoring interrupts gets: SIGKILL, no clean exit
+        assert c.cluster_id != old and _files_of(c.cluster_id)
+        assert _files_of(old) == []
+    finally:
+        c.stop()
+    assert _files_of(c.cluster_id) == []
+
+
+def _files_of(cluster_id: str) -> list[str]:
+    import glob
+    import os
+
+    from IPython.paths import get_ipython_dir
+
+    profile = os.path.join(get_ipython_dir(), "profile_default")
+    return [p for sub in ("security", "log")
+            for p in glob.glob(os.path.join(profile, sub, f"*{cluster_id}*"))]
 
 
 def test_interpreter_exit_leaves_no_orphans(tmp_path):
@@ -74,7 +102,6 @@ def _mpich_segments() -> set[str]:
     return set(glob.glob("/dev/shm/mpich_shm_*"))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
 def _profile_files(c) -> set[str]:
     import glob
     import os
@@ -85,6 +112,7 @@ def _profile_files(c) -> set[str]:
     }
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
 def test_stopped_cluster_leaves_no_shared_memory_segment_or_profile_file():
     # engines never reach MPI_Finalize, which is where MPICH unlinks its segment: before
     # the fix each cluster left a 2 MB file in /dev/shm, and a later start whose segment
