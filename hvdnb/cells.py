@@ -82,6 +82,8 @@ class CellResult:
     stdout: dict[int, str] = field(default_factory=dict)
     stderr: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
+    #: per rank, the last metrics message it had sent when the cell ended: (pid, seq)
+    metrics_marks: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -385,6 +387,10 @@ def run_cell(
         ar.wait_for_output(1.0)
     except Exception:
         pass
+    if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
+        from .metrics.store import get_store
+
+        get_store().wait_for(result.metrics_marks, timeout=1.0)
     if stream:
         streamer.pump(final=True)
     _run_hooks(True)
@@ -445,6 +451,9 @@ def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> 
 
 
 def _record(result: CellResult, rank: int, out: dict[str, Any]) -> None:
+    mark = out.pop("metrics", None)
+    if mark is not None:
+        result.metrics_marks[rank] = tuple(mark)
     if out["ok"]:
         result.values[rank] = out["value"]
         result.reprs[rank] = out["repr"]

@@ -322,6 +322,20 @@ def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
     return traceback.format_list(frames)
 
 
+def _flush_metrics() -> tuple[int, int] | None:
+    """Send the points this cell logged since the last flush, and say which message was
+    the last: ``(pid, seq)``, for the notebook to wait for. None without ``hvdnb.log``."""
+    recorder = sys.modules.get("hvdnb.metrics.recorder")
+    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
+    if rec is None or rec.channel is None:
+        return None
+    try:
+        rec.flush()  # the flusher thread would send them up to one interval later
+    except Exception:  # metrics are an extra: never fail a cell over them
+        return None
+    return (rec.pid, rec.seq) if rec.seq else None
+
+
 def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     """Run one %%distributed cell on this rank.
 
@@ -361,12 +375,14 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
             except KeyboardInterrupt:
                 continue
         _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
+        report["metrics"] = _flush_metrics()
         return report
     # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
     if value is not None and shell is not None:
         ns["_"] = value
-    out = {"ok": True, "rank": rank, "repr": None if value is None else repr(value), "value": None}
+    out = {"ok": True, "rank": rank, "repr": None if value is None else repr(value), "value": None,
+           "metrics": _flush_metrics()}
     if value is not None:
         try:
             pickle.dumps(value)

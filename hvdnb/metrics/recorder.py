@@ -92,6 +92,9 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # serialises flushes (thread vs explicit flush())
+        # held from packing to sending: two flushes (the flusher thread, an explicit or
+        # end-of-cell flush) must send their sequence numbers in order
+        self._send_lock = threading.Lock()
         self._mem = _MemorySampler()
         self.comm_backend = ""
         self.pid = os.getpid()
@@ -249,11 +252,12 @@ class Recorder:
             # nothing new: a heartbeat every 4 intervals keeps memory readings fresh
             if self.seq and time.time() - self._last_sent < 4 * self.flush_interval:
                 return
-        msg = self.pack()
-        if msg is None:
-            return
-        self._last_sent = time.time()
-        self.channel.send("metrics", **msg)
+        with self._send_lock:
+            msg = self.pack()
+            if msg is None:
+                return
+            self._last_sent = time.time()
+            self.channel.send("metrics", **msg)
 
     def close(self) -> None:
         self._stop.set()

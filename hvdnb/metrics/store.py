@@ -81,6 +81,8 @@ class MetricsStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a rank's message came in
+        self._top: dict[int, tuple[int, int]] = {}  # rank -> (pid, highest seq received)
         self._series: dict[tuple[int, str], _Series] = {}
         self._names_of: dict[int, list[str]] = {}  # rank -> its series' names
         self.version = 0  # bumped on every change; the panel redraws when it moves
@@ -119,6 +121,10 @@ class MetricsStore:
                 elif last is None and seq > 1:
                     self.lost_messages += seq - 1  # the first messages never arrived
                 self._seq[rank] = (pid, seq)
+                top = self._top.get(rank)
+                if top is None or top[0] != pid or seq > top[1]:
+                    self._top[rank] = (pid, seq)
+                self._arrived.notify_all()
             lost = msg.get("lost")
             if isinstance(lost, int):
                 prev = self._lost_by_rank.get(rank, 0)
@@ -454,6 +460,31 @@ class MetricsStore:
             self.knob_events.clear()
             self.points = 0
             self.version += 1
+
+    def wait_for(self, marks: dict[int, tuple[int, int]], timeout: float) -> bool:
+        """Wait until every rank's message ``seq`` from process ``pid`` (``marks``: rank ->
+        (pid, seq), what the rank had sent when its cell ended) is here.
+
+        The side channel and the cell's reply travel on different sockets, so a cell's
+        last points can arrive just after the reply; the cell waits for them (bounded)
+        so that its final panel and ``hvdnb.metrics()`` after it are complete.
+        """
+        deadline = time.monotonic() + timeout
+
+        def arrived() -> bool:
+            for rank, (pid, seq) in marks.items():
+                top = self._top.get(rank)
+                if top is None or top[0] != pid or top[1] < seq:
+                    return False
+            return True
+
+        with self._arrived:
+            while not arrived():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._arrived.wait(left)
+        return True
 
     # -------------------------------------------------------------- wiring
     def attach_current(self) -> None:

@@ -65,6 +65,23 @@ def test_points_arrive_while_the_cell_runs(dist2):
     assert "bottleneck" in store.hint()
 
 
+def test_a_cells_last_points_are_in_the_store_when_it_returns(dist2):
+    """Points travel on the side channel, the cell's reply on ipyparallel's sockets: a
+    cell that logs and ends at once (no flush of its own) must still find every point in
+    hvdnb.metrics() and in its final panel redraw."""
+    store = attach(dist2)
+    for attempt in range(3):  # each cell ends a few ms after its last log()
+        store.clear()
+        cells.run_cell(
+            dist2, f"import hvdnb\nfor s in range(5):\n    hvdnb.log(s, 0.5 * s + {attempt})",
+            quiet=True,
+        )
+        loss = store.rows("loss")
+        for rank in (0, 1):
+            assert [r.step for r in loss if r.rank == rank] == list(range(5)), attempt
+    assert store.lost_messages == 0
+
+
 def test_knob_applied_at_the_same_step_on_every_rank(dist2):
     store = attach(dist2)
     store.clear()
