@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     from hvdnb import rendezvous
 
     _use_engine_kernel()
+    # ipykernel does not capture fd 1/2 (C-level output) under pytest; an engine is never
+    # under pytest itself, but inherits the variable when the notebook side is: engines
+    # behave the same whoever started them
+    os.environ.pop("PYTEST_CURRENT_TEST", None)
 
     w = rendezvous.discover()
     if w.source in ("slurm", "sets") and not any(a.startswith("--IPEngine.id") for a in argv):

@@ -255,3 +255,17 @@ def test_engines_publish_idle_not_busy_and_never_lose_output(dist2, shell, capsy
     for events in requests:
         assert "busy" not in events, events
         assert events[-1] == "idle" and events.count("stream") >= 1, events
+
+
+def test_output_below_python_is_in_the_cell_that_wrote_it(dist2):
+    """C code and os.write reach fd 1/2, which a reader thread pipes into the stream: bytes
+    written just before a cell ends must still belong to that cell (with ipykernel's own
+    stream 14 of 80 such lines were missing from their cell)."""
+    missing = []
+    for i in range(24):
+        fd, name = (1, "stdout") if i % 2 == 0 else (2, "stderr")
+        r = hvdnb.run_cell(dist2, f"import os\nos.write({fd}, b'fd-{i}\\n')", stream=False, quiet=True)
+        for rank in (0, 1):
+            if f"fd-{i}" not in getattr(r, name)[rank]:
+                missing.append((name, i, rank))
+    assert missing == []
