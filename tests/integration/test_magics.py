@@ -213,6 +213,7 @@ def test_engines_publish_idle_not_busy_and_never_lose_output(dist2, shell, capsy
     after all of its output (ipyparallel's client waits on it), no "busy" is published for
     shell requests, and output without a newline or a flush of its own still arrives."""
     import json
+
     import zmq
     from jupyter_client.session import Session
 
