@@ -110,6 +110,14 @@ dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
     while _jobs(c.cluster_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _jobs(c.cluster_id) == [], "the engines' Slurm job is still in squeue"
+    # the sbatch script, the job's output and ipyparallel's files went with the cluster
+    import glob
+
+    from IPython.paths import get_ipython_dir
+
+    profile = os.path.join(get_ipython_dir(), "profile_default")
+    assert [p for sub in ("security", "log")
+            for p in glob.glob(os.path.join(profile, sub, f"*{c.cluster_id}*"))] == []
 
 
 def test_killed_kernel_cancels_its_slurm_job(slurm, tmp_path):
