@@ -70,7 +70,8 @@ def _parse(argv: list[str]) -> tuple[int, list[int], list[list[str]], list[str]]
     return kernel, pids, cancels, files
 
 
-def _remove(patterns: list[str]) -> None:
+def remove_files(patterns: list[str]) -> None:
+    """Remove the files matching ``patterns``; a file already gone is fine."""
     for pattern in patterns:
         for path in glob.glob(pattern):
             try:
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
     for pid in pids:
         if _alive(pid):
             _signal(pid, signal.SIGKILL)
-    _remove(files)
+    remove_files(files)
     return 0
 
 

@@ -4,8 +4,9 @@ Owns: the life of the ``ipyparallel.Cluster`` (controller + engines) that ``laun
 configures: input validation, starting engines and controller together (so the engines'
 ``import torch`` overlaps the controller's start-up), connecting, watching the ranks, and
 clean stops (engines first, then the controller: 0.2 s instead of ipyparallel's 3.5 s)
-that leave no process or file behind, even when the notebook is killed (a watchdog). Every ipyparallel coroutine runs on one
-private event-loop thread so that launcher callbacks (an engine set exiting) keep working.
+that leave no process or file behind, even when the notebook is killed (a watchdog).
+Every ipyparallel coroutine runs on one private event-loop thread so that launcher
+callbacks (an engine set exiting) keep working.
 
 Across hosts (``launcher="slurm"``/``"ssh"``/..., ``hosts=HOSTFILE`` for one MPI job over
 several hosts under hydra, or ``engine_sets=[...]`` for one engine set per host): the
@@ -738,14 +739,9 @@ def _remove_cluster_files(profile: str, cluster_id: str) -> None:
     """After a stop: ipyparallel removes its own files on a clean stop, but not the hub's
     engine-state file, the Slurm script, or anything of a controller that had to be
     killed (a forced restart), so one start left up to four files behind."""
-    import glob
+    from ._watchdog import remove_files  # the same removal the watchdog does
 
-    for pattern in _cluster_files(profile, cluster_id):
-        for path in glob.glob(pattern):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    remove_files(_cluster_files(profile, cluster_id))
 
 
 def _stop_all_at_exit() -> None:
