@@ -82,7 +82,6 @@ class MetricsStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a rank's message came in
-        self._top: dict[int, tuple[int, int]] = {}  # rank -> (pid, highest seq received)
         self._series: dict[tuple[int, str], _Series] = {}
         self._names_of: dict[int, list[str]] = {}  # rank -> its series' names
         self.version = 0  # bumped on every change; the panel redraws when it moves
@@ -121,9 +120,6 @@ class MetricsStore:
                 elif last is None and seq > 1:
                     self.lost_messages += seq - 1  # the first messages never arrived
                 self._seq[rank] = (pid, seq)
-                top = self._top.get(rank)
-                if top is None or top[0] != pid or seq > top[1]:
-                    self._top[rank] = (pid, seq)
                 self._arrived.notify_all()
             lost = msg.get("lost")
             if isinstance(lost, int):
@@ -471,10 +467,10 @@ class MetricsStore:
         """
         deadline = time.monotonic() + timeout
 
-        def arrived() -> bool:
+        def arrived() -> bool:  # a rank sends its messages in sequence order
             for rank, (pid, seq) in marks.items():
-                top = self._top.get(rank)
-                if top is None or top[0] != pid or top[1] < seq:
+                last = self._seq.get(rank)
+                if last is None or last[0] != pid or last[1] < seq:
                     return False
             return True
 
