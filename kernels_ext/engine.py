@@ -335,7 +335,7 @@ def _flush_metrics() -> tuple[int, int] | None:
         return None
     try:
         rec.flush()  # the flusher thread would send them up to one interval later
-    except Exception:  # metrics are an extra: never fail a cell over them
+    except (Exception, KeyboardInterrupt):  # metrics are an extra: never lose the report
         return None
     return (rec.pid, rec.seq) if rec.seq else None
 
