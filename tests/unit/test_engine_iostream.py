@@ -35,6 +35,12 @@ def stream():
     thread.schedule = counting
     yield out, sub, session, scheduled
     out.close()
+    # cancel ipykernel's event-pipe GC task on its own loop first: IOPubThread.stop()
+    # cancels it with the loop already stopped, and asyncio then reports it at exit
+    gc_task = getattr(thread, "_event_pipe_gc_task", None)
+    if gc_task is not None:
+        thread.io_loop.add_callback(gc_task.cancel)
+        time.sleep(0.05)
     thread.stop()
     thread.close()
     sub.close(linger=0)
