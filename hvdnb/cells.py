@@ -325,63 +325,72 @@ def run_cell(
     futures = dict(zip(ranks, ar._children))  # one reply future per rank
     children: dict[int, Any] = {}  # per-rank AsyncResults, made only when ranks finish apart
     done: set[int] = set()
-    while True:
-        try:
-            if ar.wait(cfg.output_interval) and ar.successful():
-                outs = ar.get(0)  # the common case: every rank done, one unpacking
-                for r, out in zip(ranks, outs):
-                    if r not in done:
-                        done.add(r)
-                        _record(result, r, out)
-            else:
-                if not children:  # ranks finish apart (or one failed at engine level)
-                    children = dict(zip(ranks, ar.split()))
-                for r, fut in futures.items():
-                    if r not in done and fut.done():
-                        done.add(r)
-                        _collect(result, r, children[r], cluster)
-                        if r in result.errors and failed_at is None:
-                            failed_at = time.monotonic()
-                        if result.errors.get(r, {}).get("dead") and interrupted_at is None:
-                            # a dead peer: the others' collectives can never complete, so
-                            # no grace period before interrupting them
-                            interrupted_at = _interrupt(
-                                cluster, [q for q in ranks if q not in done]
-                            )
-            if stream:
-                streamer.pump()
-            _run_hooks(False)
-            if len(done) == len(ranks):
-                break
-            now = time.monotonic()
-            if deadline is not None and now > deadline and interrupted_at is None:
-                note = f"cell timed out after {timeout:g} s; the ranks still running were interrupted"
-                interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
-            if failed_at is not None and interrupted_at is None and now - failed_at > 2.0:
-                # fail fast: a rank failed; peers not blocked on it (so not yet released) stop
-                interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
-            if interrupted_at is not None and now - interrupted_at > 2.0:
-                stuck = [r for r in ranks if r not in done]
-                cluster._check_alive()
-                note = (
-                    f"{note + '; ' if note else ''}rank(s) {format_ranks(stuck)} did not stop "
-                    "within 2 s of an interrupt"
-                )
-                for r in stuck:
-                    result.errors[r] = {
-                        "ename": "Unresponsive",
-                        "evalue": "did not answer an interrupt within 2 s",
-                        "traceback": "",
-                        "interrupted": True,
-                    }
-                break
-            if failed_at is None and interrupted_at is None:
-                cluster._check_alive()
-                watch.tick(done)
-        except KeyboardInterrupt:
-            note = "interrupted from the notebook"
-            if interrupted_at is None:
-                interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+    sigint = _SigintLatch()
+    try:
+        while True:
+            try:
+                if sigint.seen and interrupted_at is None:
+                    # a Ctrl-C whose KeyboardInterrupt Python swallowed (raised inside a
+                    # weakref callback or __del__, it is only "unraisable"): act on it anyway
+                    raise KeyboardInterrupt
+                if ar.wait(cfg.output_interval) and ar.successful():
+                    outs = ar.get(0)  # the common case: every rank done, one unpacking
+                    for r, out in zip(ranks, outs):
+                        if r not in done:
+                            done.add(r)
+                            _record(result, r, out)
+                else:
+                    if not children:  # ranks finish apart (or one failed at engine level)
+                        children = dict(zip(ranks, ar.split()))
+                    for r, fut in futures.items():
+                        if r not in done and fut.done():
+                            done.add(r)
+                            _collect(result, r, children[r], cluster)
+                            if r in result.errors and failed_at is None:
+                                failed_at = time.monotonic()
+                            if result.errors.get(r, {}).get("dead") and interrupted_at is None:
+                                # a dead peer: the others' collectives can never complete, so
+                                # no grace period before interrupting them
+                                interrupted_at = _interrupt(
+                                    cluster, [q for q in ranks if q not in done]
+                                )
+                if stream:
+                    streamer.pump()
+                _run_hooks(False)
+                if len(done) == len(ranks):
+                    break
+                now = time.monotonic()
+                if deadline is not None and now > deadline and interrupted_at is None:
+                    note = (f"cell timed out after {timeout:g} s; the ranks still running "
+                            "were interrupted")
+                    interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+                if failed_at is not None and interrupted_at is None and now - failed_at > 2.0:
+                    # fail fast: a rank failed; peers not blocked on it (so not yet released) stop
+                    interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+                if interrupted_at is not None and now - interrupted_at > 2.0:
+                    stuck = [r for r in ranks if r not in done]
+                    cluster._check_alive()
+                    note = (
+                        f"{note + '; ' if note else ''}rank(s) {format_ranks(stuck)} did not stop "
+                        "within 2 s of an interrupt"
+                    )
+                    for r in stuck:
+                        result.errors[r] = {
+                            "ename": "Unresponsive",
+                            "evalue": "did not answer an interrupt within 2 s",
+                            "traceback": "",
+                            "interrupted": True,
+                        }
+                    break
+                if failed_at is None and interrupted_at is None:
+                    cluster._check_alive()
+                    watch.tick(done)
+            except KeyboardInterrupt:
+                note = "interrupted from the notebook"
+                if interrupted_at is None:
+                    interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+    finally:
+        sigint.close()
     watch.close()
     try:
         ar.wait_for_output(1.0)
@@ -490,6 +499,41 @@ def _escalate(cluster: Any, stuck: list[int], note: str) -> str:
     else:
         extra = f"the cluster was restarted: {cluster.n} fresh ranks are ready"
     return f"{note}; {extra}" if note else extra
+
+
+class _SigintLatch:
+    """Remembers a SIGINT (the stop button, Ctrl-C) for the length of one cell.
+
+    The KeyboardInterrupt that Python raises for it lands in whatever code runs next; when
+    that is a weakref callback or a ``__del__``, Python reports it as "unraisable" and
+    drops it. Seen once in a 20-trial test: the stop button did nothing and a rank stayed
+    blocked in a collective until its 300 s timeout. The cell's waiting loop checks
+    ``seen`` as well. The previous handler still runs (it raises as before); installed
+    only on the main thread and only over Python's own handler.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.seen = False
+        self._prev: Any = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        prev = signal.getsignal(signal.SIGINT)
+        if not callable(prev):  # SIG_IGN / SIG_DFL: somebody chose that; leave it
+            return
+        self._prev = prev
+
+        def handler(signum: int, frame: Any) -> None:
+            self.seen = True
+            prev(signum, frame)
+
+        signal.signal(signal.SIGINT, handler)
+
+    def close(self) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+            self._prev = None
 
 
 def _interrupt(cluster: Any, ranks: list[int]) -> float:

@@ -270,3 +270,23 @@ def test_output_below_python_is_in_the_cell_that_wrote_it(dist2):
             if f"fd-{i}" not in getattr(r, name)[rank]:
                 missing.append((name, i, rank))
     assert missing == []
+
+
+def test_stop_button_works_even_when_its_keyboardinterrupt_is_lost(dist2):
+    """Python drops a KeyboardInterrupt raised inside a weakref callback or __del__; a
+    SIGINT handler that does not raise stands in for that here. The cell must still stop
+    every rank promptly (it once waited out a 300 s collective timeout)."""
+    prev = signal.signal(signal.SIGINT, lambda *_: None)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(hvdnb.DistributedCellError, match="interrupted"):
+            hvdnb.run_cell(dist2, "import time\ntime.sleep(30)", stream=False)
+        assert time.monotonic() - t0 < 5
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, prev)
+    assert signal.getsignal(signal.SIGINT) is prev
+    r = hvdnb.run_cell(dist2, "1 + 1", stream=False, quiet=True)  # the ranks are usable
+    assert r.values == {0: 2, 1: 2}
