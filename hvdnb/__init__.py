@@ -26,7 +26,7 @@ from .cells import CellResult, DistributedCellError, run_cell
 from .cluster import Cluster, ClusterError, current
 from .config import Config, get_config
 from . import metrics  # a callable module: hvdnb.metrics() returns every point as rows
-from .metrics import ddp_comm_hook, knobs, log, phase
+from .metrics import ddp_comm_hook, knobs, log, phase, set_knobs
 from .state import State
 
 __version__ = "0.1.0"
@@ -48,6 +48,7 @@ __all__ = [
     "log",
     "metrics",
     "phase",
+    "set_knobs",
 ]
 
 

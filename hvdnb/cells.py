@@ -312,6 +312,10 @@ def run_cell(
     cluster.cell_no += 1
     cell_no = cluster.cell_no
     view = cluster.client[ranks] if not everyone else cluster.view
+    from .metrics.store import get_store
+
+    store = get_store()
+    store.begin_cell(cell_no)  # the cell's first logged point starts a new run
     t0 = time.monotonic()
     ar = view.apply_async(_engine_runner(), code, cell_no)
     result = CellResult(cell=cell_no, ranks=ranks)
@@ -397,9 +401,8 @@ def run_cell(
     except Exception:
         pass
     if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
-        from .metrics.store import get_store
-
-        get_store().wait_for(result.metrics_marks, timeout=1.0)
+        store.wait_for(result.metrics_marks, timeout=1.0)
+    store.end_cell()
     if stream:
         streamer.pump(final=True)
     _run_hooks(True)

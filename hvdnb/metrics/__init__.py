@@ -16,7 +16,7 @@ import types
 
 from .knobset import Knobs, knobs
 from .recorder import ddp_comm_hook, get_recorder, log, phase, set_enabled
-from .store import MetricRow, MetricRows, MetricsStore, attach, get_store, metrics
+from .store import MetricRow, MetricRows, MetricsStore, attach, get_store, metrics, set_knobs
 
 __all__ = [
     "Knobs",
@@ -32,14 +32,16 @@ __all__ = [
     "metrics",
     "phase",
     "set_enabled",
+    "set_knobs",
 ]
 
 
 class _CallableModule(types.ModuleType):
     """``hvdnb.metrics(name=None, rank=None)``: see ``hvdnb.metrics.store.metrics``."""
 
-    def __call__(self, name: str | None = None, rank: int | None = None) -> MetricRows:
-        return metrics(name, rank)
+    def __call__(self, name: str | None = None, rank: int | None = None,
+                 run: int | None = None) -> MetricRows:
+        return metrics(name, rank, run)
 
     def __repr__(self) -> str:
         return "<module 'hvdnb.metrics' (callable: hvdnb.metrics() returns every point)>"

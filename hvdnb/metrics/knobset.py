@@ -4,11 +4,15 @@ Protocol (all messages over the side channel, ``hvdnb.channel``):
 
 1. ``hvdnb.knobs(batch_size=64, ...)`` on every rank announces its spec to the notebook
    (``knobs_spec``: names, current values, kinds, ranges).
-2. The panel validates a change and sends ``knobs_req {id, values}`` to rank 0 only.
+2. The panel (or ``%dist knobs`` / ``hvdnb.set_knobs``) validates a change and sends
+   ``knobs_req {id, values[, at_step]}`` to rank 0 only.
 3. Rank 0 validates again, picks ``apply_at`` = its step in progress + a lead that covers
    the round trip (``ceil(LEAD_SECONDS / step time)``, at least ``MIN_LEAD`` steps; the
-   loop is idle: ``apply_at`` is None, "now") and sends ``knobs_plan`` to the notebook,
-   which forwards it to every rank (rank 0 included: one code path).
+   loop is idle: ``apply_at`` is None, "now"; the request named a step: that step) and
+   sends ``knobs_plan`` to the notebook, which forwards it to every rank (rank 0
+   included: one code path). A plan still waiting for its step when a cell makes a new
+   knob set with the same names (``hvdnb.knobs(...)`` at the top of the next training
+   cell) is carried over to it.
 4. Each rank applies the plan at the start of step ``apply_at`` (``knobs.step(s)`` or,
    without it, at ``hvdnb.log(step=apply_at - 1)``), and reports ``knobs_applied {id,
    step, late}``. A rank that hears of the plan after passing ``apply_at`` applies at once
@@ -208,7 +212,10 @@ class Knobs:
         from .recorder import get_recorder
 
         rec = get_recorder()
-        if rec.idle():
+        at = msg.get("at_step")
+        if isinstance(at, int) and not isinstance(at, bool) and at >= 0:
+            apply_at: int | None = at
+        elif rec.idle():
             apply_at = None
         else:
             st = rec.step_time or 0.05
@@ -265,6 +272,11 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     rank = rec.rank
     k = Knobs(values, ranges, rank, rec.channel)
     old = CURRENT
+    if old is not None and old.pending:
+        with old._lock:  # plans for a step not reached yet belong to the new loop
+            carried = {pid: p for pid, p in old.pending.items()
+                       if set(p["values"]) <= set(k.spec)}
+        k.pending.update(carried)
     CURRENT = k
     ch = rec.channel
     if ch is not None:

@@ -160,8 +160,14 @@ class Recorder:
         self.cur_step = step
         self.last_activity = now
 
-    def on_comm(self, name: str, nbytes: int, seconds: float, backend: str) -> None:
-        """``hvdnb.torch`` comm listener: time and bandwidth of one allreduce (or bucket)."""
+    def on_comm(self, name: str, nbytes: int, seconds: Any, backend: str,
+                exposed: float = math.nan) -> None:
+        """``hvdnb.torch`` comm listener: one collective (or fused bucket) just completed.
+
+        Records ``comm/<name>/time`` (the collective's own duration; a CUDA-event span is
+        kept as an object and read on the flusher thread), ``comm/<name>/exposed`` (what
+        the training thread waited for it) and ``comm/<name>/bytes``.
+        """
         if not self.enabled:
             return
         self.comm_backend = backend
@@ -169,6 +175,7 @@ class Recorder:
         t = time.time()
         step = self.cur_step
         self.record(step, f"comm/{short}/time", seconds, t)
+        self.record(step, f"comm/{short}/exposed", exposed, t)
         self.record(step, f"comm/{short}/bytes", nbytes, t)
 
     # ------------------------------------------------------------------ flushing
@@ -461,12 +468,21 @@ def phase(name: str) -> Iterator[None]:
 
 
 def ddp_comm_hook(model: Any, state: Any = None) -> Any:
-    """Register a DDP communication hook that records each bucket's allreduce time.
+    """Register a DDP communication hook that records each bucket's allreduce timings.
 
     For plain ``torch.nn.parallel.DistributedDataParallel`` users (hvdnb.torch's
-    DistributedOptimizer reports by itself). The hook is torch's ``allreduce_hook``; the
-    time is measured on the host from launch until the future completes (no
-    ``cuda.synchronize``).
+    DistributedOptimizer reports by itself). The hook is torch's ``allreduce_hook``; per
+    bucket and step it records, measured on the host (no ``cuda.synchronize``):
+
+    - ``comm/ddp.bucket.<i>/time``, the collective's own duration: from when it could
+      start (its launch, or the previous bucket's completion when the backend was still
+      busy with that one: Gloo runs a group's collectives in order) to its completion;
+      on CUDA (NCCL) the host cannot see the stream, so this is "n/a" (NaN);
+    - ``comm/ddp.bucket.<i>/exposed``, communication the step waited for: DDP waits for
+      every bucket once the last one is launched (backward compute is over), so a bucket
+      completing after that instant exposes the time since the later of that instant
+      and the previous completion; buckets done earlier were hidden behind backward (0);
+    - ``comm/ddp.bucket.<i>/bytes``.
 
     Parameters
     ----------
@@ -482,19 +498,39 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
 
     rec = get_recorder()
     backend = str(dist.get_backend(state) if state is not None else dist.get_backend())
+    # this step's clock: when the last bucket was launched (0: not yet), the previous
+    # bucket's completion; the hook runs on the training thread, completions on Gloo's
+    clock = {"last_launch": 0.0, "prev_done": 0.0}
+    lock = threading.Lock()
 
     def hook(st: Any, bucket: Any) -> Any:
         t0 = time.perf_counter()
         step = rec.cur_step
         idx = bucket.index()
-        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+        is_last = bucket.is_last()
+        buf = bucket.buffer()
+        cuda = bool(buf.is_cuda)
+        nbytes = float(buf.numel() * buf.element_size())
+        if is_last:
+            with lock:
+                clock["last_launch"] = t0
         fut = allreduce_hook(st, bucket)
 
         def done(f: Any) -> Any:
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            with lock:
+                prev = clock["prev_done"]
+                start = max(t0, prev)
+                last = clock["last_launch"]
+                exposed = max(0.0, t1 - max(last, prev)) if last else 0.0
+                clock["prev_done"] = t1
+                if is_last:  # every bucket of this step is done: the next step starts afresh
+                    clock["last_launch"] = clock["prev_done"] = 0.0
             t = time.time()
-            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/time", dt))
-            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/bytes", float(nbytes)))
+            nan = math.nan
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/time", nan if cuda else t1 - start))
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/exposed", nan if cuda else exposed))
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/bytes", nbytes))
             rec.comm_backend = backend
             return f.value()
 

@@ -7,7 +7,21 @@ rank 0's plan to every rank, recording specs, plans and applications), and the v
 panel and exports read: ``rows()`` (``hvdnb.metrics()``), per-rank series, the step-time
 breakdown with its one-line hint, allreduce and memory summaries, and the ranks grouped
 by host (``hosts()``, ``host_summary()``: each rank says its host once, in ``rank_info``).
-CSV and JSONL exports read the same rows. Series are indexed by rank as well as by
+CSV and JSONL exports read the same rows.
+
+Runs and segments (what tuning compares): each ``%%distributed`` cell that logs starts a
+*run* (``begin_cell`` / ``end_cell`` from ``hvdnb.cells``; the run begins with the cell's
+first point that is not a memory reading or a knob record), and each knob change applied
+during it starts a new *segment* of that run at the step it was applied. Every point is
+tagged with its run; rows carry run, segment and the knob values in force at their step
+on their rank. Live views (per-rank series, step breakdown, allreduce) show the current
+run; ``run_curves`` overlays the runs.
+
+Communication, per collective or fused bucket and step, as ``hvdnb.torch`` and
+``ddp_comm_hook`` report it: ``comm/<bucket>/time`` is the collective's own duration,
+``comm/<bucket>/exposed`` what the training thread waited for it (the step breakdown's
+"comm" when the loop marks no ``phase("comm")``), ``comm/<bucket>/bytes`` this rank's
+payload. Bus bandwidth follows nccl-tests: ``bytes * 2 (n - 1) / n / time`` for n ranks. Series are indexed by rank as well as by
 (rank, name), so views cost O(ranks), not O(ranks x series): 1,024 ranks stay cheap.
 
 Never: import torch or widgets, block the channel thread, or invent a value: a reading a
@@ -26,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["MetricsStore", "MetricRow", "MetricRows", "get_store", "attach", "metrics"]
+__all__ = ["MetricsStore", "MetricRow", "MetricRows", "get_store", "attach", "metrics",
+           "set_knobs"]
 
 
 #: beyond this many ranks, views summarise (shorter windows, per-host rows)
@@ -34,23 +49,31 @@ MANY_RANKS = 256
 
 
 class MetricRow(NamedTuple):
+    """One point. ``run``: the logging run it belongs to (0: before any run);
+    ``segment``: how many knob changes this rank had applied in that run at this step;
+    ``knobs``: the knob values in force then (``{}`` when the loop has no knobs)."""
+
     rank: int
     step: int
     name: str
     value: float
     time: float
+    run: int = 0
+    segment: int = 0
+    knobs: dict[str, float] = {}  # noqa: RUF012 - never mutated: a fresh dict per row
 
 
 class MetricRows(list):  # type: ignore[type-arg]
     """A list of ``MetricRow`` with exports."""
 
     def to_csv(self, path: str | Path) -> Path:
-        """Write ``rank,step,name,value,time`` rows; returns the path."""
+        """Write ``rank,step,name,value,time,run,segment,knobs`` rows (knobs as JSON);
+        returns the path."""
         p = Path(path)
         with p.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(MetricRow._fields)
-            w.writerows(self)
+            w.writerows((*r[:-1], json.dumps(r.knobs, sort_keys=True)) for r in self)
         return p
 
     def to_jsonl(self, path: str | Path) -> Path:
@@ -62,18 +85,41 @@ class MetricRows(list):  # type: ignore[type-arg]
         return p
 
     def to_pandas(self) -> Any:
-        import pandas as pd
+        """A DataFrame with one column per field, the knobs spread over ``knob.<name>``
+        columns (NaN where a knob did not exist)."""
+        try:
+            import pandas as pd
+        except ImportError:  # pragma: no cover - pandas is a dependency of hvdnb
+            raise ImportError("to_pandas() needs pandas: pip install pandas") from None
 
-        return pd.DataFrame(list(self), columns=list(MetricRow._fields))
+        df = pd.DataFrame([r[:-1] for r in self], columns=list(MetricRow._fields[:-1]))
+        names = sorted({k for r in self for k in r.knobs})
+        for k in names:
+            df[f"knob.{k}"] = [r.knobs.get(k, math.nan) for r in self]
+        return df
 
 
 class _Series:
-    __slots__ = ("steps", "values", "times")
+    __slots__ = ("steps", "values", "times", "runs")
 
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.values: list[float] = []
         self.times: list[float] = []
+        self.runs: list[tuple[int, int]] = []  # (run id, index of its first point here)
+
+    def run_slice(self, run: int) -> slice:
+        """The points of ``run`` (runs are appended in order, so one contiguous range)."""
+        for k, (rid, start) in enumerate(self.runs):
+            if rid == run:
+                end = self.runs[k + 1][1] if k + 1 < len(self.runs) else len(self.steps)
+                return slice(start, end)
+        return slice(0, 0)
+
+
+def _run_trigger(name: str) -> bool:
+    """A point that shows a loop is logging (memory heartbeats and knob records do not)."""
+    return not (name.startswith("mem/") or name.startswith("knob/"))
 
 
 class MetricsStore:
@@ -94,14 +140,66 @@ class MetricsStore:
         self.rank_info: dict[int, dict[str, Any]] = {}
         self.knob_spec: dict[str, dict[str, Any]] = {}
         self.knob_events: list[dict[str, Any]] = []  # requests, plans, applications, errors
-        self.marks: list[tuple[int, str]] = []  # (step, label) for the loss plot
+        #: runs in order: {"id", "cell", "started", "knobs" (at its start), "changes"
+        #: [(step, values, rank)], "marks" [(step, label)], "hidden"}
+        self.runs: list[dict[str, Any]] = []
+        self.run_id = 0  # the current run (0: none yet)
+        self._want_run = False  # a cell is running and has not logged yet
+        self._in_cell = False
+        self._cell_no: int | None = None
         self._ids = itertools.count(1)
+        self.last_request: str | None = None
         self._cluster: Any = None
         self._channel: Any = None
         #: (time a row was logged on its rank, time it reached this store), for latency
         self.arrivals: list[tuple[float, float]] = []
         self.keep_arrivals = False
         self._breakdown_cache: tuple[tuple[int, int], dict[int, dict[str, float]]] | None = None
+
+    @property
+    def marks(self) -> list[tuple[int, str]]:
+        """(step, label) of the knob changes applied in the current run."""
+        run = self._run(self.run_id)
+        return list(run["marks"]) if run is not None else []
+
+    def _run(self, rid: int) -> dict[str, Any] | None:
+        return self.runs[rid - 1] if 0 < rid <= len(self.runs) else None
+
+    # -------------------------------------------------------------- runs (main thread)
+    def begin_cell(self, cell_no: int | None = None) -> None:
+        """A ``%%distributed`` cell starts: its first logged point starts a new run."""
+        with self._lock:
+            self._want_run = True
+            self._in_cell = True
+            self._cell_no = cell_no
+
+    def end_cell(self) -> None:
+        """The cell ended (after its last points arrived)."""
+        with self._lock:
+            self._want_run = False
+            self._in_cell = False
+
+    def _start_run(self, now: float) -> None:  # lock held
+        rid = len(self.runs) + 1
+        self.runs.append({
+            "id": rid, "cell": self._cell_no, "started": now,
+            "knobs": {k: v.get("value") for k, v in self.knob_spec.items()},
+            "changes": [], "marks": [], "hidden": False,
+        })
+        self.run_id = rid
+        self._want_run = False
+
+    def hide_runs(self, keep_last: int = 1) -> int:
+        """Take all but the last ``keep_last`` runs off the comparison chart (their points
+        stay in ``hvdnb.metrics()``); returns how many were hidden."""
+        with self._lock:
+            n = 0
+            for run in self.runs[: max(0, len(self.runs) - keep_last)]:
+                if not run["hidden"]:
+                    run["hidden"] = True
+                    n += 1
+            self.version += 1
+            return n
 
     # -------------------------------------------------------------- ingest (I/O thread)
     def ingest(self, msg: dict[str, Any]) -> None:
@@ -128,6 +226,9 @@ class MetricsStore:
                     self.lost_rows += lost - prev
                 self._lost_by_rank[rank] = lost
             n = 0
+            if (self._want_run or not self.runs) and any(_run_trigger(k) for k in cols):
+                self._start_run(now)
+            rid = self.run_id
             for name, col in cols.items():
                 try:
                     steps, times, values = col
@@ -137,6 +238,8 @@ class MetricsStore:
                 if s is None:
                     s = self._series[(rank, name)] = _Series()
                     self._names_of.setdefault(rank, []).append(name)
+                if not s.runs or s.runs[-1][0] != rid:
+                    s.runs.append((rid, len(s.steps)))
                 s.steps.extend(steps)
                 s.times.extend(times)
                 s.values.extend(float(v) if v is not None else math.nan for v in values)
@@ -171,6 +274,10 @@ class MetricsStore:
         if isinstance(spec, dict):
             with self._lock:
                 self.knob_spec = spec
+                run = self._run(self.run_id)
+                if self._in_cell and run is not None and not run["changes"]:
+                    # knobs made in the running cell: they are this run's starting values
+                    run["knobs"] = {k: v.get("value") for k, v in spec.items()}
                 self.version += 1
 
     def on_plan(self, msg: dict[str, Any]) -> None:
@@ -192,9 +299,15 @@ class MetricsStore:
             if not msg.get("error"):
                 vals = msg.get("values") or {}
                 label = ", ".join(f"{k}={v:g}" for k, v in vals.items())
-                mark = (int(msg.get("step", 0)), label)
-                if mark not in self.marks:
-                    self.marks.append(mark)
+                step = int(msg.get("step", 0))
+                run = self._run(self.run_id)
+                if self._in_cell and self._want_run:  # applied before the cell's first log
+                    self._start_run(time.time())
+                    run = self._run(self.run_id)
+                if self._in_cell and run is not None:  # a segment of the running run
+                    run["changes"].append((step, dict(vals), msg.get("rank")))
+                    if (step, label) not in run["marks"]:
+                        run["marks"].append((step, label))
                 for k, v in vals.items():
                     if k in self.knob_spec:
                         self.knob_spec[k] = {**self.knob_spec[k], "value": v}
@@ -213,14 +326,20 @@ class MetricsStore:
         return list(ch.ranks) if ch is not None else []
 
     # -------------------------------------------------------------- knobs (notebook)
-    def request_knobs(self, **values: Any) -> tuple[bool, str]:
-        """Ask rank 0 to schedule a change; returns (sent, message). Validated here first."""
+    def request_knobs(self, at_step: int | None = None, **values: Any) -> tuple[bool, str]:
+        """Ask rank 0 to schedule a change; returns (sent, message). Validated here first.
+
+        ``at_step``: apply at that step of the running loop (or of the next one, when no
+        loop runs); default: as soon as every rank can, at one step."""
         from .knobset import validate
 
         spec = self.knob_spec
         if not spec:
             return False, "no knobs yet: create them with hvdnb.knobs(...) in a %%distributed cell"
         err = validate(spec, values)
+        if err is None and at_step is not None and (
+                isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0):
+            err = f"at_step must be a step number >= 0, not {at_step!r}"
         if err:
             with self._lock:
                 self.knob_events.append({"kind": "refused", "time": time.time(), "error": err,
@@ -234,7 +353,9 @@ class MetricsStore:
             self.knob_events.append({"kind": "request", "time": time.time(), "id": rid,
                                      "values": values})
             self.version += 1
-        self._channel.send(0, "knobs_req", id=rid, values=values)
+        self.last_request = rid
+        extra = {"at_step": at_step} if at_step is not None else {}
+        self._channel.send(0, "knobs_req", id=rid, values=values, **extra)
         return True, f"sent to rank 0 ({rid})"
 
     def knob_status(self, rid: str | None = None) -> dict[str, Any]:
@@ -254,14 +375,32 @@ class MetricsStore:
         return {"id": rid, "plan": plan, "applied": applied}
 
     # -------------------------------------------------------------- views
-    def rows(self, name: str | None = None, rank: int | None = None) -> MetricRows:
-        """Every point as ``(rank, step, name, value, time)``, ordered by rank, name, arrival."""
+    def rows(self, name: str | None = None, rank: int | None = None,
+             run: int | None = None) -> MetricRows:
+        """Every point as ``(rank, step, name, value, time, run, segment, knobs)``, ordered
+        by rank, name, arrival; ``run`` selects one run."""
         with self._lock:
-            items = [(k, s.steps[:], s.values[:], s.times[:]) for k, s in self._series.items()
+            items = [(k, s.steps[:], s.values[:], s.times[:], list(s.runs))
+                     for k, s in self._series.items()
                      if (name is None or k[1] == name) and (rank is None or k[0] == rank)]
+            runs = {r["id"]: (dict(r["knobs"]), list(r["changes"])) for r in self.runs}
         out = MetricRows()
-        for (r, n), steps, values, times in sorted(items, key=lambda it: it[0]):
-            out.extend(MetricRow(r, st, n, v, t) for st, v, t in zip(steps, values, times))
+        for (r, n), steps, values, times, offsets in sorted(items, key=lambda it: it[0]):
+            for k, (rid, start) in enumerate(offsets):
+                if run is not None and rid != run:
+                    continue
+                end = offsets[k + 1][1] if k + 1 < len(offsets) else len(steps)
+                knobs0, changes = runs.get(rid, ({}, []))
+                mine = sorted((st, v) for st, v, rk in changes if rk == r or rk is None)
+                for i in range(start, end):
+                    st = steps[i]
+                    seg, kv = 0, knobs0
+                    for cst, cv in mine:
+                        if cst > st:
+                            break
+                        seg += 1
+                        kv = {**kv, **cv}
+                    out.append(MetricRow(r, st, n, values[i], times[i], rid, seg, dict(kv)))
         return out
 
     def names(self) -> list[str]:
@@ -272,29 +411,39 @@ class MetricsStore:
         with self._lock:
             return sorted(set(self._names_of) | set(self.rank_info))
 
-    def series(self, name: str, rank: int, last: int | None = None
+    def series(self, name: str, rank: int, last: int | None = None, run: int | None = None
                ) -> tuple[list[int], list[float], list[float]]:
-        """(steps, values, times) of one metric on one rank (the last ``last`` points)."""
+        """(steps, values, times) of one metric on one rank in ``run`` (default: the
+        current run; -1: every run), the last ``last`` points."""
         with self._lock:
             s = self._series.get((rank, name))
             if s is None:
                 return [], [], []
-            sl = slice(-last, None) if last else slice(None)
-            return s.steps[sl], s.values[sl], s.times[sl]
+            rs = s.run_slice(self.run_id if run is None else run) if run != -1 else slice(None)
+            steps, values, times = s.steps[rs], s.values[rs], s.times[rs]
+        if last:
+            return steps[-last:], values[-last:], times[-last:]
+        return steps, values, times
 
     def latest(self, name: str, rank: int) -> float | None:
         with self._lock:
             s = self._series.get((rank, name))
             return s.values[-1] if s is not None and s.values else None
 
-    def per_step(self, prefix: str, rank: int, last_steps: int = 50) -> dict[int, float]:
-        """Sum of every metric whose name starts with ``prefix`` and ends with ``/time``
-        (or equals ``prefix``), per step, over the last ``last_steps`` steps."""
+    def per_step(self, prefix: str, rank: int, last_steps: int = 50,
+                 suffix: str = "/time") -> dict[int, float]:
+        """Sum of every metric whose name starts with ``prefix`` and ends with ``suffix``
+        (or equals ``prefix``), per step of the current run, over its last ``last_steps``
+        steps."""
         with self._lock:
             keys = [(rank, n) for n in self._names_of.get(rank, ()) if
-                    n == prefix or (n.startswith(prefix) and n.endswith("/time"))]
-            parts = [(self._series[k].steps[-4 * last_steps:], self._series[k].values[-4 * last_steps:])
-                     for k in keys]
+                    n == prefix or (n.startswith(prefix) and n.endswith(suffix))]
+            parts = []
+            for k in keys:
+                s = self._series[k]
+                rs = s.run_slice(self.run_id)
+                lo = max(rs.start, rs.stop - 4 * last_steps)
+                parts.append((s.steps[lo:rs.stop], s.values[lo:rs.stop]))
         out: dict[int, float] = {}
         for steps, values in parts:
             for st, v in zip(steps, values):
@@ -310,8 +459,10 @@ class MetricsStore:
 
         ``step`` comes from the time between two ``hvdnb.log`` calls, ``data`` from
         ``phase("data")`` (or ``data_time=``), ``comm`` from ``phase("comm")`` when marked,
-        else the allreduce time ``hvdnb.torch`` reported (overlapping buckets capped at the
-        step), and ``compute`` is the rest (or ``phase("compute")`` when marked).
+        else the *exposed* communication ``hvdnb.torch`` / ``ddp_comm_hook`` reported (time
+        the training thread waited for collectives; communication hidden behind backward
+        is compute time, not comm), and ``compute`` is the rest (or ``phase("compute")``
+        when marked).
 
         Computed once per store version (the panel's chart and hint share it); beyond
         ``MANY_RANKS`` ranks the medians cover the last ``last_steps // 5`` steps, which
@@ -330,7 +481,8 @@ class MetricsStore:
             if not step:
                 continue
             data = self.per_step("time/data", r, last_steps)
-            comm = self.per_step("time/comm", r, last_steps) or self.per_step("comm/", r, last_steps)
+            comm = (self.per_step("time/comm", r, last_steps)
+                    or self.per_step("comm/", r, last_steps, suffix="/exposed"))
             marked_compute = self.per_step("time/compute", r, last_steps)
             rows = []
             for st, total in step.items():
@@ -397,23 +549,94 @@ class MetricsStore:
         return out
 
     def comm_summary(self, last: int = 20) -> list[dict[str, Any]]:
-        """Per rank and bucket: median time, effective bandwidth (bytes/time), backend."""
+        """Per rank and bucket, over its last ``last`` completions in the current run:
+        median collective time (``time``), median exposed time (``exposed``), median bytes,
+        bus bandwidth (``bytes * 2 (n - 1) / n / time``, nccl-tests' definition, n = ranks
+        reporting) and backend. A figure that was not measured is None ("n/a")."""
+        n_ranks = max(1, len(self.ranks()))
         with self._lock:
             keys = [k for k in self._series if k[1].startswith("comm/") and k[1].endswith("/time")]
             data = []
+
+            def tail(key: tuple[int, str]) -> list[float]:
+                s = self._series.get(key)
+                if s is None:
+                    return []
+                rs = s.run_slice(self.run_id)
+                return s.values[max(rs.start, rs.stop - last):rs.stop]
+
             for r, n in keys:
-                t = self._series[(r, n)].values[-last:]
-                b = self._series.get((r, n[:-5] + "/bytes"))
-                nb = b.values[-last:] if b is not None else []
-                data.append((r, n[5:-5], t, nb))
+                t = tail((r, n))
+                if t:
+                    data.append((r, n[5:-5], t, tail((r, n[:-5] + "/bytes")),
+                                 tail((r, n[:-5] + "/exposed"))))
         out = []
-        for r, bucket, t, nb in sorted(data):
+        factor = 2 * (n_ranks - 1) / n_ranks
+        for r, bucket, t, nb, ex in sorted(data):
             tt = [x for x in t if x == x]
+            ee = [x for x in ex if x == x]
             med_t = statistics.median(tt) if tt else None
             med_b = statistics.median(nb) if nb else None
-            bw = med_b / med_t if med_t and med_b is not None else None
+            bw = med_b * factor / med_t if med_t and med_b is not None and factor else None
             out.append({"rank": r, "bucket": bucket, "time": med_t, "bytes": med_b,
-                        "bandwidth": bw, "backend": self.rank_info.get(r, {}).get("backend")})
+                        "exposed": statistics.median(ee) if ee else None,
+                        "bus_bandwidth": bw, "bandwidth": bw,
+                        "backend": self.rank_info.get(r, {}).get("backend")})
+        return out
+
+    def run_curves(self, x: str = "step", name: str = "loss", last_runs: int = 5
+                   ) -> list[dict[str, Any]]:
+        """The visible runs' mean-over-ranks ``name`` per step, for overlaying.
+
+        Parameters
+        ----------
+        x : ``"step"`` or ``"samples"`` (samples seen by all ranks together up to and
+            including that step: the running sum of every rank's ``samples``); a run that
+            logged no ``samples`` gets ``xs = None`` for ``"samples"``
+        last_runs : at most this many of the newest visible runs
+
+        Returns
+        -------
+        list of ``{"id", "label", "xs", "ys", "marks": [(x, label)]}``, oldest first
+        """
+        with self._lock:
+            runs = [dict(r) for r in self.runs if not r["hidden"]][-last_runs:]
+            out = []
+            for run in runs:
+                rid = run["id"]
+                acc: dict[int, list[float]] = {}
+                samples: dict[int, float] = {}
+                for (r, n), s in self._series.items():
+                    if n != name and n != "samples":
+                        continue
+                    rs = s.run_slice(rid)
+                    dst = samples if n == "samples" else None
+                    for st, v in zip(s.steps[rs], s.values[rs]):
+                        if dst is not None:
+                            dst[st] = dst.get(st, 0.0) + v
+                        elif v == v:
+                            acc.setdefault(st, []).append(v)
+                steps = sorted(acc)
+                ys = [sum(acc[st]) / len(acc[st]) for st in steps]
+                xmap: dict[int, float] | None = {st: float(st) for st in steps}
+                if x == "samples":
+                    if samples:
+                        xmap, tot = {}, 0.0
+                        for st in sorted(set(samples) | set(steps)):
+                            tot += samples.get(st, 0.0)
+                            xmap[st] = tot
+                    else:
+                        xmap = None
+                marks = []
+                for st, lab in run["marks"]:
+                    if xmap is not None and steps:
+                        near = min(steps, key=lambda q: abs(q - st))
+                        marks.append((xmap[near], lab))
+                out.append({
+                    "id": rid, "label": _run_label(run),
+                    "xs": [xmap[st] for st in steps] if xmap is not None else None,
+                    "ys": ys, "marks": marks,
+                })
         return out
 
     def memory(self) -> dict[int, dict[str, float | None]]:
@@ -452,7 +675,8 @@ class MetricsStore:
         with self._lock:
             self._series.clear()
             self._names_of.clear()
-            self.marks.clear()
+            self.runs.clear()
+            self.run_id = 0
             self.knob_events.clear()
             self.points = 0
             self.version += 1
@@ -506,6 +730,20 @@ class MetricsStore:
         ch.on("knobs_applied", self.on_applied)
 
 
+def _run_label(run: dict[str, Any]) -> str:
+    """``run 3: batch_size=64 warmup_steps=100 -> batch_size=128 @ 200``."""
+    knobs = " ".join(f"{k}={v:g}" for k, v in run["knobs"].items() if isinstance(v, (int, float)))
+    text = f"run {run['id']}" + (f": {knobs}" if knobs else "")
+    seen = set()
+    for st, vals, _ in run["changes"]:
+        key = (st, tuple(sorted(vals.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        text += " -> " + " ".join(f"{k}={v:g}" for k, v in vals.items()) + f" @ {st}"
+    return text
+
+
 def _strip(msg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in msg.items() if k != "kind"}
 
@@ -534,14 +772,92 @@ def attach(cluster: Any = None) -> MetricsStore:
     return store
 
 
-def metrics(name: str | None = None, rank: int | None = None) -> MetricRows:
+def set_knobs(*, at_step: int | None = None, after: float | None = None,
+              timeout: float = 3.0, **values: Any) -> dict[str, Any]:
+    """Change knobs of the job from code: the same validated request as the panel's controls.
+
+    Every rank applies the change at one step (rank 0 picks it; see ``hvdnb.knobs``).
+
+    Parameters
+    ----------
+    at_step : apply at this step of the running loop, or of the next loop that runs
+        (a plan waiting for its step carries over to the knob set a new cell makes)
+    after : send the request this many seconds from now (from a timer thread), so a
+        training cell started meanwhile is changed while it runs; returns at once
+    timeout : seconds to wait for rank 0's plan and, when it applies at once (no loop
+        running), for every rank's report
+    **values : knob names and new values
+
+    Returns
+    -------
+    dict: ``{"id", "plan", "applied": {rank: report}}`` (``{"scheduled_in": after}`` with
+    ``after``)
+
+    Raises
+    ------
+    ValueError
+        a value the knobs refuse (unknown name, out of range, wrong kind), no knobs yet, or
+        no cluster; nothing is sent then.
+
+    Examples
+    --------
+    >>> hvdnb.set_knobs(warmup_steps=200, batch_size=64)          # doctest: +SKIP
+    >>> hvdnb.set_knobs(batch_size=128, at_step=150)              # doctest: +SKIP
+    """
+    from .knobset import validate
+
+    store = attach()
+    if not values:
+        raise ValueError("no knob values given: e.g. set_knobs(batch_size=64)")
+    if after is not None:
+        if not isinstance(after, (int, float)) or isinstance(after, bool) or not after >= 0:
+            raise ValueError(f"after must be a number of seconds >= 0, not {after!r}")
+        if store.knob_spec:  # refuse what is already known to be wrong now, not later
+            err = validate(store.knob_spec, values)
+            if err:
+                raise ValueError(f"refused: {err}")
+        if store._channel is None:
+            raise ValueError("no cluster is running: `%dist start` first")
+
+        def later() -> None:
+            ok, msg = store.request_knobs(at_step=at_step, **values)
+            if not ok:
+                with store._lock:
+                    store.knob_events.append({"kind": "refused", "time": time.time(),
+                                              "error": msg, "values": values})
+                    store.version += 1
+
+        timer = threading.Timer(float(after), later)
+        timer.daemon = True
+        timer.start()
+        return {"scheduled_in": float(after)}
+    ok, msg = store.request_knobs(at_step=at_step, **values)
+    if not ok:
+        raise ValueError(msg)
+    rid = store.last_request
+    deadline = time.monotonic() + timeout
+    status = store.knob_status(rid)
+    while time.monotonic() < deadline:
+        status = store.knob_status(rid)
+        plan = status.get("plan")
+        if plan is not None and (plan.get("error") or plan.get("apply_at") is not None):
+            break  # refused, or planned for a step: the ranks apply it when they get there
+        if plan is not None and len(status.get("applied") or {}) >= len(store._ranks()):
+            break
+        time.sleep(0.02)
+    return status
+
+
+def metrics(name: str | None = None, rank: int | None = None,
+            run: int | None = None) -> MetricRows:
     """Every point the ranks recorded with ``hvdnb.log`` (and allreduce, memory, phases),
-    as rows ``(rank, step, name, value, time)``.
+    as rows ``(rank, step, name, value, time, run, segment, knobs)``.
 
     Parameters
     ----------
     name : only this metric (e.g. ``"loss"``)
     rank : only this rank
+    run : only this run (``hvdnb.metrics().to_pandas().run`` lists them)
 
     Returns
     -------
@@ -552,5 +868,5 @@ def metrics(name: str | None = None, rank: int | None = None) -> MetricRows:
     >>> rows = hvdnb.metrics("loss")                               # doctest: +SKIP
     >>> rows.to_csv("loss.csv")
     """
-    return attach().rows(name, rank)
+    return attach().rows(name, rank, run)
 

@@ -30,7 +30,7 @@ def test_log_and_flush_carry_every_point_in_order():
     rec = Recorder(1, ch, flush_interval=10, capacity=1024)
     for step in range(10):
         rec.log(step, 1.0 / (step + 1), samples=32, data_time=0.001)
-        rec.on_comm("DistributedOptimizer.bucket.0", 4096, 0.002, "gloo")
+        rec.on_comm("DistributedOptimizer.bucket.0", 4096, 0.002, "gloo", 0.0005)
     rec.flush()
     (msg,) = ch.sent
     assert msg["kind"] == "metrics" and msg["seq"] == 1 and msg["lost"] == 0
@@ -40,6 +40,8 @@ def test_log_and_flush_carry_every_point_in_order():
     assert cols["time/data"][0] == list(range(10))
     # an allreduce reported after log(step=s) belongs to step s + 1 (the step in progress)
     assert cols["comm/bucket.0/time"][0] == list(range(1, 11))
+    assert cols["comm/bucket.0/time"][2] == [0.002] * 10
+    assert cols["comm/bucket.0/exposed"][2] == [0.0005] * 10
     assert "mem/rss" in cols and cols["mem/rss"][2][0] > 0
     assert msg["backend"] == "gloo"
 
@@ -116,6 +118,7 @@ def _msg(rank: int, seq: int, steps: range, pid: int = 7) -> dict:
             "cols": {"loss": [list(steps), t, [1.0 / (s + 1) for s in steps]],
                      "time/step": [list(steps), t, [0.01 + 0.002 * rank] * len(steps)],
                      "comm/bucket.0/time": [list(steps), t, [0.002] * len(steps)],
+                     "comm/bucket.0/exposed": [list(steps), t, [0.0015] * len(steps)],
                      "comm/bucket.0/bytes": [list(steps), t, [4e6] * len(steps)],
                      "mem/gpu_allocated": [[steps[-1]], [t[-1]], [2e9]]}}
 
@@ -140,11 +143,14 @@ def test_store_views_breakdown_hint_comm_memory(tmp_path):
     for rank in range(4):
         st.ingest(_msg(rank, 1, range(0, 60)))
     b = st.breakdown()
-    assert b[3]["step"] == pytest.approx(0.016) and b[0]["comm"] == pytest.approx(0.002)
+    # the breakdown's comm is the exposed time, not the collective's own duration
+    assert b[3]["step"] == pytest.approx(0.016) and b[0]["comm"] == pytest.approx(0.0015)
     hint = st.hint()
     assert hint.startswith("bottleneck: compute") and "straggler: rank 3" in hint
     comm = st.comm_summary()[0]
-    assert comm["bandwidth"] == pytest.approx(2e9) and comm["backend"] == "nccl"
+    # bus bandwidth as nccl-tests: 4 MB x 2 (4 - 1) / 4 / 2 ms
+    assert comm["bus_bandwidth"] == pytest.approx(3e9) and comm["backend"] == "nccl"
+    assert comm["time"] == pytest.approx(0.002) and comm["exposed"] == pytest.approx(0.0015)
     mem = st.memory()[0]
     assert mem["gpu_allocated"] == 2e9 and mem["rss"] is None  # unknown stays unknown
     rows = st.rows()
@@ -165,6 +171,7 @@ def test_store_forwards_rank0_plan_to_every_rank():
 
     st = MetricsStore()
     st._channel = ClientCh()
+    st.begin_cell(1)
     st.on_spec({"spec": kn.make_spec({"lr": 0.1})})
     ok, _ = st.request_knobs(lr=0.2)
     assert ok and st._channel.sent[-1][:2] == (0, "knobs_req")
@@ -178,3 +185,70 @@ def test_store_forwards_rank0_plan_to_every_rank():
     assert sorted(status["applied"]) == [0, 1, 2] and st.marks == [(40, "lr=0.2")]
     ok, msg = st.request_knobs(lr=50.0)
     assert not ok and "out of range" in msg and len(st._channel.sent) == 4
+
+
+def _log_msg(rank: int, seq: int, steps: range, loss: float, samples: float = 32.0) -> dict:
+    t = [2000.0 + s for s in steps]
+    return {"kind": "metrics", "rank": rank, "seq": seq, "pid": 9, "lost": 0,
+            "step": steps[-1] + 1, "idle": False,
+            "cols": {"loss": [list(steps), t, [loss + rank] * len(steps)],
+                     "samples": [list(steps), t, [samples] * len(steps)]}}
+
+
+def test_runs_segments_and_knobs_in_rows():
+    st = MetricsStore()
+    st.on_spec({"spec": kn.make_spec({"batch_size": 32, "warmup_steps": 10})})
+    # between cells: memory heartbeats start no run
+    st.begin_cell(1)
+    st.ingest({"rank": 0, "seq": 1, "pid": 9, "cols": {"mem/rss": [[0], [1.0], [5e8]]}})
+    assert st.runs == [] and st.run_id == 0
+    st.ingest(_log_msg(0, 2, range(0, 10), 1.0))
+    st.ingest(_log_msg(1, 1, range(0, 10), 1.0))
+    for r in (0, 1):  # a change applied on both ranks at step 6 starts segment 1
+        st.on_applied({"rank": r, "id": "k1", "step": 6, "late": False,
+                       "values": {"batch_size": 64}})
+    st.end_cell()
+    st.begin_cell(2)  # a second logging cell is run 2, starting from the values in force
+    st.ingest(_log_msg(0, 3, range(0, 5), 3.0))
+    st.end_cell()
+    st.begin_cell(3)  # a cell that logs nothing starts no run
+    st.ingest({"rank": 0, "seq": 4, "pid": 9, "cols": {"mem/rss": [[0], [1.0], [5e8]]}})
+    st.end_cell()
+    assert [r["id"] for r in st.runs] == [1, 2] and st.run_id == 2
+    rows = [r for r in st.rows("loss") if r.rank == 0]
+    first = [r for r in rows if r.run == 1]
+    assert [r.segment for r in first] == [0] * 6 + [1] * 4
+    assert first[0].knobs == {"batch_size": 32, "warmup_steps": 10}
+    assert first[-1].knobs == {"batch_size": 64, "warmup_steps": 10}
+    second = [r for r in rows if r.run == 2]
+    assert len(second) == 5 and second[0].knobs["batch_size"] == 64 and second[0].segment == 0
+    # live views show the current run only; run=-1 every run
+    assert st.series("loss", 0)[0] == list(range(5))
+    assert len(st.series("loss", 0, run=-1)[0]) == 15
+    assert st.marks == [] and st.runs[0]["marks"] == [(6, "batch_size=64")]
+    df = st.rows().to_pandas()
+    assert set(df.run) == {0, 1, 2} and set(df[df.name == "loss"].run) == {1, 2}
+    assert "knob.batch_size" in df.columns
+    assert set(df[df.run == 1]["knob.batch_size"]) == {32, 64}
+
+
+def test_run_curves_overlay_by_step_and_samples_and_hide():
+    st = MetricsStore()
+    st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
+    for cell, loss in ((1, 2.0), (2, 4.0)):
+        st.begin_cell(cell)
+        st.ingest(_log_msg(0, 2 * cell - 1, range(0, 4), loss, samples=32))
+        st.ingest(_log_msg(1, cell, range(0, 4), loss, samples=32))
+        if cell == 2:
+            for r in (0, 1):
+                st.on_applied({"rank": r, "id": "k", "step": 2, "values": {"batch_size": 64}})
+        st.end_cell()
+    curves = st.run_curves()
+    assert [c["id"] for c in curves] == [1, 2]
+    assert curves[0]["ys"] == [2.5] * 4  # mean of rank 0 (2.0) and rank 1 (3.0)
+    assert curves[1]["label"] == "run 2: batch_size=32 -> batch_size=64 @ 2"
+    assert curves[1]["marks"] == [(2.0, "batch_size=64")]
+    by_samples = st.run_curves(x="samples")
+    assert by_samples[0]["xs"] == [64.0, 128.0, 192.0, 256.0]  # two ranks x 32 per step
+    assert st.hide_runs(keep_last=1) == 1 and [c["id"] for c in st.run_curves()] == [2]
+    assert len({r.run for r in st.rows("loss")}) == 2  # hidden, not deleted
