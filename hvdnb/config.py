@@ -48,6 +48,10 @@ class Config:
     inline_bytes: int = 64 * 1024
     #: hvdnb.torch: a per-rank timeline file stops recording (and says so) past this size
     timeline_max_bytes: int = 64 * 1024 * 1024
+    #: where ``%dist start`` shows the live panel: "side" (beside the notebook, JupyterLab's
+    #: side area through jupyterlab-sidecar), "inline" (in the cell's output: classic
+    #: Notebook, VS Code) or "off"
+    panel: str = "side"
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod

@@ -22,7 +22,7 @@ from . import cluster as _cluster
 
 __all__ = ["DistMagics"]
 
-_ACTIONS = ("start", "stop", "restart", "status", "panel")
+_ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs")
 
 
 def _usage(exc: BaseException) -> UsageError:
@@ -39,8 +39,16 @@ class DistMagics(Magics):
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status | panel (default: status)",
+        help="start | stop | restart | status | panel | knobs (default: status)",
     )
+    @argument("values", nargs="*", help="knobs: name=value pairs, e.g. warmup_steps=200")
+    @argument("--at-step", type=int, default=None,
+              help="knobs: apply at this step (of the running loop, or of the next one)")
+    @argument("--after", type=float, default=None,
+              help="knobs: send the change this many seconds from now (returns at once)")
+    @argument("--inline", action="store_true",
+              help="panel: show it in this cell's output (classic Notebook, VS Code) "
+              "instead of beside the notebook")
     @argument("-n", type=int, default=None, help="ranks to start (default: GPUs, else 2)")
     @argument(
         "--backend",
@@ -86,6 +94,12 @@ class DistMagics(Magics):
             %dist start --hosts hostfile   # one MPI job across the hosts in the file
             %dist status              # rank, host, pid, device, state, last cell
             %dist restart             # fresh ranks, same settings
+            %dist panel               # the live panel beside the notebook (again)
+            %dist panel --inline      # ... or in this cell's output
+            %dist knobs               # the knobs and the last change
+            %dist knobs warmup_steps=200 batch_size=64          # every rank, one step
+            %dist knobs batch_size=128 --at-step 150            # at step 150
+            %dist knobs lr=0.05 --after 3   # 3 s from now, e.g. into the next cell's run
             %dist stop                # nothing left running
         """
         try:
@@ -95,6 +109,11 @@ class DistMagics(Magics):
         if args.action not in _ACTIONS:
             raise UsageError(
                 f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
+            )
+        if args.values and args.action != "knobs":
+            raise UsageError(
+                f"%dist {args.action} takes no values ({' '.join(args.values)!r}); "
+                "see `%dist?`"
             )
         return getattr(self, f"_{args.action}")(args)
 
@@ -135,7 +154,42 @@ class DistMagics(Magics):
         """Show the live panel (loss, allreduce, step time, memory, knobs) again."""
         from .widgets import show_panel
 
-        show_panel(_cluster.current())
+        show_panel(_cluster.current(), inline=args.inline)
+
+    def _knobs(self, args: Any) -> None:
+        """Show the knobs, or change them: the same validated request as the panel's."""
+        from .metrics import knobset, store as _store
+
+        st = _store.attach(_cluster.current())
+        if not args.values:
+            if not st.knob_spec:
+                print("hvdnb: no knobs yet: create them with hvdnb.knobs(...) in a "
+                      "%%distributed cell")
+                return
+            cur = " ".join(f"{k}={v['value']:g}" for k, v in st.knob_spec.items())
+            print(f"hvdnb: knobs {cur}")
+            last = st.knob_status()
+            if last:
+                print("last change: " + _describe_change(last))
+            return
+        values = _parse_knob_values(args.values)
+        if not st.knob_spec:
+            raise UsageError("no knobs yet: create them with hvdnb.knobs(...) in a "
+                             "%%distributed cell, then change them")
+        err = knobset.validate(st.knob_spec, values)
+        if err:
+            raise UsageError(f"refused: {err}; nothing was changed")
+        c = _cluster.current()
+        if c is None or not c.running:
+            raise UsageError("no cluster is running: `%dist start -n 2` first")
+        try:
+            status = _store.set_knobs(at_step=args.at_step, after=args.after, **values)
+        except ValueError as exc:
+            raise UsageError(f"{exc}; nothing was changed") from None
+        if args.after is not None:
+            print(f"hvdnb: {_fmt_values(values)} will be sent to rank 0 in {args.after:g} s")
+            return
+        print(f"hvdnb: {_fmt_values(values)}: {_describe_change(status)}")
 
     def _stop(self, args: Any) -> None:
         c = _cluster.current()
@@ -225,6 +279,44 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         if args.out:
             self.shell.user_ns[args.out] = result.values
+
+
+def _parse_knob_values(items: list[str]) -> dict[str, Any]:
+    """``["lr=0.1", "batch_size=64"]`` -> ``{"lr": 0.1, "batch_size": 64}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, raw = item.partition("=")
+        if not eq or not name.isidentifier():
+            raise UsageError(f"cannot read {item!r}: write name=value, e.g. warmup_steps=200")
+        try:
+            out[name] = int(raw) if raw.strip().lstrip("+-").isdigit() else float(raw)
+        except ValueError:
+            raise UsageError(f"{name}: {raw!r} is not a number") from None
+    return out
+
+
+def _fmt_values(values: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in values.items())
+
+
+def _describe_change(status: dict[str, Any]) -> str:
+    """One line: planned step, the ranks that applied it and where."""
+    if status.get("error"):
+        return f"refused: {status['error']}"
+    plan = status.get("plan")
+    if plan is None:
+        return "sent; rank 0 has not answered yet"
+    if plan.get("error"):
+        return f"rank 0 refused it: {plan['error']}"
+    at = plan.get("apply_at")
+    applied = status.get("applied") or {}
+    if applied:
+        steps = sorted({a.get("step") for a in applied.values()})
+        return (f"applied on ranks {format_ranks(sorted(applied))} at step "
+                f"{', '.join(map(str, steps))}")
+    if at is None:
+        return "applied now (no loop was running)"
+    return f"every rank applies it at step {at}"
 
 
 def _show_panel(c: Any) -> None:

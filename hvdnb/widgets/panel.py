@@ -12,9 +12,18 @@ Controls while a cell runs: the control widgets' comms are routed to a private i
 subshell (``hvdnb.widgets.kernel``), so a slider moved during training reaches rank 0 at
 once; the handlers only validate and send (thread-safe), the main thread draws the result.
 
-Saved notebooks: the panel is displayed as one output whose bundle holds the widget view
-and a PNG of the plots (plus text); the PNG is refreshed when each cell ends, so GitHub and
-nbviewer show the last picture.
+Where it shows: by default beside the notebook (JupyterLab's main area split, through
+jupyterlab-sidecar's ``Sidecar``), so it stays in view while the user scrolls to the cell
+that trains; ``%dist panel --inline`` (or ``HVDNB_PANEL=inline``) shows it in a cell's
+output instead, for front ends without a side area (classic Notebook, VS Code). The
+``%dist start`` cell keeps a small stand-in: a button that brings the side panel back
+after its tab was closed, and a PNG of the plots (refreshed when each cell ends), so a
+saved notebook on GitHub or nbviewer shows the last picture. Each ``%%distributed`` cell
+that logs also gets one live line under itself (``hvdnb.widgets.liveline``).
+
+Runs: the panel overlays the last runs' mean loss (x: step or samples seen), each labelled
+with its knob values and changes, the changes marked; "clear old runs" takes all but the
+newest off the chart (their points stay in ``hvdnb.metrics()``).
 
 Many ranks (more than ``MAX_LINES``): the loss chart draws the min/max band and median
 over all ranks plus one median line per host, and a table gives each host's min/max
@@ -36,7 +45,7 @@ from typing import Any
 from ..metrics.store import MetricsStore, get_store
 from . import kernel as _kernel
 from .plots import MAX_LINES, fmt_bytes, render_png
-from .svg import PALETTE, line_chart, stacked_bars
+from .svg import PALETTE, legend_html, line_chart, stacked_bars
 
 __all__ = ["Panel", "get_panel", "show_panel"]
 
@@ -73,6 +82,7 @@ class Panel:
         self.latencies: list[float] = []
         self.measure_latency = False
         self._subshell = _kernel.control_subshell()
+        self.line: Any = None  # the LiveLine under the running cell (with a kernel)
 
         #: everything drawn (header, charts, hint, tables) is this one widget: one comm
         #: message per redraw
@@ -88,22 +98,37 @@ class Panel:
         self.knob_apply = w.Button(description="apply", layout=w.Layout(width="70px"))
         self.knob_status = w.HTML(value="knobs: none yet (hvdnb.knobs(...) in a "
                                   "%%distributed cell)")
+        self.cmp_x = w.ToggleButtons(options=[("runs by step", "step"),
+                                              ("runs by samples seen", "samples")],
+                                     value="step", style={"button_width": "150px"})
+        self.cmp_clear = w.Button(description="clear old runs",
+                                  tooltip="keep only the newest run on the comparison chart",
+                                  layout=w.Layout(width="120px"))
+        self.cmp_x.add_class("hvdnb-cmp-x")
+        self.cmp_clear.add_class("hvdnb-cmp-clear")
         self.log_y.observe(self._on_view_change, "value")
         self.smoothing.observe(self._on_view_change, "value")
+        self.cmp_x.observe(self._on_view_change, "value")
+        self.cmp_clear.on_click(self._on_clear_runs)
         self.knob_apply.on_click(self._on_text_apply)
         self.knob_text.observe(self._on_text_apply, "value")
+        # the knobs first: tuning is what the panel is for, and a side area is narrow
         self.box = w.VBox([
-            self.view,
-            w.HBox([self.log_y, self.smoothing]),
             self.knob_box,
             w.HBox([self.knob_text, self.knob_apply]),
             self.knob_status,
+            self.view,
+            w.HBox([self.log_y, self.smoothing]),
+            w.HBox([self.cmp_x, self.cmp_clear]),
         ])
         self.box.add_class("hvdnb-panel")
         self.view.add_class("hvdnb-view")
         self.knob_status.add_class("hvdnb-knob-status")
-        _kernel.route_comms([self.log_y, self.smoothing, self.knob_text, self.knob_apply],
-                            self._subshell)
+        self._sidecar: Any = None
+        self._want_side = False
+        self._stub: _Stub | None = None
+        _kernel.route_comms([self.log_y, self.smoothing, self.knob_text, self.knob_apply,
+                             self.cmp_x, self.cmp_clear], self._subshell)
         self._idle = _kernel.IdleTimer(lambda: self.tick(False), 0.5)
         self.render(force=True)
 
@@ -119,13 +144,39 @@ class Panel:
         head, _ = self._header()
         return html.unescape(re.sub(r"<[^>]+>", "", head)) + "\n" + self.store.hint()
 
-    def show(self) -> None:
-        """Display the panel in the current cell's output."""
+    def show(self, inline: bool = True) -> None:
+        """Display the panel in the current cell's output (``inline``), or beside the
+        notebook with a stand-in (button + picture) in the current cell's output."""
         from IPython.display import display
 
-        handle = display(self, display_id=True)
+        obj: Any = self
+        if not inline:
+            self.open_side()
+            if self._stub is None:
+                self._stub = _Stub(self)
+            obj = self._stub
+        handle = display(obj, display_id=True)
         if handle is not None:
-            self._handles.append(handle)
+            self._handles.append((handle, obj))
+
+    def open_side(self) -> None:
+        """Open the panel beside the notebook (again: a closed tab comes back)."""
+        from sidecar import Sidecar
+
+        old, self._sidecar = self._sidecar, None
+        if old is not None:
+            try:
+                old.close()
+            except Exception:
+                pass
+        sc = Sidecar(title="hvdnb panel", anchor="split-right")
+        sc.append_display_data(self.box)
+        self._sidecar = sc
+
+    def _on_clear_runs(self, *_: Any) -> None:
+        n = self.store.hide_runs(keep_last=1)
+        self._set_note(f"{n} old run{'s' if n != 1 else ''} taken off the comparison chart "
+                       "(still in hvdnb.metrics())")
 
     def snapshot(self) -> None:
         """Refresh the PNG kept in every displayed copy (what a saved notebook shows)."""
@@ -136,9 +187,9 @@ class Panel:
                                    smoothing=self.smoothing.value)
         except Exception:  # a missing picture must not break the cell's end
             return
-        for h in self._handles:
+        for h, obj in self._handles:
             try:
-                h.update(self)
+                h.update(obj)
             except Exception:
                 pass
 
@@ -185,6 +236,9 @@ class Panel:
         """Redraw if the store changed (at most every ``render_interval``); the cells'
         wait hook calls it every ~50 ms and once with ``final=True`` when a cell ends."""
         self.store.attach_current()
+        if self._want_side:  # the stand-in's button, pressed on the control thread
+            self._want_side = False
+            self.open_side()
         now = time.monotonic()
         if final:
             self.render(force=True)
@@ -258,7 +312,8 @@ class Panel:
         if prog is not None:
             head += (f" <progress max='{prog[1]}' value='{min(prog[0], prog[1])}' "
                      "style='width:160px;vertical-align:middle'></progress>")
-        charts = charts_html(self.store, log_y=self.log_y.value, alpha=self.smoothing.value)
+        charts = charts_html(self.store, log_y=self.log_y.value, alpha=self.smoothing.value,
+                             runs_x=self.cmp_x.value)
         hint = html.escape(self.store.hint()) if self.store.ranks() else ""
         return (f"<div class='hvdnb-header'>{head}</div>"
                 f"<div style='display:flex;flex-wrap:wrap;gap:6px'>{charts}</div>"
@@ -271,15 +326,19 @@ class Panel:
         if rows:
             by_rank = sorted({r["rank"] for r in rows})
             shown = [r for r in rows if r["rank"] in by_rank[:8]]
-            out.append("<b>allreduce</b> (median of the last 20)<table><tr><th>rank</th>"
-                       "<th>bucket</th><th>size</th><th>time</th><th>bandwidth</th>"
+            out.append("<b>allreduce</b> (median of the last 20; <i>collective</i>: the "
+                       "operation's own time, <i>exposed</i>: what the step waited for it, "
+                       "<i>bus bw</i>: size x 2(n-1)/n / collective)"
+                       "<table class='hvdnb-comm'><tr><th>rank</th><th>bucket</th><th>size</th>"
+                       "<th>collective</th><th>exposed</th><th>bus bw</th>"
                        "<th>backend</th></tr>")
             for r in shown[:48]:
-                t = f"{1e3 * r['time']:.2f} ms" if r["time"] is not None else "n/a"
-                bw = f"{r['bandwidth'] / 1e9:.2f} GB/s" if r["bandwidth"] else "n/a"
+                t = f"{1e3 * r['time']:.3f} ms" if r["time"] is not None else "n/a"
+                ex = f"{1e3 * r['exposed']:.3f} ms" if r.get("exposed") is not None else "n/a"
+                bw = f"{r['bus_bandwidth'] / 1e9:.2f} GB/s" if r["bus_bandwidth"] else "n/a"
                 out.append(f"<tr><td>{r['rank']}</td><td>{html.escape(r['bucket'])}</td>"
-                           f"<td>{fmt_bytes(r['bytes'])}</td><td>{t}</td><td>{bw}</td>"
-                           f"<td>{_bk(r['backend'])}</td></tr>")
+                           f"<td>{fmt_bytes(r['bytes'])}</td><td>{t}</td><td>{ex}</td>"
+                           f"<td>{bw}</td><td>{_bk(r['backend'])}</td></tr>")
             out.append("</table>")
             if len(by_rank) > 8:
                 out.append(f"(first 8 of {len(by_rank)} ranks)")
@@ -386,7 +445,48 @@ class Panel:
 
     def close(self) -> None:
         self._idle.stop()
+        if self._sidecar is not None:
+            self._sidecar.close()
         self.box.close()
+
+
+class _Stub:
+    """What the ``%dist start`` cell shows when the panel is beside the notebook: a button
+    that brings the panel back, and the panel's last picture for saved notebooks."""
+
+    def __init__(self, panel: Panel) -> None:
+        import ipywidgets as w
+
+        self.panel = panel
+        self.button = w.Button(description="show the panel", icon="columns",
+                               tooltip="open the live panel beside the notebook (again)",
+                               layout=w.Layout(width="150px"))
+        self.button.add_class("hvdnb-show-panel")
+        self.button.on_click(self._on_click)
+        note = w.HTML("<span class='hvdnb-stub'>hvdnb: the live panel is open beside the "
+                      "notebook. Not there? <code>%dist panel --inline</code> shows it "
+                      "here.</span>")
+        self.box = w.HBox([self.button, note])
+        _kernel.route_comms([self.button], panel._subshell)
+
+    def _on_click(self, *_: Any) -> None:
+        self.panel._want_side = True  # opened on the main thread (tick), never here
+        if _kernel.kernel() is not None and self.panel._subshell is None:
+            self.panel.tick(False)  # no subshell: we are on the main thread already
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
+        text = self.panel._text()
+        png = self.panel._png
+        img = (f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/>"
+               if png else "")
+        bundle["text/html"] = (f"<div><b>hvdnb live panel</b> (last picture; the live panel "
+                               f"opens beside the notebook)<pre>{html.escape(text)}</pre>"
+                               f"{img}</div>")
+        if png:
+            bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        bundle["text/plain"] = text
+        return bundle
 
 
 #: points per line in the live charts (older points are thinned, not dropped from the store)
@@ -413,8 +513,35 @@ def _ema(vals: list[float], alpha: float) -> list[float]:
     return out
 
 
-def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0) -> str:
-    """The live charts as inline SVG: loss, allreduce per step, step-time breakdown."""
+def runs_html(store: MetricsStore, x: str = "step", log_y: bool = False) -> str:
+    """The comparison chart: the last runs' mean loss over ranks, overlaid, with a legend
+    of their knob values and the knob changes marked in each run's colour."""
+    curves = store.run_curves(x=x)
+    lines, marks, labels = [], [], []
+    missing = []
+    for i, c in enumerate(curves):
+        if c["xs"] is None:
+            missing.append(c["id"])
+            continue
+        color = PALETTE[len(lines) % len(PALETTE)]
+        xs, ys, _ = _thin(c["xs"], c["ys"])  # type: ignore[arg-type]
+        lines.append((c["label"], xs, ys))
+        labels.append(c["label"])
+        marks.extend((mx, lab, color) for mx, lab in c["marks"])
+    what = "samples seen (all ranks)" if x == "samples" else "step"
+    empty = ("no runs yet: a %%distributed cell that calls hvdnb.log is a run" if not curves
+             else "n/a: these runs logged no samples= (hvdnb.log(step, loss, samples=n))")
+    svg = line_chart(f"runs: mean loss vs {what}" + (" (log)" if log_y else ""), lines,
+                     marks=marks[-12:], log_y=log_y, empty=empty, legend=False)
+    note = (f"<div style='color:#888;font:11px sans-serif'>runs {', '.join(map(str, missing))}: "
+            "n/a (no samples= logged)</div>" if missing and lines else "")
+    return f"<div class='hvdnb-runs'>{svg}{legend_html(labels)}{note}</div>"
+
+
+def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
+                runs_x: str | None = "step") -> str:
+    """The live charts as inline SVG: loss of the current run, allreduce per step, step-time
+    breakdown and (``runs_x`` not None) the runs compared."""
     ranks = store.ranks()
     lines = []
     for r in ranks:
@@ -441,11 +568,13 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0)
                       log_y=log_y, empty="no loss yet: hvdnb.log(step, loss)")]
     comm = []
     shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
-    for r in shown:
-        per = store.per_step("comm/", r, last_steps=LIVE_POINTS)
-        if per:
-            st = sorted(per)
-            comm.append((f"rank {r}", [float(x) for x in st], [1e3 * per[k] for k in st]))
+    for r in shown[: max(1, MAX_LINES // 2)]:
+        for suffix, what in (("/time", "collective"), ("/exposed", "exposed")):
+            per = store.per_step("comm/", r, last_steps=LIVE_POINTS, suffix=suffix)
+            if per:
+                st = sorted(per)
+                comm.append((f"rank {r} {what}", [float(x) for x in st],
+                             [1e3 * per[k] for k in st]))
     backends = sorted({_bk(i.get("backend")) for i in store.rank_info.values() if i.get("backend")})
     out.append(line_chart(f"allreduce ms per step ({'/'.join(backends) or 'backend n/a'})",
                           comm, empty="no allreduce timings (hvdnb.torch reports them)"))
@@ -462,9 +591,11 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0)
             if mine:
                 rows.append((f"{host} ({len(mine)})", [
                     1e3 * statistics.median(m[k] for m in mine) for k in ("data", "compute", "comm")]))
-    out.append(stacked_bars("step time (median of last 50 steps)", rows,
+    out.append(stacked_bars("step time (median of last 50 steps; comm = exposed)", rows,
                             [("data", "#f2a541"), ("compute", PALETTE[0]), ("comm", "#e45756")],
                             empty="no step times yet"))
+    if runs_x is not None:
+        out.append(runs_html(store, runs_x, log_y))
     return "".join(out)
 
 
@@ -506,26 +637,47 @@ def get_panel(create: bool = True) -> Panel | None:
     global _PANEL
     if _PANEL is None and create:
         from .. import cells
+        from .liveline import LiveLine
 
         _PANEL = Panel()
         cells.add_wait_hook(_PANEL.tick)
+        if _kernel.kernel() is not None:  # a terminal would print every update
+            _PANEL.line = LiveLine(_PANEL.store)
+            cells.add_wait_hook(_PANEL.line)
     return _PANEL
 
 
-def show_panel(cluster: Any = None, *, only_with_frontend: bool = False) -> Panel | None:
+def show_panel(cluster: Any = None, *, inline: bool | None = None,
+               only_with_frontend: bool = False) -> Panel | None:
     """Attach the store to ``cluster`` and display the panel.
 
     Parameters
     ----------
     cluster : the cluster to watch (default: ``hvdnb.current()``)
+    inline : True: in this cell's output; False: beside the notebook (JupyterLab); None:
+        as configured (``HVDNB_PANEL``: side, inline or off; default side)
     only_with_frontend : do nothing visible outside a Jupyter kernel (plain IPython, tests)
     """
+    from ..config import get_config
     from ..metrics.store import attach
 
     attach(cluster)
     if only_with_frontend and _kernel.kernel() is None:
         return None
+    mode = get_config().panel.strip().lower()
+    if mode not in ("side", "inline", "off"):
+        raise ValueError(f"HVDNB_PANEL={mode!r}: use side, inline or off")
+    if inline is None and mode == "off":
+        return None
     p = get_panel()
     assert p is not None
-    p.show()
+    side = not inline if inline is not None else mode == "side"
+    if side:
+        try:
+            import sidecar  # noqa: F401
+        except ImportError:
+            print("hvdnb: jupyterlab-sidecar is not installed (pip install sidecar); "
+                  "showing the panel here")
+            side = False
+    p.show(inline=not side)
     return p

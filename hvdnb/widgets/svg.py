@@ -15,7 +15,7 @@ import html
 import math
 from collections.abc import Sequence
 
-__all__ = ["line_chart", "stacked_bars", "PALETTE"]
+__all__ = ["line_chart", "stacked_bars", "legend_html", "PALETTE"]
 
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6",
            "#9d755d", "#bab0ac", "#eeca3b", "#1f77b4", "#2ca02c", "#d62728", "#9467bd",
@@ -44,13 +44,16 @@ def line_chart(
     series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     *,
     band: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]] | None = None,
-    marks: Sequence[tuple[float, str]] = (),
+    marks: Sequence[tuple[float, str] | tuple[float, str, str]] = (),
     log_y: bool = False,
     empty: str = "no data yet",
     width: int = W,
     height: int = H,
+    legend: bool = True,
 ) -> str:
-    """An SVG line chart. ``series``: (label, xs, ys); ``band``: (xs, lo, hi, median)."""
+    """An SVG line chart. ``series``: (label, xs, ys); ``band``: (xs, lo, hi, median);
+    ``marks``: (x, label[, color]) vertical dashed lines; ``legend=False`` leaves the
+    labels to the caller (long labels, e.g. ``legend_html``)."""
     pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys) if y == y]
     if band is not None:
         pts += [(x, y) for x, lo, hi, _ in zip(*band) for y in (lo, hi) if y == y]
@@ -107,16 +110,18 @@ def line_chart(
         color = PALETTE[i % len(PALETTE)]
         out.append(f"<polyline points='{p}' fill='none' stroke='{color}' stroke-width='1.2'>"
                    f"<title>{html.escape(label)}</title></polyline>")
-    for x, label in marks:
+    for mark in marks:
+        x, label = mark[0], mark[1]
+        mc = mark[2] if len(mark) > 2 else "#d62728"  # type: ignore[misc]
         if x0 <= x <= x1:
             xx = sx(x)
-            out.append(f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='#d62728' "
+            out.append(f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='{mc}' "
                        f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{xx + 2:.1f}' "
-                       f"y='{T + 10}' fill='#d62728'>{html.escape(label)}</text>")
-    legend = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
+                       f"y='{T + 10}' fill='{mc}'>{html.escape(label)}</text>")
+    keys = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
     if band is not None:
-        legend = [("min-max band + median", "#4c78a8")]
-    for i, (label, color) in enumerate(legend[:8]):
+        keys = [("min-max band + median", "#4c78a8")]
+    for i, (label, color) in enumerate(keys[:8] if legend else []):
         out.append(f"<text x='{L + pw - 4}' y='{T + 12 + 11 * i}' text-anchor='end' "
                    f"fill='{color}'>{html.escape(label)}</text>")
     out.append("</svg>")
@@ -160,3 +165,10 @@ def stacked_bars(title: str, rows: Sequence[tuple[str, Sequence[float]]],
     out.append(f"<text x='{width - R}' y='{ly}' text-anchor='end' fill='#555'>max "
                f"{_fmt(vmax)} {unit}</text></svg>")
     return "".join(out)
+
+
+def legend_html(labels: Sequence[str]) -> str:
+    """Labels in the chart's colours, one per line (for labels too long for the chart)."""
+    return "".join(
+        f"<div class='hvdnb-legend' style='color:{PALETTE[i % len(PALETTE)]};font:11px sans-serif'>"
+        f"&#9644; {html.escape(lab)}</div>" for i, lab in enumerate(labels))

@@ -1,10 +1,14 @@
-"""The live panel in a real JupyterLab, driven by headless Chromium (Debian's, via Playwright).
+"""The live-tuning journey in a real JupyterLab, driven by headless Chromium (Debian's,
+via Playwright).
 
-One server fixture per module. The test opens a notebook, starts 2 ranks (the panel
-appears), runs a training cell, and while that cell is still running: sees the loss chart
-change at least 3 times, drags the ``warmup_steps`` slider, and sees both ranks apply the
-change at the same step. A queued cell after the training cell must still run. Screenshots
-go to ``test-artifacts/``.
+One server fixture per module. The notebook has ``%dist start`` at the top, then enough
+text to push the training cell below the fold, as a real notebook does. The test starts
+2 ranks (the panel opens beside the notebook), runs the training cell, and while it is
+still running checks that the panel and the running cell are on screen together, that
+the panel redraws at least 3 times and the live line under the cell updates, drags the
+``warmup_steps`` slider and sees both ranks apply it at one step. A second, shorter run
+then appears overlaid on the runs chart with its knob values in the legend, and a
+saved notebook keeps the panel's picture. Screenshots go to ``test-artifacts/``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ print("applied", [(h[0], h[1], h[2]) for h in knobs.history])
 """
 
 
+RUN2 = """%%distributed
+knobs = hvdnb.knobs(batch_size=64, warmup_steps=5, lr=0.1)
+for step in range(60):
+    knobs.step(step)
+    x = torch.randn(knobs.batch_size, 64)
+    loss = torch.nn.functional.cross_entropy(model(x), x[:, :4].argmax(1))
+    opt.zero_grad(); loss.backward(); opt.step()
+    hvdnb.log(step, loss, samples=knobs.batch_size)
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,10 +78,15 @@ def _free_port() -> int:
 
 
 def _notebook(path: Path) -> None:
-    cells = ["%load_ext hvdnb\n%dist start -n 2", TRAIN, "print('after the training cell')"]
+    filler = "\n\n".join(f"Paragraph {i}: text a real lesson has between the start and the "
+                         "training cell, long enough to push that cell below the fold."
+                         for i in range(14))
+    cells = [("code", "%load_ext hvdnb\n%dist start -n 2"), ("markdown", filler),
+             ("code", TRAIN), ("code", "print('after the training cell')"), ("code", RUN2)]
     nb = {
-        "cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {},
-                   "outputs": [], "source": src} for i, src in enumerate(cells)],
+        "cells": [{"cell_type": kind, "id": f"c{i}", "metadata": {}, "source": src,
+                   **({"execution_count": None, "outputs": []} if kind == "code" else {})}
+                  for i, (kind, src) in enumerate(cells)],
         "metadata": {"kernelspec": {"name": "hvdnb", "display_name": "Python 3 (hvdnb)",
                                     "language": "python"}},
         "nbformat": 4, "nbformat_minor": 5,
@@ -135,11 +155,7 @@ def lab(tmp_path_factory):
 
 def _shot(page, name: str) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
-    try:  # the notebook scrolls inside its own panel: bring the live panel into view
-        page.locator(".hvdnb-panel").first.scroll_into_view_if_needed(timeout=2000)
-    except Exception:
-        pass
-    page.screenshot(path=str(ARTIFACTS / f"panel-{name}.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / f"panel-{name}.png"))
 
 
 def _loss_svg(page) -> str:
@@ -153,37 +169,71 @@ def _cell_busy(page, index: int) -> bool:
     return "[*]" in (prompt.inner_text() or "")
 
 
-def test_panel_live_and_warmup_slider(lab):
+def _on_screen(page, selector: str) -> bool:
+    """Whether the element is laid out inside the window (not scrolled away, not hidden)."""
+    return bool(page.evaluate(
+        "(sel) => { const e = document.querySelector(sel); if (!e) return false;"
+        " const r = e.getBoundingClientRect();"
+        " return r.width > 0 && r.height > 0 && r.top < window.innerHeight && r.bottom > 0"
+        " && r.left < window.innerWidth && r.right > 0; }", selector))
+
+
+def test_live_tuning_journey(lab):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
         try:
             page.goto(f"{lab['url']}/lab/tree/panel.ipynb?token={lab['token']}")
             # the toolbar can say idle before the kernel is: wait for the status bar
             page.wait_for_selector("text=/\\| Idle/", timeout=90_000)
+            try:  # JupyterLab asks about news once: answer, so it covers nothing
+                page.locator(".jp-toast-button:has-text('No')").click(timeout=3000)
+            except Exception:
+                pass
             cells = page.locator(".jp-Notebook .jp-Cell")
             cells.nth(0).click()
-            page.keyboard.press("Shift+Enter")  # %dist start: the panel appears
+            page.keyboard.press("Shift+Enter")  # %dist start: the panel opens beside
             page.wait_for_selector(".hvdnb-panel", timeout=120_000)
             page.wait_for_function(
                 "() => ![...document.querySelectorAll('.jp-InputPrompt')][0]"
                 ".innerText.includes('*')", timeout=120_000)
+            # in the side area, not in the notebook's cell output
+            assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0
+            assert page.locator(".jp-Notebook .hvdnb-show-panel").count() == 1
             _shot(page, "1-started")
-            page.keyboard.press("Shift+Enter")  # the training cell
-            page.keyboard.press("Shift+Enter")  # queued behind it
-            # the loss chart changes while the training cell runs
+            page.keyboard.press("Shift+Enter")  # the markdown cell
+            # the training cell, below the fold, then one queued behind it
+            cells.nth(2).scroll_into_view_if_needed()
+            cells.nth(2).click()
+            page.keyboard.press("Shift+Enter")
+            page.keyboard.press("Shift+Enter")  # queued behind it: a print ...
+            page.keyboard.press("Shift+Enter")  # ... and a second, short run
+            train = ".jp-Notebook .jp-Cell:nth-child(3)"
+            page.wait_for_selector(f"{train} .hvdnb-liveline", timeout=60_000)
+            # while it runs: the panel redraws, the line under the cell updates, and
+            # both are on screen together
             seen: list[str] = []
+            lines: list[str] = []
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(set(seen)) < 4:
+            while time.monotonic() < deadline and (len(set(seen)) < 4 or len(set(lines)) < 3):
                 svg = _loss_svg(page)
                 if svg and "polyline" in svg and (not seen or svg != seen[-1]):
                     seen.append(svg)
+                line = page.locator(f"{train} .hvdnb-liveline").first.inner_text()
+                if not lines or line != lines[-1]:
+                    lines.append(line)
                 time.sleep(0.3)
-            assert _cell_busy(page, 1), "the training cell ended before the checks"
-            assert len(set(seen)) >= 3, f"loss chart changed {len(set(seen))} times while running"
-            _shot(page, "2-live")
+            assert _cell_busy(page, 2), "the training cell ended before the checks"
+            assert len(set(seen)) >= 3, f"panel redrew {len(set(seen))} times while running"
+            assert len(set(lines)) >= 3, f"live line: {lines}"
+            assert lines[-1].startswith("run 1") and "loss r0" in lines[-1], lines[-1]
+            page.evaluate("(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
+                          f"{train} .hvdnb-liveline")  # updates replace the element: no locator
+            assert _on_screen(page, f"{train} .hvdnb-liveline"), "running cell off-screen"
+            assert _on_screen(page, ".hvdnb-panel .hvdnb-view"), "panel off-screen"
+            _shot(page, "2-live-beside-running-cell")
             # drag the warmup slider while the cell still runs
             page.wait_for_selector(".hvdnb-knob-warmup_steps .noUi-handle", timeout=30_000)
             handle = page.locator(".hvdnb-knob-warmup_steps .noUi-handle").first
@@ -202,7 +252,7 @@ def test_panel_live_and_warmup_slider(lab):
             except Exception:
                 _shot(page, "knob-timeout")
                 raise AssertionError(f"knob not applied; status: {status.inner_text()!r}")
-            assert _cell_busy(page, 1), "the change was applied only after the cell ended"
+            assert _cell_busy(page, 2), "the change was applied only after the cell ended"
             text = status.inner_text()
             _shot(page, "3-knob-applied")
             assert " at step " in text and "late" not in text, text
@@ -212,12 +262,23 @@ def test_panel_live_and_warmup_slider(lab):
             # the cell ends, then the queued one runs (no message was lost)
             page.wait_for_selector(".jp-OutputArea-output:has-text('after the training cell')",
                                    state="attached", timeout=120_000)
-            cells.nth(1).scroll_into_view_if_needed()
             page.wait_for_selector("text=/applied \\[\\(/", state="attached", timeout=30_000)
-            out = cells.nth(1).locator(".jp-OutputArea").inner_text()
+            out = cells.nth(2).locator(".jp-OutputArea").inner_text()
             assert f"[0,1] applied [({applied_step}," in out, out
-            _shot(page, "4-done")
-            # a saved notebook keeps a static picture of the panel beside the widget view
+            # a second run: overlaid on the runs chart, its knob values in the legend
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.hvdnb-runs .hvdnb-legend')]"
+                ".some(e => e.innerText.includes('run 2: batch_size=64'))", timeout=120_000)
+            legend = page.locator(".hvdnb-runs").first.inner_text()
+            assert "run 1: batch_size=32 warmup_steps=20" in legend, legend
+            assert f"@ {applied_step}" in legend, legend  # run 1's change, in its label
+            runs_svg = page.evaluate("() => document.querySelector('.hvdnb-runs svg').outerHTML")
+            assert runs_svg.count("<polyline") >= 2, "the two runs are not both drawn"
+            page.locator(".hvdnb-runs").first.scroll_into_view_if_needed()
+            _shot(page, "4-runs-compared")
+            # a saved notebook keeps a picture of the panel in the %dist start cell
+            # the last click was in the side panel: make the notebook current, then save
+            page.locator(".lm-TabBar-tab:has-text('panel.ipynb')").first.click()
             page.keyboard.press("Control+s")
             nb_path = lab["root"] / "work" / "panel.ipynb"
             deadline = time.monotonic() + 20
@@ -228,8 +289,7 @@ def test_panel_live_and_warmup_slider(lab):
                 if any("image/png" in b for b in bundles):
                     break
                 time.sleep(0.5)
-            assert any("image/png" in b and "application/vnd.jupyter.widget-view+json" in b
-                       for b in bundles), [list(b) for b in bundles]
+            assert any("image/png" in b for b in bundles), [list(b) for b in bundles]
         finally:
             _shot(page, "last")
             browser.close()

@@ -1,0 +1,108 @@
+"""One live line under the ``%%distributed`` cell that is training.
+
+The panel sits beside the notebook; the cell the user watches should not be silent either.
+When a cell starts a run (its first logged point), this displays one output line under it
+and keeps updating it in place (``update_display``, one message per update, at most every
+``interval`` seconds) until the cell ends:
+
+    run 3 · step 120/400 · loss r0 0.521 r1 0.563 · 1,240 samples/s · bottleneck: compute
+    (62% of a 1.1 ms step) · batch_size=64 warmup_steps=100
+
+Figures: step is the highest step any rank logged; loss is each rank's latest (min-max
+beyond 4 ranks); samples/s and the bottleneck are the store's (``throughput``, ``hint``);
+the knob values are those in force now. Runs on the notebook's main thread, called by
+``hvdnb.cells``' wait hook, so the update carries the cell's parent header.
+
+Owns: the line's text and its display handle. Never: send more than one message per
+interval, or show a line for a cell that logs nothing.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+from ..metrics.store import MetricsStore
+
+__all__ = ["LiveLine"]
+
+
+class LiveLine:
+    """A wait hook (``fn(final)``) that keeps one line under the running cell current.
+
+    Parameters
+    ----------
+    store : the notebook's metrics store
+    interval : minimum seconds between two updates of the line
+    """
+
+    def __init__(self, store: MetricsStore, interval: float = 0.25) -> None:
+        self.store = store
+        self.interval = interval
+        self.updates = 0
+        self._cell: Any = None
+        self._handle: Any = None
+        self._last = 0.0
+        self._version = -1
+
+    def __call__(self, final: bool) -> None:
+        st = self.store
+        cell = st._cell_no
+        if cell != self._cell:  # a new cell: a new line, if it logs
+            self._cell, self._handle, self._version = cell, None, -1
+        run = st._run(st.run_id)
+        if run is None or run["cell"] != cell or cell is None:
+            return
+        now = time.monotonic()
+        if not final and (st.version == self._version or now - self._last < self.interval):
+            return
+        self._version, self._last = st.version, now
+        out = _Line(self.text(run, final))
+        if self._handle is None:
+            from IPython.display import display
+
+            self._handle = display(out, display_id=True)
+        elif self._handle is not None:
+            self._handle.update(out)
+        self.updates += 1
+
+    def text(self, run: dict[str, Any], final: bool = False) -> str:
+        """The line for ``run`` now."""
+        st = self.store
+        step, total = st.progress()
+        parts = [f"run {run['id']}" + (" done" if final else ""),
+                 f"step {step}" + (f"/{total}" if total else "")]
+        losses = {}
+        for r in st.ranks():
+            _, vals, _ = st.series("loss", r, last=1)
+            if vals and vals[-1] == vals[-1]:
+                losses[r] = vals[-1]
+        if losses and len(losses) <= 4:
+            parts.append("loss " + " ".join(f"r{r} {v:.4g}" for r, v in sorted(losses.items())))
+        elif losses:
+            parts.append(f"loss {min(losses.values()):.4g}-{max(losses.values()):.4g} "
+                         f"({len(losses)} ranks)")
+        else:
+            parts.append("loss n/a")
+        rate = st.throughput()
+        parts.append(f"{rate:,.0f} samples/s" if rate is not None else "samples/s n/a")
+        if st.breakdown():
+            parts.append(st.hint())
+        knobs = " ".join(f"{k}={v['value']:g}" for k, v in st.knob_spec.items())
+        if knobs:
+            parts.append(knobs)
+        return " · ".join(parts)
+
+
+class _Line:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, str]:
+        return {
+            "text/plain": self.text,
+            "text/html": ("<div class='hvdnb-liveline' style='font:12px monospace;"
+                          "border-left:3px solid #4c78a8;padding-left:6px'>"
+                          f"{html.escape(self.text)}</div>"),
+        }
