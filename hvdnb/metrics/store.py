@@ -21,7 +21,12 @@ Communication, per collective or fused bucket and step, as ``hvdnb.torch`` and
 ``ddp_comm_hook`` report it: ``comm/<bucket>/time`` is the collective's own duration,
 ``comm/<bucket>/exposed`` what the training thread waited for it (the step breakdown's
 "comm" when the loop marks no ``phase("comm")``), ``comm/<bucket>/bytes`` this rank's
-payload. Bus bandwidth follows nccl-tests: ``bytes * 2 (n - 1) / n / time`` for n ranks. Series are indexed by rank as well as by
+payload. A collective is one operation: it runs from the moment the last rank joins it
+to its completion, and a rank that started it earlier also waited for the others. So
+the panel's *collective time* of a bucket at a step is the smallest of the ranks' own
+readings (the last rank to arrive waited least); a rank's excess over it is waiting for
+peers, which shows as exposed time and in the straggler hint. Bus bandwidth follows
+nccl-tests: ``bytes * 2 (n - 1) / n / collective time`` for n ranks. Series are indexed by rank as well as by
 (rank, name), so views cost O(ranks), not O(ranks x series): 1,024 ranks stay cheap.
 
 Never: import torch or widgets, block the channel thread, or invent a value: a reading a
@@ -548,37 +553,66 @@ class MetricsStore:
             })
         return out
 
+    def collective_times(self, last_steps: int = 50) -> dict[str, dict[int, float]]:
+        """Per bucket, per step of the current run: the collective's time, i.e. the
+        smallest of the ranks' readings at that step (see the module docstring); NaN
+        readings (not measurable) are left out."""
+        with self._lock:
+            out: dict[str, dict[int, float]] = {}
+            for (r, n), s in self._series.items():
+                if not (n.startswith("comm/") and n.endswith("/time")):
+                    continue
+                rs = s.run_slice(self.run_id)
+                lo = max(rs.start, rs.stop - 4 * last_steps)
+                per = out.setdefault(n[5:-5], {})
+                for st, v in zip(s.steps[lo:rs.stop], s.values[lo:rs.stop]):
+                    if v == v and (st not in per or v < per[st]):
+                        per[st] = v
+        for bucket, per in out.items():
+            if len(per) > last_steps:
+                keep = sorted(per)[-last_steps:]
+                out[bucket] = {k: per[k] for k in keep}
+        return out
+
     def comm_summary(self, last: int = 20) -> list[dict[str, Any]]:
         """Per rank and bucket, over its last ``last`` completions in the current run:
-        median collective time (``time``), median exposed time (``exposed``), median bytes,
-        bus bandwidth (``bytes * 2 (n - 1) / n / time``, nccl-tests' definition, n = ranks
-        reporting) and backend. A figure that was not measured is None ("n/a")."""
+        median collective time (``time``: the bucket's time at each step is the smallest
+        of the ranks' readings, see the module docstring; ``own_time``: this rank's own
+        readings, waiting for peers included), median exposed time (``exposed``), median
+        bytes, bus bandwidth (``bytes * 2 (n - 1) / n / time``, nccl-tests' definition,
+        n = ranks reporting) and backend. A figure that was not measured is None
+        ("n/a")."""
         n_ranks = max(1, len(self.ranks()))
+        coll = self.collective_times(last_steps=last)
         with self._lock:
             keys = [k for k in self._series if k[1].startswith("comm/") and k[1].endswith("/time")]
             data = []
 
-            def tail(key: tuple[int, str]) -> list[float]:
+            def tail(key: tuple[int, str]) -> tuple[list[int], list[float]]:
                 s = self._series.get(key)
                 if s is None:
-                    return []
+                    return [], []
                 rs = s.run_slice(self.run_id)
-                return s.values[max(rs.start, rs.stop - last):rs.stop]
+                lo = max(rs.start, rs.stop - last)
+                return s.steps[lo:rs.stop], s.values[lo:rs.stop]
 
             for r, n in keys:
-                t = tail((r, n))
+                steps, t = tail((r, n))
                 if t:
-                    data.append((r, n[5:-5], t, tail((r, n[:-5] + "/bytes")),
-                                 tail((r, n[:-5] + "/exposed"))))
+                    data.append((r, n[5:-5], steps, t, tail((r, n[:-5] + "/bytes"))[1],
+                                 tail((r, n[:-5] + "/exposed"))[1]))
         out = []
         factor = 2 * (n_ranks - 1) / n_ranks
-        for r, bucket, t, nb, ex in sorted(data):
-            tt = [x for x in t if x == x]
+        for r, bucket, steps, t, nb, ex in sorted(data):
+            own = [x for x in t if x == x]
+            per = coll.get(bucket, {})
+            tt = [per[st] for st in steps if st in per]
             ee = [x for x in ex if x == x]
             med_t = statistics.median(tt) if tt else None
             med_b = statistics.median(nb) if nb else None
             bw = med_b * factor / med_t if med_t and med_b is not None and factor else None
             out.append({"rank": r, "bucket": bucket, "time": med_t, "bytes": med_b,
+                        "own_time": statistics.median(own) if own else None,
                         "exposed": statistics.median(ee) if ee else None,
                         "bus_bandwidth": bw, "bandwidth": bw,
                         "backend": self.rank_info.get(r, {}).get("backend")})

@@ -327,7 +327,7 @@ class Panel:
             by_rank = sorted({r["rank"] for r in rows})
             shown = [r for r in rows if r["rank"] in by_rank[:8]]
             out.append("<b>allreduce</b> (median of the last 20; <i>collective</i>: the "
-                       "operation's own time, <i>exposed</i>: what the step waited for it, "
+                       "operation's own time, from the last rank's arrival, <i>exposed</i>: what the step waited for it, "
                        "<i>bus bw</i>: size x 2(n-1)/n / collective)"
                        "<table class='hvdnb-comm'><tr><th>rank</th><th>bucket</th><th>size</th>"
                        "<th>collective</th><th>exposed</th><th>bus bw</th>"
@@ -568,13 +568,20 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
                       log_y=log_y, empty="no loss yet: hvdnb.log(step, loss)")]
     comm = []
     shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
-    for r in shown[: max(1, MAX_LINES // 2)]:
-        for suffix, what in (("/time", "collective"), ("/exposed", "exposed")):
-            per = store.per_step("comm/", r, last_steps=LIVE_POINTS, suffix=suffix)
-            if per:
-                st = sorted(per)
-                comm.append((f"rank {r} {what}", [float(x) for x in st],
-                             [1e3 * per[k] for k in st]))
+    total: dict[int, float] = {}
+    for per_bucket in store.collective_times(last_steps=LIVE_POINTS).values():
+        for st, v in per_bucket.items():
+            total[st] = total.get(st, 0.0) + v
+    if total:
+        st = sorted(total)
+        comm.append(("collective (all buckets)", [float(x) for x in st],
+                     [1e3 * total[k] for k in st]))
+    for r in shown[: max(1, MAX_LINES - 1)]:
+        per = store.per_step("comm/", r, last_steps=LIVE_POINTS, suffix="/exposed")
+        if per:
+            st = sorted(per)
+            comm.append((f"rank {r} exposed", [float(x) for x in st],
+                         [1e3 * per[k] for k in st]))
     backends = sorted({_bk(i.get("backend")) for i in store.rank_info.values() if i.get("backend")})
     out.append(line_chart(f"allreduce ms per step ({'/'.join(backends) or 'backend n/a'})",
                           comm, empty="no allreduce timings (hvdnb.torch reports them)"))
