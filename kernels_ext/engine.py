@@ -340,6 +340,14 @@ def _flush_metrics() -> tuple[int, int] | None:
     return (rec.pid, rec.seq) if rec.seq else None
 
 
+def _new_cell_metrics() -> None:
+    """A cell is a new loop: its first step must not be filed under the last cell's."""
+    recorder = sys.modules.get("hvdnb.metrics.recorder")
+    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
+    if rec is not None:
+        rec.new_loop()
+
+
 def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     """Run one %%distributed cell on this rank.
 
@@ -349,6 +357,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", -1))
     filename = f"<cell {cell_no}>"
     _connect_channel()
+    _new_cell_metrics()
     t0 = time.time()
     _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}
     shell = _shell()

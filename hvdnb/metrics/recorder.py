@@ -160,6 +160,15 @@ class Recorder:
         self.cur_step = step
         self.last_activity = now
 
+    def new_loop(self) -> None:
+        """Forget the step in progress (the engine calls it when a cell starts): step
+        numbers start over in each loop, and a collective before the first ``log`` or
+        ``knobs.step`` belongs to step 0, not to the previous cell's last step."""
+        self.cur_step = 0
+        self._prev_step = -1
+        self.last_log = 0.0
+        self._last_mark = 0.0
+
     def on_comm(self, name: str, nbytes: int, seconds: Any, backend: str,
                 exposed: float = math.nan) -> None:
         """``hvdnb.torch`` comm listener: one collective (or fused bucket) just completed.
