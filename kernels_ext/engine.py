@@ -346,6 +346,15 @@ def _new_cell_metrics() -> None:
     rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
     if rec is not None:
         rec.new_loop()
+        rec.cell_running = True
+
+
+def _cell_ended_metrics() -> None:
+    """No cell runs: a knob change asked for now applies at once (no loop can take it)."""
+    recorder = sys.modules.get("hvdnb.metrics.recorder")
+    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
+    if rec is not None:
+        rec.cell_running = False
 
 
 def run_cell(code: str, cell_no: int) -> dict[str, Any]:
@@ -388,10 +397,12 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
             except KeyboardInterrupt:
                 continue
         _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
+        _cell_ended_metrics()
         report["metrics"] = _flush_metrics()
         return report
     # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
+    _cell_ended_metrics()
     if value is not None and shell is not None:
         ns["_"] = value
     out = {"ok": True, "rank": rank, "repr": None if value is None else repr(value), "value": None,

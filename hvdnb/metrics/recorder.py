@@ -97,6 +97,8 @@ class Recorder:
         self._send_lock = threading.Lock()
         self._mem = _MemorySampler()
         self.comm_backend = ""
+        #: set by the engine while a %%distributed cell runs (None: not under an engine)
+        self.cell_running: bool | None = None
         self.pid = os.getpid()
         self._last_sent = 0.0
 
@@ -203,7 +205,10 @@ class Recorder:
                 print(f"hvdnb: metrics flush failed: {exc!r}", file=sys.stderr)
 
     def idle(self) -> bool:
-        """No step boundary for a while: no loop is running (slow steps are not idle)."""
+        """No loop is running: no cell runs on this engine, or no step boundary for a
+        while (slow steps are not idle)."""
+        if self.cell_running is False:
+            return True
         if not self.last_activity:
             return True
         quiet = time.perf_counter() - self.last_activity
