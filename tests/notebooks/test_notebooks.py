@@ -39,8 +39,17 @@ EXPECT: dict[str, list[str]] = {
         "after broadcast:  checksum .* identical on all ranks: True",
         "parameters identical on every rank: True",
         r"final test accuracy 0\.(9\d|8[5-9])",
+        # the live panel's data path: every rank's every step reached the notebook's store
+        "every step of every rank reached the notebook: True",
     ],
-    "04-lr-at-scale": ["linear scaling rule recovers the small-batch progress: True"],
+    "04-lr-at-scale": [
+        # four runs, each knob change applied; the mid-run one on every rank at one step
+        "loss points from every rank of every run: True",
+        r"run 4 switched to batch 1024 at step \[300\] on ranks \[0, 1\]",
+        "the change was applied on every rank at one step, mid-run: True",
+        "warmup rescued the 64x batch: True",
+        r"batch_size=1024: applied on ranks 0,1 at step",
+    ],
     "05-model-parallel": [
         "pipeline gradients match the unsplit model: True",
         r"M=8: step .* idle \d+%, theory",
@@ -53,6 +62,9 @@ EXPECT: dict[str, list[str]] = {
         "timeline has events from every rank: True",
         r"data time cut \d+x",
         r"waiting for the straggler",
+        "the panel names the data loader: True",
+        "after the fix, data loading is no longer the bottleneck: True",
+        "points from every rank reached the panel: True",
     ],
 }
 NEEDS_FIGURE = {"04-lr-at-scale", "05-model-parallel", "06-sync-vs-async"}
