@@ -78,6 +78,7 @@ class Panel:
         self._png = b""
         self._knob_names: tuple[str, ...] = ()
         self._knob_widgets: dict[str, Any] = {}
+        self._syncing = False
         self._seen_loss: dict[int, int] = {}
         self.latencies: list[float] = []
         self.measure_latency = False
@@ -198,6 +199,8 @@ class Panel:
         self._drawn_version = -1  # redraw at the next tick
 
     def _on_knob_change(self, change: Any) -> None:
+        if self._syncing:  # the panel itself showing a value the ranks applied
+            return
         name = change["owner"].description
         self.request({name: change["new"]})
 
@@ -442,6 +445,24 @@ class Panel:
             self._knob_names = names
             _kernel.route_comms(ws, self._subshell)
             self.knob_box.children = tuple(ws)
+            return
+        # same knobs, new values (applied, or a new knob set): show them, send nothing
+        for name, ctl in self._knob_widgets.items():
+            v = spec[name]["value"]
+            if ctl.value == v or not isinstance(v, (int, float)):
+                continue
+            self._syncing = True
+            try:
+                if hasattr(ctl, "base"):  # a log slider: its bounds are exponents
+                    import math
+
+                    e = math.log10(max(v, 1e-12))
+                    ctl.min, ctl.max = min(ctl.min, math.floor(e)), max(ctl.max, math.ceil(e))
+                else:
+                    ctl.min, ctl.max = min(ctl.min, int(v)), max(ctl.max, int(v))
+                ctl.value = v
+            finally:
+                self._syncing = False
 
     def close(self) -> None:
         self._idle.stop()
@@ -460,7 +481,7 @@ class _Stub:
         self.panel = panel
         self.button = w.Button(description="show the panel", icon="columns",
                                tooltip="open the live panel beside the notebook (again)",
-                               layout=w.Layout(width="150px"))
+                               layout=w.Layout(width="180px"))
         self.button.add_class("hvdnb-show-panel")
         self.button.on_click(self._on_click)
         note = w.HTML("<span class='hvdnb-stub'>hvdnb: the live panel is open beside the "

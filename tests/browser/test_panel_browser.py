@@ -276,6 +276,15 @@ def test_live_tuning_journey(lab):
             assert runs_svg.count("<polyline") >= 2, "the two runs are not both drawn"
             page.locator(".hvdnb-runs").first.scroll_into_view_if_needed()
             _shot(page, "4-runs-compared")
+            # one click closes the side panel (its tab), one click brings it back
+            page.locator(".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon").first.click()
+            page.wait_for_selector(".hvdnb-panel", state="detached", timeout=10_000)
+            cells.nth(0).locator(".hvdnb-show-panel").scroll_into_view_if_needed()
+            cells.nth(0).locator(".hvdnb-show-panel").click()
+            page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=15_000)
+            assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0  # beside, again
+            assert _on_screen(page, ".hvdnb-panel .hvdnb-view")
+            _shot(page, "5-brought-back")
             # a saved notebook keeps a picture of the panel in the %dist start cell
             # the last click was in the side panel: make the notebook current, then save
             page.locator(".lm-TabBar-tab:has-text('panel.ipynb')").first.click()

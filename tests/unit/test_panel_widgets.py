@@ -114,3 +114,43 @@ def test_missing_memory_is_na_never_zero(sent):
     p._idle.stop()
     p.render(force=True)
     assert "<td>n/a</td>" in p.view.value
+
+
+def test_sliders_follow_applied_values_without_sending_a_change(sent):
+    from hvdnb.metrics import knobset as kn
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import Panel
+
+    st = MetricsStore()
+    st.on_spec({"spec": kn.make_spec({"batch_size": 32, "lr": 0.1})})
+    p = Panel(st, render_interval=0.0)
+    p._idle.stop()
+    p.render(force=True)
+    requests = []
+    p.request = lambda values: requests.append(values)  # what a user's move would send
+    # a new knob set (same names, other values) and an applied change beyond the slider
+    st.on_spec({"spec": kn.make_spec({"batch_size": 1024, "lr": 0.1})})
+    st.on_applied({"rank": 0, "id": "k1", "step": 5, "values": {"lr": 0.004}})
+    p.render(force=True)
+    assert p._knob_widgets["batch_size"].value == 1024
+    assert p._knob_widgets["lr"].value == pytest.approx(0.004)
+    assert requests == [], "showing the ranks' values must not ask them for a change"
+    p._knob_widgets["batch_size"].value = 64  # a user's move still sends one
+    assert requests == [{"batch_size": 64}]
+
+
+def test_runs_chart_overlays_runs_with_their_knobs_in_the_legend():
+    from hvdnb.metrics import knobset as kn
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import runs_html
+
+    st = MetricsStore()
+    st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
+    for cell in (1, 2):
+        st.begin_cell(cell)
+        _feed(st, cell)
+        st.end_cell()
+    out = runs_html(st, "step")
+    assert out.count("<polyline") == 2
+    assert "run 1: batch_size=32" in out and "run 2: batch_size=32" in out
+    assert "n/a" in runs_html(st, "samples")  # these runs logged no samples=
