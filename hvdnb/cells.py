@@ -411,6 +411,11 @@ def run_cell(
         result.stdout[r] = md.get("stdout") or ""
         result.stderr[r] = md.get("stderr") or ""
         cluster.last_cell[r] = {"cell": cell_no, "state": "error" if r in result.errors else "ok"}
+    # what %dist export turns into a script: every cell, in the order it ran
+    from .export import ExportCell
+
+    cluster.history.append(ExportCell(cell_no, code, None if everyone else list(ranks),
+                                      not result.errors))
     if result.errors:
         dead = cluster.dead_ranks()
         stuck = [r for r, e in result.errors.items() if e.get("ename") == "Unresponsive"]

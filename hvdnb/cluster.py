@@ -193,6 +193,8 @@ class Cluster:
         self._loop: _LoopThread | None = None
         self.generation = 0
         self.cell_no = 0
+        #: every %%distributed cell run on this cluster (``hvdnb.export.ExportCell``)
+        self.history: list[Any] = []
         self.last_cell: dict[int, dict[str, Any]] = {}
         self.started_at: float | None = None
         self.start_seconds: float | None = None

@@ -22,7 +22,7 @@ from . import cluster as _cluster
 
 __all__ = ["DistMagics"]
 
-_ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs")
+_ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs", "export")
 
 
 def _usage(exc: BaseException) -> UsageError:
@@ -39,13 +39,16 @@ class DistMagics(Magics):
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status | panel | knobs (default: status)",
+        help="start | stop | restart | status | panel | knobs | export (default: status)",
     )
-    @argument("values", nargs="*", help="knobs: name=value pairs, e.g. warmup_steps=200")
+    @argument("values", nargs="*", help="knobs: name=value pairs, e.g. warmup_steps=200; "
+              "export: the script's path, e.g. train.py")
     @argument("--at-step", type=int, default=None,
               help="knobs: apply at this step (of the running loop, or of the next one)")
     @argument("--after", type=float, default=None,
               help="knobs: send the change this many seconds from now (returns at once)")
+    @argument("--cells", default="ok",
+              help="export: ok (default: leave failed cells out) or all")
     @argument("--inline", action="store_true",
               help="panel: show it in this cell's output (classic Notebook, VS Code) "
               "instead of beside the notebook")
@@ -57,8 +60,9 @@ class DistMagics(Magics):
     )
     @argument(
         "--launcher",
-        default="mpi",
-        help="ipyparallel engine launcher: mpi (default), or slurm, ssh, ... for other hosts",
+        default=None,
+        help="start: ipyparallel engine launcher, mpi (default), or slurm, ssh, ... for other "
+        "hosts; export: mpiexec, torchrun or slurm (default: how the cluster was started)",
     )
     @argument("--timeout", type=float, default=None, help="seconds to wait for the ranks")
     @argument(
@@ -100,6 +104,8 @@ class DistMagics(Magics):
             %dist knobs warmup_steps=200 batch_size=64          # every rank, one step
             %dist knobs batch_size=128 --at-step 150            # at step 150
             %dist knobs lr=0.05 --after 3   # 3 s from now, e.g. into the next cell's run
+            %dist export train.py     # the cells that ran, as a script for mpiexec
+            %dist export train.py --launcher slurm    # ... and train.sbatch
             %dist stop                # nothing left running
         """
         try:
@@ -110,7 +116,7 @@ class DistMagics(Magics):
             raise UsageError(
                 f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
             )
-        if args.values and args.action != "knobs":
+        if args.values and args.action not in ("knobs", "export"):
             raise UsageError(
                 f"%dist {args.action} takes no values ({' '.join(args.values)!r}); "
                 "see `%dist?`"
@@ -128,7 +134,7 @@ class DistMagics(Magics):
             c = _cluster.Cluster(
                 n=args.n,
                 backend=args.backend,
-                launcher=args.launcher,
+                launcher=args.launcher or "mpi",
                 timeout=args.timeout,
                 oversubscribe=args.oversubscribe,
                 hosts=args.hosts,
@@ -155,6 +161,31 @@ class DistMagics(Magics):
         from .widgets import show_panel
 
         show_panel(_cluster.current(), inline=args.inline)
+
+    def _export(self, args: Any) -> None:
+        """Write the %%distributed cells of this session as a script (and an sbatch file)."""
+        from . import export as _export
+        from .metrics import store as _store
+
+        if len(args.values) != 1:
+            raise UsageError("%dist export needs the script's path, e.g. `%dist export "
+                             "train.py [--launcher mpiexec|torchrun|slurm] [--cells ok|all]`")
+        c = _cluster.current()
+        if c is None:
+            raise UsageError("no cluster in this session: start one and run the training "
+                             "cells, then export")
+        launcher = args.launcher or ("slurm" if c.launcher == "slurm" else "mpiexec")
+        try:
+            cells_ = _export.from_session(c, cells=args.cells)
+            written, line = _export.export(
+                args.values[0], cells_, n=c.n, launcher=launcher,
+                knobs=_export.knobs_in_force(_store.get_store()), backend=c.backend,
+                source="a notebook session", slurm=getattr(c, "slurm", {}),
+                sbatch_args=getattr(c, "sbatch_args", ()))
+        except _export.ExportError as exc:
+            raise UsageError(f"{exc}; nothing was written") from None
+        print(f"hvdnb: wrote {', '.join(map(str, written))} ({len(cells_)} cells); "
+              f"run it with: {line}")
 
     def _knobs(self, args: Any) -> None:
         """Show the knobs, or change them: the same validated request as the panel's."""

@@ -46,6 +46,10 @@ _DEFAULT_RANGES: dict[str, tuple[float, float]] = {
 
 CURRENT: Knobs | None = None
 
+#: starting values that override a cell's own (an exported script starts from the values in
+#: force when the notebook exported it: ``hvdnb.script.init(knobs=...)``)
+DEFAULTS: dict[str, Any] = {}
+
 
 def make_spec(values: dict[str, Any], ranges: dict[str, tuple[float, float]] | None = None
               ) -> dict[str, dict[str, Any]]:
@@ -270,6 +274,8 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
 
     rec = get_recorder()
     rank = rec.rank
+    if DEFAULTS:
+        values = {k: DEFAULTS.get(k, v) for k, v in values.items()}
     k = Knobs(values, ranges, rank, rec.channel)
     old = CURRENT
     if old is not None and old.pending:

@@ -403,12 +403,13 @@ def get_recorder() -> Recorder:
             from ..config import get_config
 
             channel = None
-            try:
-                from kernels_ext.channel import get
+            if os.environ.get("HVDNB_CHANNEL"):  # an engine: scripts never import zmq
+                try:
+                    from kernels_ext.channel import get
 
-                channel = get()
-            except Exception:
-                channel = None
+                    channel = get()
+                except Exception:
+                    channel = None
             rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")) or 0)
             rec = Recorder(rank, channel, get_config().flush_interval)
             _install_comm_listener(rec)
