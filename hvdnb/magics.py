@@ -134,7 +134,7 @@ class DistMagics(Magics):
             c = _cluster.Cluster(
                 n=args.n,
                 backend=args.backend,
-                launcher=args.launcher or "mpi",
+                launcher="mpi" if args.launcher is None else args.launcher,
                 timeout=args.timeout,
                 oversubscribe=args.oversubscribe,
                 hosts=args.hosts,
