@@ -441,8 +441,12 @@ def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> 
         if isinstance(out, list):  # a one-rank AsyncResult still returns a list
             out = out[0]
     except Exception as exc:  # serialisation or engine-level failure
-        ename = getattr(exc, "ename", type(exc).__name__)
-        evalue = getattr(exc, "evalue", str(exc))
+        elist = getattr(exc, "elist", None)
+        if elist and len(elist) == 1:  # a one-rank result wraps its error: unwrap it
+            ename, evalue = elist[0][0], elist[0][1]
+        else:
+            ename = getattr(exc, "ename", None) or type(exc).__name__
+            evalue = getattr(exc, "evalue", None) or str(exc)
         if ename == "EngineError":  # the engine process is gone: say so, not ipyparallel's stack
             why = (
                 "died or became unreachable (the controller stopped hearing from it: its "
@@ -456,6 +460,8 @@ def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> 
                 "traceback": "",
                 "dead": True,
             }
+            if cluster is not None and hasattr(cluster, "death_notes"):
+                cluster.death_notes[rank] = f"died in cell {result.cell} ({why.split(' (')[0]})"
             return
         result.errors[rank] = {
             "ename": ename,

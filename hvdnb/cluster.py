@@ -195,6 +195,9 @@ class Cluster:
         self.cell_no = 0
         #: every %%distributed cell run on this cluster (``hvdnb.export.ExportCell``)
         self.history: list[Any] = []
+        #: rank -> what the notebook saw of its death ("died in cell 4: ...")
+        self.death_notes: dict[int, str] = {}
+        self._info_seen: dict[int, Any] = {}  # last engine_info per rank (for dead ones)
         self.last_cell: dict[int, dict[str, Any]] = {}
         self.started_at: float | None = None
         self.start_seconds: float | None = None
@@ -670,30 +673,64 @@ class Cluster:
 
     # ------------------------------------------------------------------ introspection
     def status(self) -> list[dict[str, Any]]:
-        """One row per rank: rank, host, pid, device, backend, state, last cell."""
+        """One row per rank of the job, dead ones included: rank, host, pid, device,
+        backend, state, last cell.
+
+        Never raises because a rank is gone: its state says "dead" and what the notebook
+        knows of it (the cell it died in; MPI ends every rank of a job when one dies).
+        Host and pid of a dead rank are the last ones seen.
+        """
         if not self.running:
             raise ClusterError("no cluster is running; `%dist start -n 2` first")
         from kernels_ext.engine import engine_info
 
-        queue = self.client.queue_status()
-        ar = self.view.apply_async(engine_info)
+        dead = set(self.dead_ranks())
+        alive = [r for r in range(self.n) if r not in dead]
+        infos: dict[int, Any] = {}
+        queue: dict[Any, Any] = {}
+        if alive:
+            try:
+                queue = self.client.queue_status()
+            except Exception:
+                queue = {}
+            try:
+                vals = self.client[alive].apply_async(engine_info).get(timeout=5)
+                infos = dict(zip(alive, vals if isinstance(vals, list) else [vals]))
+            except Exception:
+                infos = {}
+        self._info_seen.update({r: i for r, i in infos.items() if i is not None})
         rows = []
-        try:
-            infos = ar.get(timeout=5)
-        except Exception:
-            infos = [None] * len(self.client.ids)
-        for eid, info in zip(self.client.ids, infos):
-            q = queue.get(eid, {})
-            busy = q.get("tasks", 0) > 0 or q.get("queue", 0) > 0
-            row = {"rank": eid, "host": "?", "pid": "?", "device": "?", "backend": "?"}
+        for r in range(self.n):
+            info = infos.get(r) or self._info_seen.get(r)
+            row: dict[str, Any] = {"rank": r, "host": "?", "pid": "?", "device": "?",
+                                   "backend": "?"}
             if info is not None:
                 row.update({k: info[k] for k in ("host", "pid", "device", "backend")})
-                row["group"] = info["group"]
-            row["state"] = "busy" if busy else ("idle" if info is not None else "no answer")
-            last = self.last_cell.get(eid)
+                row["group"] = info.get("group")
+            else:  # what the rank told the notebook's side channel before it went
+                from .metrics.store import get_store
+
+                said = get_store().rank_info.get(r, {})
+                row["host"], row["pid"] = said.get("host") or "?", said.get("pid") or "?"
+            if r in dead:
+                row["state"] = "dead: " + self.death_notes.get(
+                    r, "gone (MPI ends every rank of a job when one of them dies)")
+            else:
+                q = queue.get(r, {}) if isinstance(queue, dict) else {}
+                busy = q.get("tasks", 0) > 0 or q.get("queue", 0) > 0
+                row["state"] = "busy" if busy else ("idle" if r in infos else "no answer")
+            last = self.last_cell.get(r)
             row["last cell"] = f"[{last['cell']}] {last['state']}" if last else "-"
             rows.append(row)
         return rows
+
+    def launcher_exit(self) -> str | None:
+        """How the engines' launcher (mpiexec, sbatch) ended, or None while it runs."""
+        for es in self._engine_sets():
+            if es.stop_data is not None:
+                code = es.stop_data.get("exit_code")
+                return f"the ranks' launcher exited (exit code {code})"
+        return None
 
 
 def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:

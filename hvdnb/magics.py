@@ -22,7 +22,8 @@ from . import cluster as _cluster
 
 __all__ = ["DistMagics"]
 
-_ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs", "export")
+_ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs", "export", "where",
+            "debug")
 
 
 def _usage(exc: BaseException) -> UsageError:
@@ -39,14 +40,17 @@ class DistMagics(Magics):
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status | panel | knobs | export (default: status)",
+        help="start | stop | restart | status | panel | knobs | export | where | debug "
+        "(default: status)",
     )
     @argument("values", nargs="*", help="knobs: name=value pairs, e.g. warmup_steps=200; "
-              "export: the script's path, e.g. train.py")
+              "export: the script's path, e.g. train.py; debug: the rank")
     @argument("--at-step", type=int, default=None,
               help="knobs: apply at this step (of the running loop, or of the next one)")
     @argument("--after", type=float, default=None,
               help="knobs: send the change this many seconds from now (returns at once)")
+    @argument("-c", "--command", action="append", default=None, dest="commands",
+              help="debug: run this pdb command and return (repeatable), instead of a prompt")
     @argument("--cells", default="ok",
               help="export: ok (default: leave failed cells out) or all")
     @argument("--inline", action="store_true",
@@ -106,6 +110,9 @@ class DistMagics(Magics):
             %dist knobs lr=0.05 --after 3   # 3 s from now, e.g. into the next cell's run
             %dist export train.py     # the cells that ran, as a script for mpiexec
             %dist export train.py --launcher slurm    # ... and train.sbatch
+            %dist where               # every rank's live stack, identical ones merged
+            %dist debug [RANK]        # pdb on the last failed cell's frames on that rank
+            %dist debug 1 -c "p x" -c up   # ... a few commands, without a prompt
             %dist stop                # nothing left running
         """
         try:
@@ -116,7 +123,7 @@ class DistMagics(Magics):
             raise UsageError(
                 f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
             )
-        if args.values and args.action not in ("knobs", "export"):
+        if args.values and args.action not in ("knobs", "export", "debug"):
             raise UsageError(
                 f"%dist {args.action} takes no values ({' '.join(args.values)!r}); "
                 "see `%dist?`"
@@ -187,6 +194,74 @@ class DistMagics(Magics):
         print(f"hvdnb: wrote {', '.join(map(str, written))} ({len(cells_)} cells); "
               f"run it with: {line}")
 
+    def _where(self, args: Any) -> None:
+        """Every rank's live stack (py-spy where it can attach), identical ones merged."""
+        from .where import format_stacks, rank_stacks
+
+        c = _cluster.current()
+        if c is None or not c.running:
+            raise UsageError("no cluster is running: `%dist start -n 2` first")
+        print(format_stacks(rank_stacks(c)))
+
+    def _debug(self, args: Any) -> None:
+        """pdb on the frames of the last failed cell, on one rank."""
+        from kernels_ext.engine import debug_command
+
+        c = _cluster.current()
+        if c is None or not c.running:
+            raise UsageError("no cluster is running: nothing to debug")
+        if len(args.values) > 1:
+            raise UsageError("%dist debug takes one rank, e.g. `%dist debug 1`")
+        failed = sorted(r for r, last in c.last_cell.items() if last.get("state") == "error")
+        if args.values:
+            try:
+                rank = int(args.values[0])
+            except ValueError:
+                raise UsageError(f"{args.values[0]!r} is not a rank number") from None
+            if not 0 <= rank < c.n:
+                raise UsageError(f"unknown rank {rank}: the ranks are 0..{c.n - 1}")
+        elif failed:
+            rank = failed[0]
+        else:
+            raise UsageError("no failed cell to debug: %dist debug opens pdb where a "
+                             "%%distributed cell raised (its frames are kept until the next cell)")
+        if rank in c.dead_ranks():
+            raise UsageError(f"rank {rank} is dead, and its frames with it: `%dist status` "
+                             "says what is known, `%dist restart` brings the ranks back")
+
+        def send(line: str | None) -> dict[str, Any]:
+            try:
+                return c.client[rank].apply_async(debug_command, line).get(timeout=30)
+            except Exception as exc:
+                raise UsageError(f"rank {rank} did not answer the debugger: {exc}") from None
+
+        res = send(None)
+        if "error" in res:
+            raise UsageError(f"rank {rank}: {res['error']}")
+        print(f"hvdnb: post-mortem of cell {c.last_cell.get(rank, {}).get('cell', '?')} on "
+              f"rank {rank} (pdb: where, up, down, list, p EXPR, pp EXPR, any expression; "
+              "q to leave)")
+        print(res["out"], end="")
+        scripted = args.commands is not None
+        # IPython's splitter keeps the quotes of -c "p x": drop a matched pair
+        queue = [q[1:-1] if len(q) > 1 and q[0] == q[-1] and q[0] in "'\"" else q
+                 for q in (args.commands or [])]
+        while True:
+            if scripted:
+                if not queue:
+                    return
+                line = queue.pop(0)
+                print(f"(Pdb rank {rank}) {line}")
+            else:
+                try:
+                    line = input(f"(Pdb rank {rank}) ")
+                except (EOFError, KeyboardInterrupt):
+                    return
+            res = send(line)
+            print(res.get("out", ""), end="")
+            if res.get("done"):
+                return
+
     def _knobs(self, args: Any) -> None:
         """Show the knobs, or change them: the same validated request as the panel's."""
         from .metrics import knobset, store as _store
@@ -250,6 +325,12 @@ class DistMagics(Magics):
         except _cluster.ClusterError as exc:
             raise _usage(exc) from None
         print(_table(rows))
+        dead = [r["rank"] for r in rows if str(r.get("state", "")).startswith("dead")]
+        if dead:
+            gone = c.launcher_exit()
+            print(f"rank(s) {format_ranks(dead)} dead" + (f"; {gone}" if gone else "") +
+                  ": `%dist restart` starts all ranks afresh (an hvdnb.State you committed "
+                  "is restored)")
         hosts: dict[str, list[int]] = {}
         for r in rows:
             hosts.setdefault(str(r.get("host", "?")), []).append(r["rank"])

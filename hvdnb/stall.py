@@ -122,7 +122,15 @@ class StallWatch:
         if key in self.reported:
             return None
         self.reported.add(key)
-        print(text, file=sys.stderr, flush=True)
+        try:  # the same stacks %dist where shows (py-spy where it can attach)
+            from .where import format_stacks, from_replies
+
+            stacks = format_stacks(from_replies(self.replies, running))
+            self.cluster.last_stall["stacks"] = stacks
+            text_out = f"{text}\n{stacks}"
+        except Exception:  # the one-line report must not depend on the stacks
+            text_out = text
+        print(text_out, file=sys.stderr, flush=True)
         return text
 
     def close(self) -> None:

@@ -203,12 +203,15 @@ def where() -> dict[str, Any]:
             user_i = i
     info: dict[str, Any] = {
         "cell": None, "line": None, "code": None, "collective": None, "progress": _progress(),
+        "pid": os.getpid(), "stack": [],
     }
     if user_i is None:
         info["idle"] = True
         return info
     user = stack[user_i]
     info.update(cell=user.filename, line=user.lineno, code=(user.line or "").strip())
+    first = next(i for i, fr in enumerate(stack) if fr.filename.startswith("<cell "))
+    info["stack"] = _frame_lines(stack[first:])
     for fr in stack[user_i + 1 :]:
         if any(k in fr.filename.replace("\\", "/") for k in _COLLECTIVE_FILES):
             if fr.name not in ("wrapper", "_wrapper", "<lambda>") and not fr.name.startswith("_"):
@@ -222,6 +225,81 @@ def where() -> dict[str, Any]:
                 info["collective"] = f"MPI {name}"
                 break
     return info
+
+
+def _frame_lines(frames: Any) -> list[str]:
+    """``<cell 3> line 4, in f: x = g()`` per frame, outermost first (as %dist where shows)."""
+    out = []
+    for fr in frames:
+        name = fr.filename
+        if not name.startswith("<"):
+            parts = name.replace("\\", "/").split("/")
+            name = "/".join(parts[-3:]) if "site-packages" not in parts else \
+                "/".join(parts[parts.index("site-packages") + 1:])
+        code = (fr.line or "").strip()
+        out.append(f"{name} line {fr.lineno}, in {fr.name}" + (f": {code}" if code else ""))
+    return out
+
+
+# ------------------------------------------------------------------ post-mortem (%dist debug)
+class _PostMortem:
+    """pdb on the frames of the last failed cell, driven one command at a time from the
+    notebook (``%dist debug``): output goes to a buffer, nothing reads this process's stdin."""
+
+    def __init__(self, exc: BaseException) -> None:
+        import io
+        import pdb
+
+        self.buf = io.StringIO()
+        self.pdb = pdb.Pdb(stdout=self.buf, nosigint=True)
+        self.pdb.use_rawinput = False
+        self.exc = exc
+        self.pdb.reset()
+        self.pdb.setup(None, exc.__traceback__)
+        # hide this runner's frames, as the traceback does: the stack starts at the cell
+        stack = self.pdb.stack
+        first = next((i for i, (f, _) in enumerate(stack)
+                      if f.f_code.co_filename.startswith("<cell ")), 0)
+        self.pdb.stack = stack[first:]
+        self.pdb.curindex = max(0, self.pdb.curindex - first)
+        self.pdb.curframe = self.pdb.stack[self.pdb.curindex][0]
+        self.pdb.curframe_locals = self.pdb.curframe.f_locals
+
+    def run(self, line: str) -> tuple[str, bool]:
+        self.buf.seek(0)
+        self.buf.truncate()
+        line = line.strip()
+        if line in ("q", "quit", "exit", "c", "cont", "continue"):
+            return "", True
+        if not line:
+            line = "where" if not self.pdb.lastcmd else self.pdb.lastcmd
+        if line in ("interact",):
+            return "*** interact needs a terminal: evaluate expressions directly\n", False
+        try:
+            self.pdb.onecmd(line)
+            self.pdb.lastcmd = line
+        except Exception as exc:  # a bad expression must not end the session
+            self.buf.write(f"*** {type(exc).__name__}: {exc}\n")
+        return self.buf.getvalue(), False
+
+
+def debug_command(line: str | None) -> dict[str, Any]:
+    """One pdb command on the last failed cell's frames (None: start, show where it failed).
+
+    Returns ``{"out": text, "done": bool}`` or ``{"error": text}`` when there is nothing to
+    debug on this rank."""
+    exc = _STATE.get("last_error")
+    if exc is None:
+        return {"error": "no failed cell on this rank since its last cell started (the frames "
+                         "are kept until the next %%distributed cell)"}
+    pm = _STATE.get("post_mortem")
+    if line is None or pm is None or pm.exc is not exc:
+        pm = _STATE["post_mortem"] = _PostMortem(exc)
+        head = "".join(traceback.format_exception_only(type(exc), exc))
+        out, _ = pm.run("where")
+        return {"out": head + out, "done": False}
+    out, done = pm.run(line)
+    return {"out": out, "done": done}
 
 
 def _progress() -> list[Any]:
@@ -317,13 +395,13 @@ def _shell() -> Any:
 
 
 def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
-    """Traceback lines from the first frame of user code on (drop this runner's frames)."""
+    """Traceback lines from the first frame of user code on (drop this runner's frames,
+    as IPython drops its own); none when no frame is the user's."""
     frames = traceback.extract_tb(tb)
     for i, fr in enumerate(frames):
         if fr.filename.startswith(filename_prefix):
-            frames = frames[i:]
-            break
-    return traceback.format_list(frames)
+            return traceback.format_list(frames[i:])
+    return []
 
 
 def _flush_metrics() -> tuple[int, int] | None:
@@ -367,6 +445,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     filename = f"<cell {cell_no}>"
     _connect_channel()
     _new_cell_metrics()
+    _STATE["last_error"] = _STATE["post_mortem"] = None  # a new cell: old frames go
     t0 = time.time()
     _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}
     shell = _shell()
@@ -376,6 +455,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
         exec(body, ns)
         value = eval(tail, ns) if tail is not None else None
     except BaseException as exc:  # noqa: BLE001 - reported to the client, named by rank
+        _STATE["last_error"] = exc  # %dist debug reads its frames until the next cell
         report = {
             "ok": False,
             "rank": rank,
@@ -389,9 +469,13 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
         for _ in range(3):
             try:
                 _release_peers()
-                lines = ["Traceback (most recent call last):\n"]
-                lines += _user_frames(exc.__traceback__, "<cell ")
-                lines += traceback.format_exception_only(type(exc), exc)
+                if isinstance(exc, SyntaxError) and (exc.filename or "").startswith("<cell "):
+                    # the cell never ran: as IPython shows it, the line and the caret only
+                    lines = traceback.format_exception_only(type(exc), exc)
+                else:
+                    lines = ["Traceback (most recent call last):\n"]
+                    lines += _user_frames(exc.__traceback__, "<cell ")
+                    lines += traceback.format_exception_only(type(exc), exc)
                 report["traceback"] = "".join(lines)
                 break
             except KeyboardInterrupt:

@@ -269,7 +269,7 @@ class MetricsStore:
             return
         with self._lock:
             info = self.rank_info.setdefault(rank, {})
-            for k in ("host", "local_rank"):
+            for k in ("host", "local_rank", "pid"):
                 if msg.get(k) is not None:
                     info[k] = msg[k]
             self.version += 1
