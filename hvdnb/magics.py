@@ -23,7 +23,7 @@ from . import cluster as _cluster
 __all__ = ["DistMagics"]
 
 _ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs", "export", "where",
-            "debug")
+            "debug", "logs")
 
 
 def _usage(exc: BaseException) -> UsageError:
@@ -40,11 +40,11 @@ class DistMagics(Magics):
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status | panel | knobs | export | where | debug "
+        help="start | stop | restart | status | panel | knobs | export | where | debug | logs "
         "(default: status)",
     )
     @argument("values", nargs="*", help="knobs: name=value pairs, e.g. warmup_steps=200; "
-              "export: the script's path, e.g. train.py; debug: the rank")
+              "export: the script's path, e.g. train.py; debug, logs: the rank")
     @argument("--at-step", type=int, default=None,
               help="knobs: apply at this step (of the running loop, or of the next one)")
     @argument("--after", type=float, default=None,
@@ -56,7 +56,8 @@ class DistMagics(Magics):
     @argument("--inline", action="store_true",
               help="panel: show it in this cell's output (classic Notebook, VS Code) "
               "instead of beside the notebook")
-    @argument("-n", type=int, default=None, help="ranks to start (default: GPUs, else 2)")
+    @argument("-n", type=int, default=None,
+              help="start: ranks to start (default: GPUs, else 2); logs: lines per rank (20)")
     @argument(
         "--backend",
         default=None,
@@ -113,6 +114,7 @@ class DistMagics(Magics):
             %dist where               # every rank's live stack, identical ones merged
             %dist debug [RANK]        # pdb on the last failed cell's frames on that rank
             %dist debug 1 -c "p x" -c up   # ... a few commands, without a prompt
+            %dist logs [RANK] [-n 50] # each rank's log, and how it ended
             %dist stop                # nothing left running
         """
         try:
@@ -123,7 +125,7 @@ class DistMagics(Magics):
             raise UsageError(
                 f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
             )
-        if args.values and args.action not in ("knobs", "export", "debug"):
+        if args.values and args.action not in ("knobs", "export", "debug", "logs"):
             raise UsageError(
                 f"%dist {args.action} takes no values ({' '.join(args.values)!r}); "
                 "see `%dist?`"
@@ -202,6 +204,29 @@ class DistMagics(Magics):
         if c is None or not c.running:
             raise UsageError("no cluster is running: `%dist start -n 2` first")
         print(format_stacks(rank_stacks(c)))
+
+    def _logs(self, args: Any) -> None:
+        """Each rank's own log (stderr outside cells, fatal-signal stacks) and how it ended."""
+        from .ranklogs import format_logs
+
+        c = _cluster.current()
+        if c is None:
+            raise UsageError("no cluster in this session: `%dist start -n 2` first")
+        if len(args.values) > 1:
+            raise UsageError("%dist logs takes at most one rank, e.g. `%dist logs 1 -n 50`")
+        ranks = list(range(c.n))
+        if args.values:
+            try:
+                rank = int(args.values[0])
+            except ValueError:
+                raise UsageError(f"{args.values[0]!r} is not a rank number") from None
+            if not 0 <= rank < c.n:
+                raise UsageError(f"unknown rank {rank}: the ranks are 0..{c.n - 1}")
+            ranks = [rank]
+        lines = 20 if args.n is None else args.n
+        if lines < 0:
+            raise UsageError(f"-n must be a number of lines >= 0, not {lines}")
+        print(format_logs(c, ranks, lines))
 
     def _debug(self, args: Any) -> None:
         """pdb on the frames of the last failed cell, on one rank."""

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.pop("PYTEST_CURRENT_TEST", None)
 
     w = rendezvous.discover()
+    _start_rank_log(w.rank)
     if w.source in ("slurm", "sets") and not any(a.startswith("--IPEngine.id") for a in argv):
         # MPI does not number these ranks (ipyparallel's --mpi would use a per-set or
         # per-task rank of 0): register under the global rank, so engine id == rank
@@ -132,6 +133,51 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.flush()
     # skip interpreter teardown (torch's takes ~1 s); the nanny exits with its parent
     os._exit(code)
+
+
+def _start_rank_log(rank: int) -> None:
+    """This rank's log for ``%dist logs``: ``$HVDNB_STATE_DIR/logs/rank<N>.log`` (0600),
+    appended across restarts. Everything the process writes to stderr outside a cell goes
+    there as well as to the launcher (a tee of fd 2), and a fatal signal (SIGSEGV, SIGABRT,
+    ...) dumps every thread's Python stack into it (faulthandler), so a rank that died
+    without a traceback leaves one here. Output during a cell goes to the cell, as before."""
+    import faulthandler
+    import socket
+    import threading
+
+    d = os.environ.get("HVDNB_STATE_DIR")
+    if not d:
+        return
+    try:
+        os.makedirs(os.path.join(d, "logs"), mode=0o700, exist_ok=True)
+        path = os.path.join(d, "logs", f"rank{rank}.log")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = os.fdopen(fd, "ab", buffering=0)
+        log.write(f"hvdnb: rank {rank} started, pid {os.getpid()} on {socket.gethostname()} "
+                  f"at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        faulthandler.enable(file=log, all_threads=True)
+        read_end, write_end = os.pipe()
+        launcher = os.dup(2)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+    except OSError:
+        return
+
+    def tee() -> None:
+        while True:
+            try:
+                data = os.read(read_end, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            for out in (log.write, lambda b: os.write(launcher, b)):
+                try:
+                    out(data)
+                except OSError:
+                    pass
+
+    threading.Thread(target=tee, name="hvdnb-rank-log", daemon=True).start()
 
 
 def _use_engine_kernel() -> None:

@@ -115,6 +115,44 @@ def test_debug_with_no_failed_cell(dist2, shell):
         shell.run_line_magic("dist", "debug")
 
 
+@pytest.mark.parametrize("line, message", [
+    ("logs 9", "unknown rank 9: the ranks are 0..1"),
+    ("logs x", "'x' is not a rank number"),
+    ("logs 0 -n -1", "-n must be a number of lines >= 0"),
+])
+def test_bad_logs_arguments(dist2, shell, line, message):
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("dist", line)
+
+
+def test_logs_after_a_sigkill_and_after_a_segfault(dist2, shell, capsys):
+    """An out-of-memory style kill leaves no traceback: the log says what that means. A
+    segfault leaves the crashing thread's Python stack in the rank's own log."""
+    cells.run_cell(dist2, "import sys\nprint('hello stderr', file=sys.stderr)", quiet=True)
+    shell.run_line_magic("dist", "logs 0 -n 50")
+    out = capsys.readouterr().out
+    assert "--- rank 0 (alive" in out and "hvdnb: rank 0 started, pid" in out
+    kill = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
+    with pytest.raises(DistributedCellError, match="rank 1 died"):
+        shell.run_cell_magic("distributed", "-t 1", kill)
+    capsys.readouterr()
+    shell.run_line_magic("dist", "logs 1")
+    out = capsys.readouterr().out
+    assert "--- rank 1 (dead" in out and "died in cell" in out
+    assert "left no Python traceback" in out and "SIGKILL" in out
+    shell.run_line_magic("dist", "restart")
+    crash = "import ctypes\ndef read_null():\n    ctypes.string_at(0)\nread_null()"
+    with pytest.raises(DistributedCellError, match="rank 0 died"):
+        shell.run_cell_magic("distributed", "-t 0", crash)
+    capsys.readouterr()
+    shell.run_line_magic("dist", "logs 0")
+    out = capsys.readouterr().out
+    assert "Fatal Python error: Segmentation fault" in out
+    assert 'File "<cell' in out and "read_null" in out
+    assert "crashed on a fatal signal" in out
+    shell.run_line_magic("dist", "restart")
+
+
 def test_status_after_a_rank_died_is_a_table(dist2, shell, capsys):
     """Last in this module: the job is gone afterwards (MPI ends every rank)."""
     with pytest.raises(DistributedCellError, match="rank 1 died"):

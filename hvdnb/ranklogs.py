@@ -1,0 +1,84 @@
+"""``%dist logs``: what each rank wrote, and what the notebook knows of how it ended.
+
+Per rank: the rank's own log, ``<state dir>/logs/rank<N>.log``, written by the engine: its
+stderr outside cells (ipyparallel's engine log, warnings, C libraries) and, on a fatal
+signal it can catch (SIGSEGV, SIGABRT, SIGFPE, SIGBUS), every thread's Python stack
+(faulthandler); appended across ``%dist restart``. Then the notebook's note: the cell a rank
+died in, and, when its log ends without a Python traceback or a fatal-signal dump, that it
+was ended from outside or by ``os._exit`` (a SIGKILL is what the out-of-memory killer sends).
+
+Known gap: the exact signal or exit code is not shown. The ranks are children of MPICH's
+launcher, not of the notebook, and the launcher does not report them to us.
+
+Owns: reading and formatting those. Never: talk to the ranks (a dead one cannot answer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["rank_log", "format_logs"]
+
+def rank_log(cluster: Any, rank: int, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of the rank's own log ([] when it wrote nothing)."""
+    d = getattr(cluster, "state_dir", None)
+    if not d:
+        return []
+    path = Path(d) / "logs" / f"rank{rank}.log"
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:] if lines > 0 else []
+
+
+def _fatal_dump(log: list[str]) -> list[str]:
+    """faulthandler's report in the log: its header and the crashing thread's frames
+    (innermost first, as faulthandler writes them); [] when there is none."""
+    starts = [i for i, ln in enumerate(log) if ln.startswith("Fatal Python error")]
+    if not starts:
+        return []
+    i = starts[-1]
+    out = log[i:i + 2]
+    cur = next((j for j in range(i, len(log)) if log[j].startswith("Current thread")), None)
+    if cur is not None:
+        end = next((j for j in range(cur + 1, len(log)) if not log[j].strip()), len(log))
+        out += log[cur:end]
+    return out
+
+
+def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
+    """The ``%dist logs`` report for ``ranks``."""
+    from .metrics.store import get_store
+
+    dead = set(cluster.dead_ranks()) if cluster.running else set(range(cluster.n))
+    info = get_store().rank_info
+    out = []
+    for r in ranks:
+        said = info.get(r, {})
+        where = ", ".join(x for x in (f"pid {said['pid']}" if said.get("pid") else "",
+                                      f"host {said['host']}" if said.get("host") else "") if x)
+        state = "dead" if r in dead else "alive"
+        out.append(f"--- rank {r} ({state}{', ' + where if where else ''}) ---")
+        log = rank_log(cluster, r, max(lines, 400))
+        crash = _fatal_dump(log)
+        if crash:  # what matters is the crashing thread's stack, not the log's last lines
+            out += crash
+        else:
+            out += log[-lines:] if lines else []
+        if not log:
+            out.append("(its log is empty)")
+        note = cluster.death_notes.get(r)
+        if note:
+            out.append(f"notebook: rank {r} {note}")
+        if r in dead:
+            tail = "\n".join(log)
+            if "Fatal Python error" in tail:
+                out.append(f"notebook: rank {r} crashed on a fatal signal: its Python stack is "
+                           "in the log above")
+            elif "Traceback (most recent call last)" not in tail:
+                out.append(f"notebook: rank {r} left no Python traceback: it was ended from "
+                           "outside (SIGKILL, as the out-of-memory killer sends, or its job "
+                           "was cancelled) or called os._exit; MPI then ends the other ranks")
+    return "\n".join(out)
