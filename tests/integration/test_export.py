@@ -90,9 +90,9 @@ def test_targets_cells_keep_their_ranks_and_knobs_their_last_values(dist2, shell
     dist2.history.clear()
     cells.run_cell(dist2, "import hvdnb\nk = hvdnb.knobs(batch_size=16, lr=0.1)", quiet=True)
     shell.run_line_magic("dist", "knobs batch_size=64")
-    cells.run_cell(dist2, 'doc = """two\nlines"""\nprint("only rank 1", k.batch_size)',
+    cells.run_cell(dist2, 'doc = """two\nlines"""\nprint(f"only rank 1 {k.batch_size}")',
                    targets="1", quiet=True)
-    cells.run_cell(dist2, "print('everyone', k.batch_size, k.lr)", quiet=True)
+    cells.run_cell(dist2, "print(f'everyone {k.batch_size} {k.lr}')", quiet=True)
     script = tmp_path / "knobs.py"
     shell.run_line_magic("dist", f"export {script} --launcher torchrun")
     res = subprocess.run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script)],
