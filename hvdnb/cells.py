@@ -272,6 +272,47 @@ def _engine_runner() -> Any:
     return _RUNNER
 
 
+class _PdbPrompt:
+    """Ranks paused at ``breakpoint()``: their pdb output arrives on the side channel (any
+    thread); the cell's waiting loop (main thread) prints it and asks for the next command
+    with ``input()``, as Jupyter asks for any input, and sends the answer to that rank."""
+
+    _RESUME = {"c", "cont", "continue", "q", "quit", "exit"}
+
+    def __init__(self, cluster: Any) -> None:
+        import queue
+
+        self.channel = getattr(cluster, "channel", None)
+        self.waiting: Any = queue.Queue()
+        self.paused = False  # a prompt is being answered now (the stall watch holds off)
+        if self.channel is not None:
+            self.channel.on("pdb_out", self._on_out)
+
+    def _on_out(self, msg: dict[str, Any]) -> None:
+        if isinstance(msg.get("rank"), int):
+            self.waiting.put((msg["rank"], str(msg.get("text", ""))))
+
+    def serve(self) -> bool:
+        """Answer every rank waiting for a command; returns whether any was."""
+        served = False
+        while not self.waiting.empty():
+            rank, text = self.waiting.get()
+            served = self.paused = True
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            try:
+                line = input(f"(Pdb rank {rank}) ")
+            except (EOFError, KeyboardInterrupt):
+                line = "continue"
+            self.channel.send(rank, "pdb_cmd", line=line)
+            self.paused = False
+        return served
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.off("pdb_out", self._on_out)
+
+
 def run_cell(
     cluster: Any,
     code: str,
@@ -326,6 +367,7 @@ def run_cell(
     failed_at: float | None = None
     deadline = None if timeout is None else t0 + timeout
     watch = StallWatch(cluster, ranks, cfg.stall_after)
+    prompt = _PdbPrompt(cluster)
     futures = dict(zip(ranks, ar._children))  # one reply future per rank
     children: dict[int, Any] = {}  # per-rank AsyncResults, made only when ranks finish apart
     done: set[int] = set()
@@ -360,6 +402,13 @@ def run_cell(
                                 )
                 if stream:
                     streamer.pump()
+                if prompt.serve():
+                    # a rank sat at breakpoint(): its peers' waiting is no stall, and the
+                    # stall detector's countdown starts again
+                    watch.t0 = time.monotonic()
+                    watch.previous = None
+                    if deadline is not None:
+                        deadline = None  # a debugging session is not the cell timing out
                 _run_hooks(False)
                 if len(done) == len(ranks):
                     break
@@ -395,6 +444,7 @@ def run_cell(
                     interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
     finally:
         sigint.close()
+        prompt.close()
     watch.close()
     try:
         ar.wait_for_output(1.0)

@@ -348,6 +348,57 @@ def debug_command(line: str | None) -> dict[str, Any]:
     return {"out": out, "done": done}
 
 
+# ------------------------------------------------------------------ breakpoint() in a cell
+_PDB_LINES: Any = None  # commands from the notebook for a paused pdb (a queue.Queue)
+
+
+class _ChannelPdbIO:
+    """pdb's stdin and stdout, over the side channel: what pdb writes is sent to the notebook
+    when it asks for a command, and the notebook's answer is the command it reads."""
+
+    def __init__(self, ch: Any) -> None:
+        self.ch = ch
+        self.buf: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.buf.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def readline(self) -> str:
+        text, self.buf = "".join(self.buf), []
+        self.ch.send("pdb_out", text=text, waiting=True)
+        return str(_PDB_LINES.get()) + "\n"
+
+
+def _breakpoint(*args: Any, **kwargs: Any) -> None:
+    """``breakpoint()`` in a %%distributed cell: pdb on this rank, prompted in the notebook
+    (the notebook shows ``(Pdb rank N)``); ``continue`` resumes the cell. Without a notebook
+    to ask (a script), Python's own hook runs."""
+    import pdb
+    import queue
+
+    from kernels_ext import channel
+
+    global _PDB_LINES
+    ch = channel.get()
+    if ch is None:
+        return sys.__breakpointhook__(*args, **kwargs)
+    if _PDB_LINES is None:
+        _PDB_LINES = queue.Queue()
+        ch.on("pdb_cmd", lambda msg: _PDB_LINES.put(msg.get("line", "c")))
+    io = _ChannelPdbIO(ch)
+    # skip this runner and the engine's machinery: `next` past the cell's end resumes it
+    p = pdb.Pdb(stdin=io, stdout=io, nosigint=True,
+                skip=["kernels_ext.*", "ipyparallel.*", "ipykernel.*", "IPython.*", "tornado.*",
+                      "asyncio.*", "zmq.*", "traitlets.*"])
+    p.use_rawinput = False
+    p.prompt = ""
+    p.set_trace(sys._getframe(1))
+
+
 def _progress() -> list[Any]:
     """Counters that move while a rank makes progress, read without touching the main
     thread: the default group's collective sequence number (gloo/nccl), hvdnb.torch's
@@ -492,6 +543,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     _connect_channel()
     _new_cell_metrics()
     _STATE["last_error"] = _STATE["post_mortem"] = None  # a new cell: old frames go
+    sys.breakpointhook = _breakpoint  # breakpoint() in the cell: pdb, prompted in the notebook
     t0 = time.time()
     _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}
     shell = _shell()

@@ -115,6 +115,40 @@ def test_debug_with_no_failed_cell(dist2, shell):
         shell.run_line_magic("dist", "debug")
 
 
+BREAK_ON_1 = """import torch, torch.distributed as dist
+t = torch.ones(2) * (dist.get_rank() + 1)
+if dist.get_rank() == 1:
+    x = 41
+    breakpoint()
+    x = x + 1
+dist.all_reduce(t)
+print(f"sum {t.tolist()} x {globals().get('x')}")
+"""
+
+
+def test_breakpoint_on_one_rank_while_the_other_waits_in_allreduce(dist2, shell, capsys,
+                                                                   monkeypatch):
+    asked: list[str] = []
+    answers = iter(["p x", "n", "p x", "c"])
+
+    def answer(prompt: str = "") -> str:
+        asked.append(prompt)
+        line = next(answers)
+        if line == "c":  # past HVDNB_STALL_AFTER (5 s) with rank 0 waiting in all_reduce
+            time.sleep(6)
+        return line
+
+    monkeypatch.setattr(builtins, "input", answer)
+    shell.run_cell_magic("distributed", "", BREAK_ON_1)
+    captured = capsys.readouterr()
+    out = captured.out
+    assert asked == ["(Pdb rank 1) "] * 4
+    assert "<cell" in out and "-> x = x + 1" in out  # stopped at the line after breakpoint()
+    assert "41\n" in out and "42\n" in out  # p x, then next, then p x
+    assert "[1] sum [3.0, 3.0] x 42" in out and "[0] sum [3.0, 3.0] x None" in out  # completed
+    assert "stalled" not in captured.err, captured.err
+
+
 @pytest.mark.parametrize("line, message", [
     ("logs 9", "unknown rank 9: the ranks are 0..1"),
     ("logs x", "'x' is not a rank number"),
