@@ -550,8 +550,14 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     ns = shell.user_ns if shell is not None else globals()
     try:
         body, tail = _compile_cell(code, filename)
-        exec(body, ns)
-        value = eval(tail, ns) if tail is not None else None
+        from hvdnb import _nvtx
+
+        opened = _nvtx.push(f"cell {cell_no}")  # Nsight Systems: one range per cell (CUDA only)
+        try:
+            exec(body, ns)
+            value = eval(tail, ns) if tail is not None else None
+        finally:
+            _nvtx.pop(opened)
     except BaseException as exc:  # noqa: BLE001 - reported to the client, named by rank
         _STATE["last_error"] = exc  # %dist debug reads its frames until the next cell
         report = {
