@@ -214,15 +214,7 @@ class DistMagics(Magics):
             raise UsageError("no cluster in this session: `%dist start -n 2` first")
         if len(args.values) > 1:
             raise UsageError("%dist logs takes at most one rank, e.g. `%dist logs 1 -n 50`")
-        ranks = list(range(c.n))
-        if args.values:
-            try:
-                rank = int(args.values[0])
-            except ValueError:
-                raise UsageError(f"{args.values[0]!r} is not a rank number") from None
-            if not 0 <= rank < c.n:
-                raise UsageError(f"unknown rank {rank}: the ranks are 0..{c.n - 1}")
-            ranks = [rank]
+        ranks = [_rank_arg(args.values[0], c.n)] if args.values else list(range(c.n))
         lines = 20 if args.n is None else args.n
         if lines < 0:
             raise UsageError(f"-n must be a number of lines >= 0, not {lines}")
@@ -239,12 +231,7 @@ class DistMagics(Magics):
             raise UsageError("%dist debug takes one rank, e.g. `%dist debug 1`")
         failed = sorted(r for r, last in c.last_cell.items() if last.get("state") == "error")
         if args.values:
-            try:
-                rank = int(args.values[0])
-            except ValueError:
-                raise UsageError(f"{args.values[0]!r} is not a rank number") from None
-            if not 0 <= rank < c.n:
-                raise UsageError(f"unknown rank {rank}: the ranks are 0..{c.n - 1}")
+            rank = _rank_arg(args.values[0], c.n)
         elif failed:
             rank = failed[0]
         else:
@@ -416,6 +403,17 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         if args.out:
             self.shell.user_ns[args.out] = result.values
+
+
+def _rank_arg(text: str, n: int) -> int:
+    """A rank number given to a %dist action, checked against the job's ``n`` ranks."""
+    try:
+        rank = int(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a rank number") from None
+    if not 0 <= rank < n:
+        raise UsageError(f"unknown rank {rank}: the ranks are 0..{n - 1}")
+    return rank
 
 
 def _parse_knob_values(items: list[str]) -> dict[str, Any]:
