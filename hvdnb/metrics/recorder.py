@@ -27,8 +27,10 @@ import os
 import sys
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterator
+from operator import itemgetter
 from typing import Any
 
 __all__ = ["Recorder", "get_recorder", "log", "phase", "ddp_comm_hook", "set_enabled"]
@@ -39,6 +41,8 @@ CAPACITY = 1 << 16
 IDLE_AFTER = 1.0
 
 _NUMBER = (int, float)
+_FLOAT = {float}
+_NUMBERS = {float, int, bool}  # packed by array("d"): C speed
 
 
 class Recorder:
@@ -71,11 +75,13 @@ class Recorder:
         self._times = [0.0] * capacity
         self._names = [0] * capacity
         self._vals: list[Any] = [0.0] * capacity
+        self._objects = False  # a value that is not a float was stored since the last pack
         self._w = 0  # rows written (monotonic); only the training thread writes it
         self._r = 0  # rows flushed; only the flusher writes it
         self._name_ids: dict[str, int] = {}
         self._name_list: list[str] = []
         self._sent_names = 0
+        self._comm_names: dict[str, tuple[str, str, str]] = {}
         # events from other threads (DDP hook futures, gloo callbacks): deque.append is atomic
         self._side: deque[tuple[int, float, str, float]] = deque()
         self.cur_step = 0  # the step in progress
@@ -91,6 +97,7 @@ class Recorder:
         self._owner = threading.get_ident()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the flusher thread now (and on close)
         self._lock = threading.Lock()  # serialises flushes (thread vs explicit flush())
         # held from packing to sending: two flushes (the flusher thread, an explicit or
         # end-of-cell flush) must send their sequence numbers in order
@@ -101,6 +108,11 @@ class Recorder:
         self.cell_running: bool | None = None
         self.pid = os.getpid()
         self._last_sent = 0.0
+        self._last_sent_pc = 0.0
+        #: perf_counter time at which log() sends the next message itself (see _run)
+        self._due = 0.0
+        #: send from the training thread at log() when a message is due (see _run)
+        self.flush_in_loop = True
 
     # ------------------------------------------------------------------ hot path
     def _nid(self, name: str) -> int:
@@ -117,11 +129,16 @@ class Recorder:
         if threading.get_ident() != self._owner:
             self._side.append((step, t, name, value))
             return
+        if type(value) is not float:
+            value = _scalar(value)
+            if type(value) is not float:
+                self._objects = True  # read (and its reference dropped) at the next pack
         w = self._w
         i = w & self._mask
         self._steps[i] = step
         self._times[i] = t
-        self._names[i] = self._nid(name)
+        i_name = self._name_ids.get(name)
+        self._names[i] = i_name if i_name is not None else self._nid(name)
         self._vals[i] = value
         self._w = w + 1  # published last: the flusher reads rows below _w only
 
@@ -132,24 +149,25 @@ class Recorder:
         now = time.perf_counter()
         t = time.time()
         prev = self._prev_step
+        record = self.record
         if self.last_log and step > prev:
-            self.record(step, "time/step", (now - self.last_log) / (step - prev), t)
+            record(step, "time/step", (now - self.last_log) / (step - prev), t)
         self._prev_step = step
         self.last_log = now
         if loss is not None:
-            self.record(step, "loss", loss, t)
-        for k, v in metrics.items():
-            if k == "total_steps":
-                self.meta["total_steps"] = int(v)
-                continue
-            if k in _PHASE_ALIASES:
-                k = _PHASE_ALIASES[k]
-            self.record(step, k, v, t)
+            record(step, "loss", loss, t)
+        if metrics:
+            for k, v in metrics.items():
+                if k == "total_steps":
+                    self.meta["total_steps"] = int(v)
+                    continue
+                record(step, _PHASE_ALIASES.get(k, k), v, t)
         self.mark(step + 1, now)
-        k = _knobs_mod().CURRENT
-        if k is not None:
-            k._advance(step + 1)
-        self._ensure_flusher()
+        knobs = _KNOBSET.CURRENT if _KNOBSET is not None else _knobs_mod().CURRENT
+        if knobs is not None:
+            knobs._advance(step + 1)
+        if now >= self._due:
+            self._flush_from_loop(now)
 
     def mark(self, step: int, now: float | None = None) -> None:
         """Step ``step`` is now in progress (updates the step-time estimate)."""
@@ -182,12 +200,18 @@ class Recorder:
         if not self.enabled:
             return
         self.comm_backend = backend
-        short = name.replace("DistributedOptimizer.", "")
+        names = self._comm_names.get(name)
+        if names is None:
+            short = name.replace("DistributedOptimizer.", "")
+            names = (f"comm/{short}/time", f"comm/{short}/exposed", f"comm/{short}/bytes")
+            if len(self._comm_names) < 4096:  # unnamed allreduces get a new name each call
+                self._comm_names[name] = names
         t = time.time()
         step = self.cur_step
-        self.record(step, f"comm/{short}/time", seconds, t)
-        self.record(step, f"comm/{short}/exposed", exposed, t)
-        self.record(step, f"comm/{short}/bytes", nbytes, t)
+        record = self.record
+        record(step, names[0], seconds, t)
+        record(step, names[1], exposed, t)
+        record(step, names[2], nbytes, t)
 
     # ------------------------------------------------------------------ flushing
     def _ensure_flusher(self) -> None:
@@ -197,8 +221,50 @@ class Recorder:
             )
             self._thread.start()
 
+    def _flush_from_loop(self, now: float) -> None:
+        """log() found a message due: send it from here, the training thread.
+
+        Packing costs ~0.1 ms per interval; on the flusher thread the same work took the
+        GIL from the training thread, and on a loaded machine each hand-over of the GIL
+        costs the training thread a wake-up (ms). The flusher thread then only covers a
+        loop that stopped logging (see ``_run``)."""
+        first = not self._due  # the first message goes out one interval after the first log
+        self._due = now + self.flush_interval
+        if self.channel is None:
+            return
+        if self._thread is None:
+            self._ensure_flusher()
+        if first or not self.flush_in_loop:
+            return
+        if self._objects:  # a value to read (a CUDA tensor must wait for its device):
+            self._kick.set()  # not in the step; the flusher thread sends this one
+            return
+        if not self._send_lock.acquire(blocking=False):
+            return  # the flusher thread is sending right now: that message carries the rows
+        try:
+            self._send()
+        except Exception as exc:  # the panel must never break training
+            print(f"hvdnb: metrics flush failed: {exc!r}", file=sys.stderr)
+        finally:
+            self._send_lock.release()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval):
+        wait = self.flush_interval
+        while True:
+            kicked = self._kick.wait(wait)
+            if self._stop.is_set():
+                return
+            if kicked:
+                self._kick.clear()
+            wait = self.flush_interval
+            if not kicked and self.flush_in_loop and not self.idle():
+                # a loop is logging and sends from log(); wake rarely, and only take over
+                # when it has not sent for a while (a slow step: its phase and allreduce
+                # rows, recorded between two log() calls, still go out)
+                since = time.perf_counter() - self._last_sent_pc
+                if since < 2 * self.flush_interval:
+                    wait = max(self.flush_interval, 4 * self.flush_interval - since)
+                    continue
             try:
                 self.flush()
             except Exception as exc:  # the panel must never break training
@@ -218,24 +284,33 @@ class Recorder:
         """Take every unflushed row and build one message (None when there is nothing new
         and the last message is recent)."""
         with self._lock:
+            objects = self._objects  # cleared before w is read: a later object is seen next time
+            self._objects = False
             w = self._w
             r = self._r
             lost = 0
             if w - r > self.capacity:  # the ring was lapped: the oldest rows are gone
                 lost = w - r - self.capacity
                 r = w - self.capacity
-            cols: dict[str, list[list[Any]]] = {}
-            names = self._name_list
-            cap = self.capacity
-            for k in range(r, w):
-                i = k % cap
-                v = _as_float(self._vals[i])
-                c = cols.get(names[self._names[i]])
-                if c is None:
-                    c = cols[names[self._names[i]]] = [[], [], []]
-                c[0].append(self._steps[i])
-                c[1].append(self._times[i])
-                c[2].append(v)
+            # copy the rows out with slices (C speed) while the writer goes on above w
+            a, b = r & self._mask, w & self._mask
+            if w - r == 0:
+                cols: dict[str, list[list[Any]]] = {}
+            else:
+                if a < b:
+                    sl = [slice(a, b)]
+                else:  # wrapped around the end of the ring (or exactly full)
+                    sl = [slice(a, self.capacity), slice(0, b)]
+                parts = []
+                for col in (self._steps, self._times, self._names, self._vals):
+                    parts.append(col[sl[0]] + col[sl[1]] if len(sl) == 2 else col[sl[0]])
+                steps, times, nids, vals = parts
+                cols = _columns(steps, times, nids, vals, self._name_list)
+                if objects and w - r <= self.capacity // 2:
+                    # drop the ring's references to tensors (and their autograd graphs) once
+                    # read; never near a lap, where the writer may already reuse these slots
+                    for s_ in sl:
+                        self._vals[s_] = [0.0] * (s_.stop - s_.start)
             # a flush racing the writer may have read a row being overwritten: only the
             # lapped case can do that, and then it is counted as lost
             self._r = w
@@ -274,14 +349,19 @@ class Recorder:
             if self.seq and time.time() - self._last_sent < 4 * self.flush_interval:
                 return
         with self._send_lock:
-            msg = self.pack()
-            if msg is None:
-                return
-            self._last_sent = time.time()
-            self.channel.send("metrics", **msg)
+            self._send()
+
+    def _send(self) -> None:  # under _send_lock
+        msg = self.pack()
+        if msg is None:
+            return
+        self._last_sent = msg["t"]
+        self._last_sent_pc = time.perf_counter()
+        self.channel.send("metrics", **msg)
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(2)
             self._thread = None
@@ -307,6 +387,20 @@ _PHASE_ALIASES = {
 }
 
 
+def _scalar(v: Any) -> Any:
+    """``v`` as a float when that is cheap and never waits for a device: an int, or a CPU
+    tensor (``.item()``, ~0.2 us); anything else as it is, read by ``_as_float`` at the
+    next pack, on whichever thread sends (a CUDA tensor must not be read in the step)."""
+    try:
+        if type(v) is int:
+            return float(v)
+        if getattr(v, "is_cpu", False):
+            return float(v.item())
+    except Exception:  # an int too large for a float, a tensor of many elements: NaN later
+        pass
+    return v
+
+
 def _as_float(v: Any) -> float:
     if type(v) is float:
         return v
@@ -315,6 +409,66 @@ def _as_float(v: Any) -> float:
         return float(item() if item is not None else v)
     except Exception:
         return math.nan
+
+
+def _floats(vals: list[Any]) -> list[Any]:
+    """``vals`` as floats, at C speed when they are numbers already; anything else (a
+    CUDA tensor, an object with ``.item()``) one by one through ``_as_float``."""
+    kinds = set(map(type, vals))
+    if kinds == _FLOAT:
+        return vals
+    if kinds <= _NUMBERS:
+        try:
+            return array("d", vals).tolist()
+        except OverflowError:
+            pass
+    return [_as_float(v) for v in vals]
+
+
+def _period(nids: list[int]) -> int:
+    """The length p of the repeating pattern of names when every step records the same
+    names in the same order (row k has the name of row k % p), else 0."""
+    n = len(nids)
+    first = nids[0]
+    try:
+        p = nids.index(first, 1)
+    except ValueError:
+        p = n
+    head = nids[:p]
+    if len(set(head)) != p:
+        return 0
+    for k in range(p):
+        col = nids[k::p]
+        if col.count(head[k]) != len(col):
+            return 0
+    return p
+
+
+def _columns(
+    steps: list[int], times: list[float], nids: list[int], vals: list[Any], names: list[str]
+) -> dict[str, list[list[Any]]]:
+    """Group rows (in order) into ``{name: [steps, times, values]}``."""
+    cols: dict[str, list[list[Any]]] = {}
+    p = _period(nids)
+    if p:  # the usual loop: strided slices, no per-row Python work
+        for k in range(p):
+            cols[names[nids[k]]] = [steps[k::p], times[k::p], _floats(vals[k::p])]
+        return cols
+    rows: dict[int, list[int]] = {}
+    for k, i in enumerate(nids):
+        ix = rows.get(i)
+        if ix is None:
+            rows[i] = [k]
+        else:
+            ix.append(k)
+    for i, ix in rows.items():
+        if len(ix) == 1:
+            k = ix[0]
+            cols[names[i]] = [[steps[k]], [times[k]], _floats([vals[k]])]
+        else:
+            get = itemgetter(*ix)
+            cols[names[i]] = [list(get(steps)), list(get(times)), _floats(list(get(vals)))]
+    return cols
 
 
 def _dist_backend() -> str:

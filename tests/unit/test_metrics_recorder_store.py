@@ -252,3 +252,167 @@ def test_run_curves_overlay_by_step_and_samples_and_hide():
     assert by_samples[0]["xs"] == [64.0, 128.0, 192.0, 256.0]  # two ranks x 32 per step
     assert st.hide_runs(keep_last=1) == 1 and [c["id"] for c in st.run_curves()] == [2]
     assert len({r.run for r in st.rows("loss")}) == 2  # hidden, not deleted
+
+
+# ---------------------------------------------------------------- packing and in-loop sends
+def _rows_of(msgs: list[dict]) -> dict[str, list[tuple]]:
+    out: dict[str, list[tuple]] = {}
+    for m in msgs:
+        for name, (steps, times, vals) in m["cols"].items():
+            if not name.startswith("mem/"):
+                out.setdefault(name, []).extend(zip(steps, times, vals))
+    return out
+
+
+def test_irregular_rows_wrapping_the_ring_pack_like_row_by_row():
+    """The strided fast path (same names every step) and the general path (a metric every
+    third step, a phase now and then) give every row, in order, across the ring's end."""
+    import random
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=1e9, capacity=256)  # ~1800 rows: wraps 7 times
+    rng = random.Random(1)
+    for step in range(300):
+        rec.on_comm("DistributedOptimizer.bucket.0", 100, 0.001 * step, "mpi", 0.0)
+        extra = {"acc": step / 7} if step % 3 == 0 else {}
+        rec.log(step, 1.0 / (step + 1), samples=8, **extra)
+        if rng.random() < 0.2:
+            rec.record(step, "time/data", 0.5)
+        if rng.random() < 0.3:  # flushes at irregular points, some of them mid-pattern
+            rec.flush()
+    rec.flush()
+    got = _rows_of(ch.sent)
+    assert ch.sent[-1]["lost"] == 0
+    assert [s for s, _, _ in got["loss"]] == list(range(300))
+    assert [v for _, _, v in got["loss"]] == [1.0 / (s + 1) for s in range(300)]
+    assert [s for s, _, _ in got["acc"]] == list(range(0, 300, 3))
+    assert [v for _, _, v in got["samples"]] == [8.0] * 300
+    assert all(type(v) is float for _, _, v in got["samples"])
+    assert [v for _, _, v in got["comm/bucket.0/time"]] == [0.001 * s for s in range(300)]
+    assert [s for s, _, _ in got["time/step"]] == list(range(1, 300))
+    for name, rows in got.items():  # times never go back within a name
+        ts = [t for _, t, _ in rows]
+        assert ts == sorted(ts), name
+
+
+def test_pack_fast_path_and_general_path_agree():
+    from hvdnb.metrics.recorder import _columns
+
+    names = ["a", "b", "c"]
+    nids = [0, 1, 2] * 5 + [0, 1]  # a flush in the middle of a step
+    steps = list(range(len(nids)))
+    times = [float(s) for s in steps]
+    vals = [s * 0.5 for s in steps]
+    fast = _columns(steps, times, nids, vals, names)
+    slow = _columns(steps, times, nids[:-1] + [0], vals, names)  # breaks the pattern
+    assert fast["a"][0] == [0, 3, 6, 9, 12, 15] and fast["b"][0] == [1, 4, 7, 10, 13, 16]
+    assert slow["a"][0] == [0, 3, 6, 9, 12, 15, 16] and "b" in slow
+    assert fast["c"][2] == [1.0, 2.5, 4.0, 5.5, 7.0]
+
+
+def test_values_are_floats_and_odd_values_become_nan_not_errors():
+    class Span:  # what NCCL timings look like: only .item()
+        def item(self) -> float:
+            return 0.25
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=1e9, capacity=64)
+    rec.log(0, 1, samples=True, big=10**400, span=Span(), bad="x", none=None)
+    rec.flush()
+    cols = ch.sent[-1]["cols"]
+    assert cols["loss"][2] == [1.0] and type(cols["loss"][2][0]) is float
+    assert cols["samples"][2] == [1.0]
+    assert cols["span"][2] == [0.25]
+    assert math.isnan(cols["big"][2][0]) and math.isnan(cols["bad"][2][0])
+    assert math.isnan(cols["none"][2][0])
+
+
+def test_cpu_tensor_loss_is_read_in_log_and_not_kept():
+    torch = pytest.importorskip("torch")
+    import weakref
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=1e9, capacity=64)
+    x = torch.ones(3, requires_grad=True)
+    loss = (x * 2).sum()
+    ref = weakref.ref(loss)
+    rec.log(0, loss)
+    del loss
+    assert ref() is None  # the ring holds a float, not the tensor and its graph
+    rec.flush()
+    assert ch.sent[-1]["cols"]["loss"][2] == [6.0]
+
+
+def test_log_sends_from_the_loop_once_per_interval_without_the_flusher_thread():
+    import threading
+    import time as _time
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=0.05, capacity=1024)
+    sender = set()
+    send = ch.send
+
+    def spy(kind, **payload):
+        sender.add(threading.get_ident())
+        send(kind, **payload)
+
+    ch.send = spy
+    t0 = _time.perf_counter()
+    step = 0
+    while _time.perf_counter() - t0 < 0.5:
+        rec.log(step, 0.5)
+        step += 1
+        _time.sleep(0.001)
+    rec.close()
+    seqs = [m["seq"] for m in ch.sent]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert 5 <= len(ch.sent) <= 12  # ~one per 50 ms, not one per step
+    assert threading.get_ident() in sender
+    got = _rows_of(ch.sent)
+    assert [s for s, _, _ in got["loss"]] == list(range(step))
+
+
+def test_slow_steps_rows_between_logs_still_go_out():
+    """A loop that stopped logging (a long step): the flusher thread sends what was
+    recorded since (a phase, an allreduce) within a few intervals."""
+    import time as _time
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=0.05, capacity=1024)
+    for step in range(3):
+        rec.log(step, 0.5)
+        _time.sleep(0.06)
+    rec.log(3, 0.5)  # sends from the loop
+    rec.on_comm("allreduce.x", 8, 0.001, "mpi", 0.0)
+    deadline = _time.monotonic() + 2
+    while _time.monotonic() < deadline and "comm/allreduce.x/time" not in _rows_of(ch.sent):
+        _time.sleep(0.01)
+    rec.close()
+    assert "comm/allreduce.x/time" in _rows_of(ch.sent)
+
+
+def test_objects_are_read_by_the_flusher_thread_not_in_log():
+    import threading
+    import time as _time
+
+    readers = []
+
+    class CudaLike:
+        def item(self) -> float:
+            readers.append(threading.get_ident())
+            return 1.5
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=0.03, capacity=1024)
+    t0 = _time.perf_counter()
+    step = 0
+    while _time.perf_counter() - t0 < 0.3:
+        rec.log(step, CudaLike())
+        step += 1
+        _time.sleep(0.002)
+    deadline = _time.monotonic() + 2
+    while _time.monotonic() < deadline and len(_rows_of(ch.sent).get("loss", [])) < step:
+        _time.sleep(0.01)
+    assert readers and threading.get_ident() not in readers
+    rec.close()
+    assert [v for _, _, v in _rows_of(ch.sent)["loss"]] == [1.5] * step
