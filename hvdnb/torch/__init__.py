@@ -2,7 +2,8 @@
 
 Owns: the public names (explicit ``__all__``); the modules own the behaviour: ``basics``
 (init, rank, size), ``ops`` (collectives), ``optimizer``, ``functions``, ``compression``,
-``schedule`` (lr scaling, warmup, LARS), ``timeline``, ``listeners``, ``process_sets``,
+``collectives`` (the rest), ``rounds`` (negotiation, async queue, join), ``schedule``
+(lr scaling, warmup, LARS), ``timeline``, ``listeners``, ``process_sets``,
 ``transport`` (headers, MPI and torch.distributed transports),
 ``sync_batch_norm``. Never: do work at import time (no process group, no MPI init).
 """
@@ -10,8 +11,16 @@ Owns: the public names (explicit ``__all__``); the modules own the behaviour: ``
 from __future__ import annotations
 
 from .basics import (
-    cross_rank, cross_size, init, is_initialized, local_rank, local_size, mpi_enabled, rank,
-    shutdown, size,
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+)
+from .collectives import (
+    allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+    broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+    grouped_reducescatter, grouped_reducescatter_async, join, reducescatter,
+    reducescatter_async, sparse_allreduce_async,
 )
 from .compression import Compression
 from .functions import (
@@ -19,11 +28,9 @@ from .functions import (
 )
 from .listeners import add_comm_listener, remove_comm_listener
 from .ops import (
-    Adasum, Average, CollectiveMismatchError, Max, Min, Product, Sum, allgather,
-    allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
-    alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-    join, poll, reducescatter, reducescatter_async, synchronize,
+    Adasum, Average, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, Max,
+    Min, Product, Sum, allreduce, allreduce_, allreduce_async, allreduce_async_, poll,
+    synchronize,
 )
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
@@ -34,14 +41,19 @@ from .timeline import merge_timelines, start_timeline, stop_timeline
 __all__ = [
     # basics
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
-    "local_rank", "cross_rank", "mpi_enabled",
+    "local_rank", "cross_rank", "is_homogeneous", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "mpi_threads_supported",
     # ops
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "CollectiveMismatchError",
+    "HorovodInternalError", "HostsUpdatedInterrupt",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
-    "poll", "synchronize",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "barrier", "join", "poll",
+    "synchronize",
     # model helpers
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "allgather_object", "DistributedOptimizer", "Compression", "SyncBatchNorm",

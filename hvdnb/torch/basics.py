@@ -9,7 +9,7 @@ pick a port, or start processes.
 from __future__ import annotations
 
 import atexit
-from typing import Sequence
+from typing import Any, Sequence
 
 from .. import rendezvous
 from ..config import get_config
@@ -17,11 +17,14 @@ from .process_sets import STATE, ProcessSet, _build, add_process_set, global_pro
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
-    "local_rank", "cross_rank", "mpi_enabled",
+    "local_rank", "cross_rank", "is_homogeneous", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "mpi_threads_supported",
 ]
 
 
-def init(process_sets: Sequence[ProcessSet | Sequence[int]] | None = None) -> None:
+def init(comm: Any = None,
+         process_sets: Sequence[ProcessSet | Sequence[int]] | None = None) -> None:
     """Join the job: discover rank and size, set up the transports. Collective.
 
     Under ``mpiexec`` hvdnb's own traffic goes over MPI (CPU tensors) and NCCL (CUDA
@@ -31,10 +34,21 @@ def init(process_sets: Sequence[ProcessSet | Sequence[int]] | None = None) -> No
 
     Parameters
     ----------
+    comm : Horovod's MPI communicator argument: None (the whole job) or a communicator
+        spanning the whole job; a sub-communicator is refused (use process sets)
     process_sets : process sets to register right away (same on every rank)
     """
     if STATE.initialized:
         return
+    if comm is not None:
+        from mpi4py import MPI
+
+        n = len(comm) if isinstance(comm, (list, tuple)) else comm.Get_size()
+        if n != MPI.COMM_WORLD.Get_size():
+            raise NotImplementedError(
+                "hvd.init(comm=...) with part of the job is not supported; run the job on "
+                "those ranks only, or use hvd.add_process_set(ranks)"
+            )
     import torch.distributed as dist
 
     w = rendezvous.discover()
@@ -67,6 +81,10 @@ def shutdown() -> None:
     from . import ops
 
     ops._HANDLES.clear()
+    for ps in STATE.sets.values():
+        for tr in (ps.mpi, ps.torch):
+            if tr is not None:
+                tr.pending.clear()
     for ps in list(STATE.sets.values()):
         if ps.mpi is not None:
             ps.mpi.comm.Free()
@@ -122,6 +140,88 @@ def cross_rank() -> int:
     return _w().cross_rank
 
 
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    w = _w()
+    return bool(w.local_size * w.cross_size == w.size)
+
+
 def mpi_enabled() -> bool:
     """Whether CPU collectives go over MPI (the job was started by mpiexec)."""
     return STATE.comm is not None
+
+
+def mpi_built() -> bool:
+    """Whether this process can use MPI (mpi4py and an MPI library import)."""
+    try:
+        from mpi4py import MPI
+
+        return bool(MPI.Get_version()[0] >= 1)
+    except Exception:
+        return False
+
+
+def gloo_enabled() -> bool:
+    """Whether CPU collectives go over torch.distributed's gloo (no mpiexec)."""
+    if not STATE.initialized or STATE.comm is not None:
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_initialized() and dist.get_backend() == "gloo")
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed has gloo in this build of torch."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+def nccl_built() -> int:
+    """NCCL's version as Horovod reports it (e.g. 21803), or 0 without NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:
+        return 0
+    if isinstance(v, tuple):
+        return int(v[0]) * 10000 + int(v[1]) * 100 + int(v[2])
+    return int(v)
+
+
+def ddl_built() -> bool:
+    """IBM DDL: never (hvdnb has no DDL transport)."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Intel oneCCL: never (hvdnb has no oneCCL transport)."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA."""
+    import torch
+
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """Whether this torch was built with ROCm."""
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI was initialised with MPI_THREAD_MULTIPLE (False without MPI)."""
+    _w()
+    if STATE.comm is None:
+        return False
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)

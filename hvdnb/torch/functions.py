@@ -13,7 +13,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .ops import allgather, broadcast_
+from .basics import rank
+from .collectives import allgather, broadcast_
 from .process_sets import ProcessSet, global_process_set
 
 __all__ = [
@@ -62,13 +63,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     object of non-root ranks is ignored (pass None).
     """
     name = name or "broadcast_object"
-    data = _to_bytes(obj) if process_set.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
+    data = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
     n = broadcast_(torch.tensor([data.numel()], dtype=torch.int64), root_rank,
                    name=f"{name}.len", process_set=process_set)
-    if process_set.rank() != root_rank:
+    if rank() != root_rank:
         data = torch.empty(int(n.item()), dtype=torch.uint8)
     broadcast_(data, root_rank, name=f"{name}.data", process_set=process_set)
-    return obj if process_set.rank() == root_rank else _from_bytes(data)
+    return obj if rank() == root_rank else _from_bytes(data)
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -91,9 +92,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Make every rank's optimizer state (and hyper-parameters) equal to ``root_rank``'s.
 
     SPMD contract: the same optimizer class over the same parameters on every rank.
+    ``root_rank`` is a global rank. As in Horovod, parameters that require a gradient get
+    a zero ``.grad`` when the optimizer has no state yet (Horovod creates the state so).
     """
-    state = broadcast_object(optimizer.state_dict() if process_set.rank() == root_rank
+    if not optimizer.state_dict()["state"]:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    if isinstance(optimizer, torch.optim.SparseAdam):
+                        p.grad = p.grad.to_sparse()
+    state = broadcast_object(optimizer.state_dict() if rank() == root_rank
                              else None, root_rank, name="broadcast_optimizer_state",
                              process_set=process_set)
-    if process_set.rank() != root_rank:
+    if rank() != root_rank:
         optimizer.load_state_dict(state)

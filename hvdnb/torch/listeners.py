@@ -8,28 +8,63 @@ collective, call ``cuda.synchronize``, or let a listener's exception break train
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["add_comm_listener", "remove_comm_listener", "CommListener"]
 
-#: fn(name, nbytes, seconds, backend); seconds is host time from launch to completion seen
-CommListener = Callable[[str, int, float, str], None]
+#: fn(name, nbytes, seconds, backend, exposed); see ``add_comm_listener``
+CommListener = Callable[[str, int, Any, str, float], None]
 
 LISTENERS: list[CommListener] = []
 
 
 def add_comm_listener(fn: CommListener) -> CommListener:
-    """Call ``fn(name, nbytes, seconds, backend)`` after every collective completes.
+    """Call ``fn(name, nbytes, seconds, backend, exposed)`` once after every collective.
 
-    ``name`` is the op's name (``"allreduce.noname.3"``, ``"DistributedOptimizer.bucket.0"``),
-    ``nbytes`` the payload of this rank, ``seconds`` host time from launch until hvdnb saw
-    completion (for CUDA tensors: until the NCCL work was enqueued and waited on, never a
-    ``cuda.synchronize``), ``backend`` one of ``"mpi"``, ``"gloo"``, ``"nccl"``, ``"local"``.
-    Listeners run on the training thread: keep them to an append into a buffer.
+    Parameters
+    ----------
+    fn : callable
+        Called once per collective (a fused DistributedOptimizer bucket counts as one),
+        after it completed, with:
+
+        name : str
+            The op's name (``"allreduce.noname.3"``, ``"DistributedOptimizer.bucket.0"``).
+        nbytes : int
+            This rank's payload in bytes.
+        seconds : float or object with ``.item()``
+            The collective's own duration, not the time since it was queued. MPI: the time
+            spent inside the blocking MPI calls and inside the ``Wait`` of its nonblocking
+            request (MPICH on CPU makes no progress outside them). Gloo: the work's own
+            execution time, from max(its enqueue, completion of the previous gloo work of
+            the same process group) to its completion, so queueing behind earlier buckets
+            is not counted. NCCL: an object whose ``.item()`` returns the seconds between
+            CUDA events recorded around the collective (it synchronizes on the end event:
+            call it off the training thread, later). ``float('nan')`` when it cannot be
+            measured.
+        backend : str
+            ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"local"``.
+        exposed : float
+            Seconds the calling (training) thread was blocked by this collective: the time
+            inside a blocking call; for an async handle the time ``synchronize`` waited
+            for it (0.0 if it was already done); for a DistributedOptimizer bucket the
+            blocking part inside the gradient hook (a small bucket's one-message exchange,
+            the header swap) plus the time ``synchronize()`` / ``step()`` waited for it.
+
+        Usually called on the training thread; may be called from a gloo worker thread.
+        Keep it to an append into a buffer. A listener that raises is removed (and the
+        error printed); training goes on.
 
     Returns
     -------
     fn, so it can be used as a decorator.
+
+    Examples
+    --------
+    >>> seen = []
+    >>> hvd.add_comm_listener(lambda *a: seen.append(a))     # doctest: +SKIP
+    >>> hvd.allreduce(torch.ones(4), name="x")                # doctest: +SKIP
+    >>> seen[-1][:2], seen[-1][3]                             # doctest: +SKIP
+    (('x', 16), 'mpi')
     """
     if fn not in LISTENERS:
         LISTENERS.append(fn)
@@ -45,10 +80,10 @@ def remove_comm_listener(fn: CommListener) -> bool:
         return False
 
 
-def notify(name: str, nbytes: int, seconds: float, backend: str) -> None:
+def notify(name: str, nbytes: int, seconds: Any, backend: str, exposed: float) -> None:
     for fn in tuple(LISTENERS):
         try:
-            fn(name, nbytes, seconds, backend)
+            fn(name, nbytes, seconds, backend, exposed)
         except Exception as exc:  # a broken panel must never break a training step
             print(f"hvdnb: comm listener {fn!r} failed and was removed: {exc!r}", file=sys.stderr)
             remove_comm_listener(fn)

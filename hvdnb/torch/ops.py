@@ -1,11 +1,14 @@
-"""Horovod's collectives on tensors: allreduce, allgather, broadcast, alltoall, reducescatter.
+"""Horovod's allreduce family on tensors, async handles, ``poll`` and ``synchronize``.
 
-Owns: the semantics (ops, Average on integers, pre/post scaling, dtype conversions where a
-transport refuses a type, names and auto names, async handles) and the cross-rank check of
-every collective: each rank sends a header (kind, name, dtype, shape, op, root, scales)
-before its data and every rank compares all headers, so ranks that disagree raise
-``CollectiveMismatchError`` on every rank instead of hanging. Never: reduce half types in
-half precision (they are summed in float32), call ``cuda.synchronize``, or skip the header.
+Owns: the semantics of allreduce (ops, Average on integers, pre/post scaling, the
+deprecated ``average=``, dtype conversions where a transport refuses a type, names and auto
+names, Adasum), async handles, and the planned fast paths of repeated named allreduces
+over MPI. Every collective is negotiated as ``rounds.py`` describes: each rank sends a
+header (kind, name, dtype, shape, op, root, scales) before its data and every rank
+compares all headers, so ranks that disagree raise ``CollectiveMismatchError`` on every
+rank instead of hanging. Never: reduce half types in half precision (they are summed in
+float32), call ``cuda.synchronize``, or skip the header. The other collectives live in
+``collectives.py``.
 
 Transport per tensor: CUDA tensors go through torch.distributed (NCCL); CPU tensors through
 MPI when the job was started by mpiexec, otherwise gloo.
@@ -17,37 +20,38 @@ import itertools
 import time
 import warnings
 import zlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from . import listeners as _lst
 from .process_sets import STATE, ProcessSet, global_process_set
+from .rounds import (
+    DTYPES, CollectiveMismatchError, Handle, Op, after_exchange, blocking, defer, rounds,
+    wire_dtype,
+)
 from .transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "CollectiveMismatchError",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
-    "reducescatter_async", "barrier", "join", "poll", "synchronize",
+    "HorovodInternalError", "HostsUpdatedInterrupt",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OPNAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
-_DTYPES = (
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
-)
-_DCODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
-_HALF = (torch.float16, torch.bfloat16)
+_DCODE = {d: i + 1 for i, d in enumerate(DTYPES)}
 _NAMEHASH: dict[str, int] = {}
 
 
-class CollectiveMismatchError(RuntimeError):
-    """Ranks called a collective with different arguments; raised on every rank."""
+class HorovodInternalError(RuntimeError):
+    """Horovod's name for a failed collective (kept so ``except hvd.HorovodInternalError``
+    in Horovod scripts works); hvdnb raises ``CollectiveMismatchError`` and friends."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod elastic's signal that hosts changed; hvdnb never raises it (no elastic)."""
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -72,7 +76,7 @@ def _dcode(t: torch.Tensor) -> int:
     if code is None:
         raise TypeError(
             f"hvdnb.torch does not support dtype {t.dtype}; use one of "
-            f"{', '.join(str(d) for d in _DTYPES)}"
+            f"{', '.join(str(d) for d in DTYPES)}"
         )
     return code
 
@@ -90,30 +94,6 @@ def _transport(ps: ProcessSet, t: torch.Tensor) -> Any:
     return tr
 
 
-def _check(tr: Any, hdrs: list[bytes], desc: Callable[[], dict[str, Any]]) -> None:
-    """Raise on every rank if any header's signature differs (all ranks see all headers)."""
-    mine = hdrs[0][:SIG_BYTES]
-    for h in hdrs:
-        if h[:SIG_BYTES] != mine:
-            _mismatch(tr, desc())
-
-
-def _mismatch(tr: Any, mine: dict[str, Any]) -> None:
-    descs = tr.gather_objects(mine)
-    diffs = []
-    for key in mine:
-        vals = [d.get(key) for d in descs]
-        if any(v != vals[0] for v in vals):
-            per = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals))
-            diffs.append(f"{key} differs ({per})")
-    what = "; ".join(diffs) or "headers differ"
-    raise CollectiveMismatchError(
-        f"hvdnb {mine['collective']} '{mine['name']}': ranks disagree: {what}. Every rank must "
-        "call the same collectives in the same order with the same name, dtype, shape, op and "
-        "root; look for rank-dependent branches or data-dependent shapes before this call."
-    )
-
-
 def _desc(kind: int, name: str, t: torch.Tensor, **kw: Any) -> Callable[[], dict[str, Any]]:
     def build() -> dict[str, Any]:
         d = {"collective": Kind.NAMES[kind], "name": name, "dtype": str(t.dtype),
@@ -124,6 +104,12 @@ def _desc(kind: int, name: str, t: torch.Tensor, **kw: Any) -> Callable[[], dict
     return build
 
 
+def _mismatch(tr: Any, mine: dict[str, Any]) -> None:
+    from .rounds import mismatch_error
+
+    raise mismatch_error(tr, mine)
+
+
 def _scale(t: torch.Tensor, f: float, inplace: bool) -> torch.Tensor:
     if t.is_floating_point():
         return t.mul_(f) if inplace else t * f
@@ -132,56 +118,96 @@ def _scale(t: torch.Tensor, f: float, inplace: bool) -> torch.Tensor:
     return t.copy_(s) if inplace else s
 
 
-def _sync_done(name: str, nbytes: int, t0: float, backend: str) -> None:
+def _op(op: int | None, average: bool | None) -> int:
+    """Horovod's ``average=`` (deprecated) and ``op=``: one of them, Average by default."""
+    if average is not None:
+        if isinstance(average, str):
+            raise TypeError(
+                "the second positional argument of Horovod's allreduce is `average` "
+                f"(deprecated), not the name: pass name={average!r}"
+            )
+        if op is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed "
+                      "in v1.0", DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average if op is None else int(op)
+
+
+def _meta(name: str, nbytes: int, backend: str) -> Any:
+    return (name, nbytes, backend) if _lst.LISTENERS else None
+
+
+def _done(name: str, nbytes: int, t0: float, backend: str) -> None:
+    """Report a collective that ran inside one blocking call started at ``t0``."""
     if t0:
-        _lst.notify(name, nbytes, time.perf_counter() - t0, backend)
+        dt = time.perf_counter() - t0
+        _lst.notify(name, nbytes, dt, backend, dt)
 
 
-# -- handles ------------------------------------------------------------------------------
-class _Handle:
-    __slots__ = ("work", "finish", "result", "meta")
+# -- async handles ------------------------------------------------------------------------
+class _Async:
+    """What ``*_async`` returns a number for: a queued op, then its started Handle."""
 
-    def __init__(self, work: Any, finish: Callable[[], Any] | None, result: Any, meta: Any):
-        self.work, self.finish, self.result, self.meta = work, finish, result, meta
+    __slots__ = ("op", "tr", "post")
 
-    def test(self) -> bool:
-        w = self.work
-        if w is None:
+    def __init__(self, op: Op, tr: Any, post: Callable[[Any], Any] | None = None) -> None:
+        self.op, self.tr, self.post = op, tr, post
+
+    def done(self) -> bool:
+        op = self.op
+        if op.error is not None:
             return True
-        return bool(w.Test()) if hasattr(w, "Test") else bool(w.is_completed())
+        return op.handle is not None and op.handle.test()
 
     def wait(self) -> Any:
-        if self.work is not None:
-            self.work.wait() if hasattr(self.work, "is_completed") else self.work.Wait()
-            self.work = None
-        if self.finish is not None:
-            self.result, self.finish = self.finish(), None
-        if self.meta is not None:
-            _sync_done(*self.meta)
-            self.meta = None
-        return self.result
+        op = self.op
+        if not op.settled:
+            t0 = time.perf_counter()
+            rounds(self.tr, None, op)
+            if op.handle is not None and op.handle.meta is not None:
+                op.handle.exp += time.perf_counter() - t0
+        if op.error is not None:
+            raise op.error
+        assert op.handle is not None
+        r = op.handle.wait()
+        return r if self.post is None else self.post(r)
 
 
-_HANDLES: dict[int, _Handle] = {}
+_HANDLES: dict[int, Any] = {}
 _IDS = itertools.count(1)
 
 
-def _register(h: _Handle) -> int:
+def _register(h: Any) -> int:
     hid = next(_IDS)
     _HANDLES[hid] = h
     return hid
 
 
+def _async(tr: Any, op: Op, post: Callable[[Any], Any] | None = None) -> int:
+    return _register(_Async(defer(tr, op), tr, post))
+
+
 def poll(handle: int) -> bool:
-    """Whether the async op behind ``handle`` has completed (never blocks)."""
+    """Whether the async op behind ``handle`` has completed; never blocks.
+
+    An async op is negotiated in the next round on its process set (any collective or
+    ``synchronize`` there), so ``poll`` is False until then, and afterwards until its data
+    has arrived. Loop on ``synchronize``, not on ``poll``, to make progress.
+    """
     h = _HANDLES.get(handle)
     if h is None:
         raise ValueError(f"unknown or already synchronized handle {handle}")
-    return h.test()
+    return bool(h.done())
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for the async op behind ``handle`` and return its result (once per handle)."""
+    """Wait for the async op behind ``handle`` and return its result (once per handle).
+
+    Collective when the op has not been negotiated yet: the other ranks must reach a
+    collective or ``synchronize`` on the same process set. Raises what the op raised
+    (e.g. ``CollectiveMismatchError`` on every rank).
+    """
     h = _HANDLES.pop(handle, None)
     if h is None:
         raise ValueError(f"unknown or already synchronized handle {handle}")
@@ -189,30 +215,41 @@ def synchronize(handle: int) -> Any:
 
 
 # -- allreduce ----------------------------------------------------------------------------
-def _allreduce_start(
-    tensor: torch.Tensor, inplace: bool, name: str | None, op: int | None, pre: float,
-    post: float, ps: ProcessSet, nonblocking: bool, shape_key: int | None = None,
-) -> _Handle:
-    """Negotiate and launch one allreduce; the handle's wait() finishes it."""
-    t0 = time.perf_counter() if _lst.LISTENERS else 0.0
-    op = Average if op is None else op
-    if op not in (Average, Sum, Min, Max, Product):
-        raise ValueError(
-            f"op {_OPNAMES.get(op, op)} is not supported; use hvd.Average, Sum, Min, Max or Product"
-        )
-    tr = _transport(ps, tensor)
+def _check_op(op: int) -> None:
+    if op not in _OPNAMES:
+        raise ValueError(f"op {op!r} is not an hvd op; use hvd.Average, Sum, Adasum, Min, Max "
+                         "or Product")
+
+
+def _allreduce_op(
+    tensor: torch.Tensor, inplace: bool, name: str | None, op: int, pre: float,
+    post: float, ps: ProcessSet, shape_key: int | None = None, tr: Any = None,
+) -> tuple[Any, Op, Callable[[], Handle | None]]:
+    """Build one allreduce: (transport, Op, inline attempt or None).
+
+    The inline attempt (two ranks over MPI, small tensors, nothing queued) swaps header and
+    data in one message and returns the finished Handle, or None when headers differed
+    (the round is then settled by ``after_exchange`` with the op's regular data phase).
+    """
+    _check_op(op)
+    if tr is None:
+        tr = _transport(ps, tensor)
     if name is None:
         name = _auto_name(ps, Kind.ALLREDUCE)
     dtype = tensor.dtype
     dcode = _dcode(tensor)
     x = tensor if tensor.is_contiguous() else tensor.contiguous()
-    wire = x
-    if dtype in _HALF and not x.is_cuda:
-        wire = x.float()  # summed in float32, like NCCL's accumulators
-    elif dtype == torch.int16 and tr.backend == "gloo":
-        wire = x.int()  # gloo refuses int16
-    elif dtype == torch.bool:
-        wire = x.to(torch.uint8)
+    wd = wire_dtype(dtype, tr.backend, x.is_cuda)
+    wire = x if wd == dtype else x.to(wd)
+    if op == Adasum:
+        if not wire.is_floating_point():
+            raise ValueError(f"Adasum needs a floating point tensor, not {dtype}")
+        if tr.size & (tr.size - 1):
+            raise NotImplementedError(
+                f"Adasum needs a power-of-two number of ranks (this process set has "
+                f"{tr.size}): its pairwise combination tree, like Horovod's, has no rule "
+                "for an unpaired rank"
+            )
     if pre != 1.0:
         wire = _scale(wire, pre, inplace=wire is not tensor)
     nbytes = x.numel() * x.element_size()
@@ -223,31 +260,9 @@ def _allreduce_start(
     )
     n = tr.size
     direct = inplace and wire is tensor
-    work = None
-    nbw = nbytes if wire is x else wire.numel() * wire.element_size()
-    if type(tr) is MPITransport and nbw <= tr.inline:
-        if not tr.exchange_inline(hdr, wire, nbw):
-            _mismatch(tr, _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre,
-                                postscale=post)())
-        peer = tr.peer_view(wire.dtype, wire.shape)
-        out = wire if direct else None
-        if op <= Sum:
-            res = torch.add(wire, peer, out=out)
-        elif op == Min:
-            res = torch.minimum(wire, peer, out=out)
-        elif op == Max:
-            res = torch.maximum(wire, peer, out=out)
-        else:
-            res = torch.mul(wire, peer, out=out)
-    else:
-        hdrs = tr.exchange(hdr)
-        _check(tr, hdrs, _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre,
-                               postscale=post))
-        res = wire if direct else torch.empty_like(wire)
-        work = tr.allreduce(wire, res, op, nonblocking)
+    backend = tr.backend
 
-    def finish() -> torch.Tensor:
-        r = res
+    def finish(r: torch.Tensor) -> torch.Tensor:
         post_eff = post
         if op == Average:
             if r.is_floating_point():
@@ -262,10 +277,74 @@ def _allreduce_start(
             return tensor
         return r if r.dtype == dtype else r.to(dtype)
 
-    meta = (name, nbytes, t0, tr.backend) if t0 else None
-    if work is None:
-        return _Handle(None, None, finish(), meta)
-    return _Handle(work, finish, None, meta)
+    def start(hdrs: list[bytes]) -> Handle:
+        if op == Adasum:
+            from .collectives import adasum_tree
+
+            parts = torch.empty((n, wire.numel()), dtype=wire.dtype)
+            tr.allgatherv(wire, parts, [wire.numel() * wire.element_size()] * n)
+            res = adasum_tree(parts).view(wire.shape)
+            return Handle(None, None, finish(res), _meta(name, nbytes, backend))
+        res = wire if direct else torch.empty_like(wire)
+        meta = _meta(name, nbytes, backend)
+        if meta is not None and backend == "nccl":
+            return _nccl_timed(tr, wire, res, op, finish, meta)
+        work = tr.allreduce(wire, res, op, True)
+        h = Handle(work, lambda: finish(res), None, meta)
+        if meta is not None and backend == "gloo" and work is not None:
+            h.gloo = tr.clock.attach(work)
+        return h
+
+    o = Op(name, hdr, _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre,
+                            postscale=post), start)
+    nbw = wire.numel() * wire.element_size()
+
+    def inline() -> Any:
+        if not tr.exchange_inline(hdr, wire, nbw):
+            peer = tr.rbuf[:HDR_BYTES].tobytes()
+            return [hdr, peer] if tr.rank == 0 else [peer, hdr]
+        peer_t = tr.peer_view(wire.dtype, wire.shape)
+        out = wire if direct else None
+        if op <= Sum:
+            res = torch.add(wire, peer_t, out=out)
+        elif op == Min:
+            res = torch.minimum(wire, peer_t, out=out)
+        elif op == Max:
+            res = torch.maximum(wire, peer_t, out=out)
+        else:
+            res = torch.mul(wire, peer_t, out=out)
+        return Handle(None, None, finish(res), _meta(name, nbytes, backend))
+
+    if type(tr) is MPITransport and nbw <= tr.inline and op != Adasum:
+        o.inline = inline
+    return tr, o, None
+
+
+def _nccl_timed(tr: Any, wire: torch.Tensor, res: torch.Tensor, op: int,
+                finish: Callable[[torch.Tensor], Any], meta: Any) -> Handle:
+    """NCCL with CUDA events around it on a side stream (read later, never here)."""
+    from .rounds import _CudaSeconds
+
+    cur = torch.cuda.current_stream(wire.device)
+    side = torch.cuda.Stream(device=wire.device)
+    side.wait_stream(cur)
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    with torch.cuda.stream(side):
+        start.record()
+        work = tr.allreduce(wire, res, op, True)
+        work.wait()
+        end.record()
+    h = Handle(work, lambda: finish(res), None, meta)
+    h.cuda = _CudaSeconds(start, end)
+    return h
+
+
+def _allreduce_launch(tensor: torch.Tensor, inplace: bool, name: str | None, op: int,
+                      pre: float, post: float, ps: ProcessSet,
+                      shape_key: int | None = None) -> Handle:
+    """Negotiate now and start the data phase (the caller waits on the Handle)."""
+    tr, o, _ = _allreduce_op(tensor, inplace, name, op, pre, post, ps, shape_key)
+    return blocking(tr, o)
 
 
 # -- fast paths: repeated allreduces over MPI, planned once per call site ------------------
@@ -278,6 +357,7 @@ _PLAN_OPS = (Average, Sum, Min, Max, Product)
 _PLAN_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
                 torch.uint8)
 _NO_PLAN = object()
+_LAST: list[Any] = [None]  # every rank's header after a planned exchange that differed
 # numpy reductions of the inline path (half the cost of MPI's Reduce_local from Python);
 # sums that overflow to inf are silent, as they are in MPI, NCCL and Horovod
 _UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
@@ -412,16 +492,14 @@ def _plan(t: torch.Tensor, name: str, op: int, pre: float, post: float,
     return _BigPlan(tr, t, name, op, post)
 
 
-def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool, name: str, op: int) -> torch.Tensor:
+def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None:
     CALLS[0] += 1
     p.rreq.Start()
     p.sreq.Start()
     p.rreq.Wait()
     p.sreq.Wait()
     if p.rsig.tobytes() != p.sig:  # 60 ns; memoryview != bytes: 290
-        tr = p.tr
-        _mismatch(tr, _desc(Kind.ALLREDUCE, name, t, op=_OPNAMES[op], prescale=1.0,
-                            postscale=p.scale * (2 if op == Average else 1))())
+        return None  # the caller settles the round the slow way
     if inplace:
         p.ufunc(p.mine, p.peer, p.mine)  # positional out: no keyword parsing
         if p.scale != 1.0:
@@ -433,7 +511,7 @@ def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool, name: str, op: int) -> t
     return torch.from_numpy(res).view(p.shape)
 
 
-def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor:
+def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None:
     if p.rreq is not None:  # two ranks: swap headers; a peer's inline message fits rbuf too
         # the same swap as _run_plan's, written out again on purpose: a shared helper is
         # one more Python call per allreduce, ~1 % of a 4 KB one, where the margin is thin
@@ -443,12 +521,15 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor:
         p.rreq.Wait()
         p.sreq.Wait()
         if p.rsig.tobytes() != p.sig:  # 60 ns; memoryview != bytes: 290
-            _mismatch(p.tr, p.desc)
+            peer = p.tr.rbuf[:HDR_BYTES].tobytes()
+            _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
+            return None
         blocking = p.rblock.tobytes() == _BLOCKING
     else:  # the transport's own all-headers exchange
         hdrs = p.tr.exchange(p.hdr)
         if any(h[:SIG_BYTES] != p.sig for h in hdrs):
-            _mismatch(p.tr, p.desc)
+            _LAST[0] = hdrs
+            return None
         blocking = all(h[_BLOCKING_AT : _BLOCKING_AT + 8] == _BLOCKING for h in hdrs)
     # MPI never matches a blocking collective with a nonblocking one, and Horovod lets
     # another rank use allreduce_async for this tensor (the general path, which always
@@ -471,7 +552,7 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor:
 def _fast(t: torch.Tensor, inplace: bool, name: str | None, op: int | None, pre: float,
           post: float, ps: ProcessSet) -> torch.Tensor | None:
     """A planned path, or None when this call needs the general one."""
-    if _lst.LISTENERS or name is None or t.requires_grad:
+    if _lst.LISTENERS or name is None or t.requires_grad or ps.mpi.pending:  # type: ignore
         return None
     op = Average if op is None else op
     key = (name, t.data_ptr(), t.dtype, t.shape, op, pre, post, ps)
@@ -483,8 +564,17 @@ def _fast(t: torch.Tensor, inplace: bool, name: str | None, op: int | None, pre:
     if p is None:
         return None
     if type(p) is _Plan:
-        return _run_plan(p, t, inplace, name, op)
-    return _run_big(p, t, inplace)  # type: ignore[arg-type]
+        r = _run_plan(p, t, inplace)
+        if r is None:
+            peer = p.tr.rbuf[:HDR_BYTES].tobytes()
+            _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
+    else:
+        r = _run_big(p, t, inplace)  # type: ignore[arg-type]
+    if r is None:  # headers differed: a mistake, a queued async op or a joined peer
+        hdrs, _LAST[0] = _LAST[0], None
+        tr, o, _ = _allreduce_op(t, inplace, name, op, pre, post, ps, tr=p.tr)
+        return after_exchange(tr, hdrs, o).wait()  # type: ignore[no-any-return]
+    return r
 
 
 class _AllreduceGrad(torch.autograd.Function):
@@ -492,33 +582,34 @@ class _AllreduceGrad(torch.autograd.Function):
     def forward(ctx: Any, t: torch.Tensor, name: str | None, op: int, pre: float, post: float,
                 ps: ProcessSet) -> torch.Tensor:
         ctx.args = (op, pre, post, ps)
-        return _allreduce_start(t, False, name, op, pre, post, ps, False).wait()
+        return _allreduce_launch(t, False, name, op, pre, post, ps).wait()  # type: ignore
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, pre, post, ps = ctx.args
-        g = _allreduce_start(grad.contiguous(), False, None, op, pre, post, ps, False).wait()
+        g = _allreduce_launch(grad.contiguous(), False, None, op, pre, post, ps).wait()
         return g, None, None, None, None, None
 
 
 def allreduce(
-    tensor: torch.Tensor, name: str | None = None, compression: Any = None,
-    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
+    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+    compression: Any = None, op: int | None = None, prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks of the process set and return the result.
 
-    SPMD contract: every rank of ``process_set`` calls it in the same order with the same
-    ``name``, shape, dtype, op and scale factors; it blocks until all ranks arrive. Ranks
-    that disagree raise ``CollectiveMismatchError`` on every rank. Differentiable.
+    SPMD contract: every rank of ``process_set`` calls it with the same ``name``, shape,
+    dtype, op and scale factors; it blocks until all ranks arrive. Ranks that disagree
+    raise ``CollectiveMismatchError`` on every rank. Differentiable.
 
     Parameters
     ----------
     tensor : CPU or CUDA tensor of any supported dtype (half types are summed in float32)
+    average : deprecated (Horovod's): True means ``op=Average``, False ``op=Sum``
     name : key that matches the call across ranks (auto-numbered when None)
     compression : ``Compression.none`` or ``Compression.fp16`` (wire format)
-    op : ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``; Average on
-        integer tensors truncates toward zero, as Horovod does
+    op : ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``;
+        Average on integer tensors truncates toward zero, as Horovod does
     prescale_factor, postscale_factor : multiply before / after the reduction
     process_set : the ranks taking part (default: all)
 
@@ -527,345 +618,68 @@ def allreduce(
     torch.Tensor
         A new tensor with the reduced values, same shape and dtype.
     """
+    op = _op(op, average)
     if compression is not None:
         comp, ctx = compression.compress(tensor)
         if comp is not tensor:
-            out = _allreduce_start(comp, False, name, op, prescale_factor, postscale_factor,
-                                   process_set, False).wait()
+            out = allreduce(comp, name=name, op=op, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor, process_set=process_set)
             return compression.decompress(out, ctx)  # type: ignore[no-any-return]
-    if process_set.mpi is not None and compression is None:
+    if process_set.mpi is not None:
         r = _fast(tensor, False, name, op, prescale_factor, postscale_factor, process_set)
         if r is not None:
             return r
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceGrad.apply(tensor, name, Average if op is None else op,  # type: ignore
-                                    prescale_factor, postscale_factor, process_set)
-    h = _allreduce_start(tensor, False, name, op, prescale_factor, postscale_factor,
-                         process_set, False)
-    return h.wait()  # type: ignore[no-any-return]
+        return _AllreduceGrad.apply(tensor, name, op, prescale_factor,  # type: ignore
+                                    postscale_factor, process_set)
+    return _allreduce_launch(tensor, False, name, op, prescale_factor, postscale_factor,
+                             process_set).wait()  # type: ignore[no-any-return]
 
 
 def allreduce_(
-    tensor: torch.Tensor, name: str | None = None, op: int | None = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place ``allreduce``: ``tensor`` holds the result. Same SPMD contract."""
+    op = _op(op, average)
     if process_set.mpi is not None:
         r = _fast(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
         if r is not None:
             return r
-    h = _allreduce_start(tensor, True, name, op, prescale_factor, postscale_factor,
-                         process_set, False)
-    return h.wait()  # type: ignore[no-any-return]
+    return _allreduce_launch(tensor, True, name, op, prescale_factor, postscale_factor,
+                             process_set).wait()  # type: ignore[no-any-return]
+
+
+def _allreduce_async(tensor: torch.Tensor, inplace: bool, average: bool | None,
+                     name: str | None, op: int | None, pre: float, post: float,
+                     ps: ProcessSet) -> int:
+    tr, o, _ = _allreduce_op(tensor, inplace, name, _op(op, average), pre, post, ps)
+    return _async(tr, o)
 
 
 def allreduce_async(
-    tensor: torch.Tensor, name: str | None = None, op: int | None = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Start an ``allreduce``; returns a handle for ``poll`` / ``synchronize``.
+    """Queue an ``allreduce``; returns a handle for ``poll`` / ``synchronize``.
 
-    Same SPMD contract as ``allreduce``; the header exchange happens now (so mismatches
-    raise here), the data moves in the background (MPI nonblocking or NCCL/gloo async).
-    Do not modify ``tensor`` before ``synchronize``.
+    Same SPMD contract as ``allreduce``, except that ranks may submit async ops in a
+    different order (they are matched by name, as in Horovod). Nothing is sent until the
+    next collective or ``synchronize`` on the process set; a second op with the same name
+    while the first is queued raises ValueError. Do not modify ``tensor`` before
+    ``synchronize``.
     """
-    return _register(_allreduce_start(tensor, False, name, op, prescale_factor,
-                                      postscale_factor, process_set, True))
+    return _allreduce_async(tensor, False, average, name, op, prescale_factor,
+                            postscale_factor, process_set)
 
 
 def allreduce_async_(
-    tensor: torch.Tensor, name: str | None = None, op: int | None = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """In-place ``allreduce_async``: after ``synchronize`` the tensor holds the result."""
-    return _register(_allreduce_start(tensor, True, name, op, prescale_factor,
-                                      postscale_factor, process_set, True))
-
-
-# -- grouped allreduce ------------------------------------------------------------------------
-def _grouped(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None, op: int | None,
-             pre: float, post: float, ps: ProcessSet) -> Callable[[], list[torch.Tensor]]:
-    if name is None:
-        name = _auto_name(ps, Kind.ALLREDUCE)
-    tensors = list(tensors)
-    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        buckets.setdefault((t.dtype, t.device), []).append(i)
-    started = []
-    for j, idx in enumerate(buckets.values()):
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        key = hash(tuple(tuple(tensors[i].shape) for i in idx))
-        h = _allreduce_start(flat, True, f"{name}.{j}", op, pre, post, ps, True, shape_key=key)
-        started.append((idx, h))
-
-    def finish() -> list[torch.Tensor]:
-        out: list[Any] = [None] * len(tensors)
-        for idx, h in started:
-            flat = h.wait()
-            for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-                if inplace:
-                    tensors[i].copy_(part.view(tensors[i].shape))
-                    out[i] = tensors[i]
-                else:
-                    out[i] = part.view(tensors[i].shape)
-        return out
-
-    return finish
-
-
-def grouped_allreduce(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      op: int | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allreduce a list of tensors as one fused operation; returns new tensors.
-
-    SPMD contract: the same list (count, order, shapes, dtypes) on every rank.
-    """
-    return _grouped(tensors, False, name, op, prescale_factor, postscale_factor, process_set)()
-
-
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], name: str | None = None,
-                       op: int | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """In-place ``grouped_allreduce``. Same SPMD contract."""
-    return _grouped(tensors, True, name, op, prescale_factor, postscale_factor, process_set)()
-
-
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            op: int | None = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
-    """Async ``grouped_allreduce``; ``synchronize`` returns the list."""
-    fin = _grouped(tensors, False, name, op, prescale_factor, postscale_factor, process_set)
-    return _register(_Handle(None, fin, None, None))
-
-
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], name: str | None = None,
-                             op: int | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:
-    """Async in-place ``grouped_allreduce``."""
-    fin = _grouped(tensors, True, name, op, prescale_factor, postscale_factor, process_set)
-    return _register(_Handle(None, fin, None, None))
-
-
-# -- allgather ------------------------------------------------------------------------------
-def _allgather(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:
-    t0 = time.perf_counter() if _lst.LISTENERS else 0.0
-    tr = _transport(ps, tensor)
-    if name is None:
-        name = _auto_name(ps, Kind.ALLGATHER)
-    x = tensor.contiguous()
-    if x.dim() == 0:
-        x = x.reshape(1)
-    trailing = tuple(x.shape[1:])
-    rowbytes = x[0:1].numel() * x.element_size() if x.shape[0] else (
-        torch.Size(trailing).numel() * x.element_size())
-    hdr = HDR.pack(Kind.ALLGATHER, _nh(name), _dcode(x), 0, 0, hash(trailing), len(trailing),
-                   0, 0, 0, 0, 0, x.shape[0], 0, 0, 0)
-    hdrs = tr.exchange(hdr)
-    _check(tr, hdrs, _desc(Kind.ALLGATHER, name, tensor, trailing_shape=trailing))
-    dims = [HDR.unpack(h)[12] for h in hdrs]
-    out = torch.empty((sum(dims), *trailing), dtype=x.dtype, device=x.device)
-    if out.numel():
-        tr.allgatherv(x, out, [d * rowbytes for d in dims])
-    _sync_done(name, x.numel() * x.element_size(), t0, tr.backend)
-    return out
-
-
-class _AllgatherGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:
-        ctx.ps, ctx.dim0 = ps, t.shape[0] if t.dim() else 1
-        return _allgather(t, name, ps)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        g = _allreduce_start(grad.contiguous(), False, None, Sum, 1.0, 1.0, ctx.ps, False).wait()
-        dims = [int(d) for d in _allgather(torch.tensor([ctx.dim0]), None, ctx.ps)]
-        r = ctx.ps.rank()
-        start = sum(dims[:r])
-        return g[start : start + dims[r]], None, None
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
-
-    SPMD contract: same name, dtype and trailing shape (``shape[1:]``) on every rank; the
-    first dimension may differ per rank, as in Horovod. Blocks until all ranks arrive.
-    Differentiable.
-    """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherGrad.apply(tensor, name, process_set)  # type: ignore[no-any-return]
-    return _allgather(tensor, name, process_set)
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    """``allgather`` returning a handle (completes eagerly; ``synchronize`` returns it)."""
-    return _register(_Handle(None, None, _allgather(tensor, name, process_set), None))
-
-
-# -- broadcast -------------------------------------------------------------------------------
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet,
-               inplace: bool) -> torch.Tensor:
-    t0 = time.perf_counter() if _lst.LISTENERS else 0.0
-    tr = _transport(ps, tensor)
-    if name is None:
-        name = _auto_name(ps, Kind.BROADCAST)
-    hdr = HDR.pack(Kind.BROADCAST, _nh(name), _dcode(tensor), 0, int(root_rank),
-                   hash(tensor.shape), tensor.numel(), 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    hdrs = tr.exchange(hdr)
-    _check(tr, hdrs, _desc(Kind.BROADCAST, name, tensor, root_rank=root_rank))
-    if not 0 <= root_rank < tr.size:
-        raise ValueError(f"root_rank {root_rank} is outside the process set (size {tr.size})")
-    if inplace and tensor.is_contiguous():
-        out = tensor
-    else:
-        out = tensor.contiguous().clone() if not inplace else tensor.contiguous()
-    if out.numel():
-        tr.bcast(out, root_rank)
-    if inplace and out is not tensor:
-        tensor.copy_(out)
-        out = tensor
-    _sync_done(name, tensor.numel() * tensor.element_size(), t0, tr.backend)
-    return out
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return a copy of ``root_rank``'s ``tensor`` on every rank.
-
-    SPMD contract: same name, shape, dtype and ``root_rank`` (a rank within the process
-    set) on every rank; blocks until all ranks arrive.
-    """
-    return _broadcast(tensor, root_rank, name, process_set, False)
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """In-place ``broadcast``: ``tensor`` receives root's values. Same SPMD contract."""
-    return _broadcast(tensor, root_rank, name, process_set, True)
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    """``broadcast`` returning a handle (completes eagerly)."""
-    return _register(_Handle(None, None, _broadcast(tensor, root_rank, name, process_set,
-                                                    False), None))
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
-    """In-place ``broadcast`` returning a handle (completes eagerly)."""
-    return _register(_Handle(None, None, _broadcast(tensor, root_rank, name, process_set,
-                                                    True), None))
-
-
-# -- alltoall --------------------------------------------------------------------------------
-def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None,
-              ps: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
-    t0 = time.perf_counter() if _lst.LISTENERS else 0.0
-    tr = _transport(ps, tensor)
-    if name is None:
-        name = _auto_name(ps, Kind.ALLTOALL)
-    x = tensor.contiguous()
-    if x.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
-    trailing = tuple(x.shape[1:])
-    hdr = HDR.pack(Kind.ALLTOALL, _nh(name), _dcode(x), 0, 0, hash(trailing), len(trailing),
-                   0, 0, 0, 0, 0, x.shape[0], 0, 0, 0)
-    _check(tr, tr.exchange(hdr), _desc(Kind.ALLTOALL, name, tensor, trailing_shape=trailing))
-    n = tr.size
-    if splits is None:
-        if x.shape[0] % n:
-            raise ValueError(
-                f"alltoall without splits needs dim 0 ({x.shape[0]}) divisible by {n}; "
-                "pass splits=[rows for rank 0, rows for rank 1, ...]"
-            )
-        s = [x.shape[0] // n] * n
-    else:
-        s = [int(v) for v in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(s) != n or sum(s) != x.shape[0] or min(s) < 0:
-            raise ValueError(
-                f"splits {s} must have {n} non-negative entries summing to dim 0 ({x.shape[0]})"
-            )
-    rs = tr.alltoall_counts(s)
-    rowbytes = torch.Size(trailing).numel() * x.element_size()
-    out = torch.empty((sum(rs), *trailing), dtype=x.dtype, device=x.device)
-    tr.alltoallv(x, [v * rowbytes for v in s], out, [v * rowbytes for v in rs])
-    _sync_done(name, x.numel() * x.element_size(), t0, tr.backend)
-    return out, torch.tensor(rs, dtype=torch.int32)
-
-
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
-    """Scatter slices of ``tensor`` (dim 0) to every rank and gather what they send.
-
-    SPMD contract: same name, dtype and trailing shape on every rank; ``splits[i]`` rows go
-    to rank i (default: equal split). Returns the received tensor, and when ``splits`` was
-    given also the received splits (as Horovod does).
-    """
-    out, rs = _alltoall(tensor, splits, name, process_set)
-    return out if splits is None else (out, rs)
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
-    """``alltoall`` returning a handle (completes eagerly)."""
-    out, rs = _alltoall(tensor, splits, name, process_set)
-    return _register(_Handle(None, None, out if splits is None else (out, rs), None))
-
-
-# -- reducescatter -----------------------------------------------------------------------------
-def reducescatter(tensor: torch.Tensor, name: str | None = None, op: int | None = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over ranks and return this rank's slice of dim 0.
-
-    SPMD contract: as ``allreduce``. Rank i gets rows ``[start_i, start_i + rows_i)``, the
-    first ``dim0 % size`` ranks one row more, as in Horovod. Default op: Average.
-    """
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    full = _allreduce_start(tensor, False, name if name else _auto_name(
-        process_set, Kind.REDUCESCATTER), op, prescale_factor, postscale_factor, process_set,
-        False).wait()
-    n, r = process_set.size(), process_set.rank()
-    base, extra = divmod(tensor.shape[0], n)
-    start = r * base + min(r, extra)
-    return full[start : start + base + (1 if r < extra else 0)].clone()
-
-
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = None,
-                        process_set: ProcessSet = global_process_set) -> int:
-    """``reducescatter`` returning a handle (completes eagerly)."""
-    return _register(_Handle(None, None, reducescatter(tensor, name, op, process_set), None))
-
-
-# -- barrier / join ---------------------------------------------------------------------------
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every rank of the process set calls ``barrier``."""
-    tr = _transport(process_set, torch.empty(0))
-    hdr = HDR.pack(Kind.BARRIER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    _check(tr, tr.exchange(hdr), lambda: {"collective": "barrier", "name": "barrier",
-                                          "call": "barrier"})
-
-
-def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
-    """Block until every rank has called ``join``; return the rank that joined last.
-
-    Unlike Horovod, ranks that joined early do not serve other ranks' collectives with
-    zeros: call ``join`` once every rank has finished its collectives.
-    """
-    tr = _transport(process_set, torch.empty(0))
-    hdr = HDR.pack(Kind.JOIN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, time.time_ns() // 1000, 0, 0, 0)
-    hdrs = tr.exchange(hdr)
-    _check(tr, hdrs, lambda: {"collective": "join", "name": "join", "call": "join"})
-    stamps = [HDR.unpack(h)[12] for h in hdrs]
-    return stamps.index(max(stamps))
+    return _allreduce_async(tensor, True, average, name, op, prescale_factor,
+                            postscale_factor, process_set)

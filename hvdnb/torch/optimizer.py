@@ -11,6 +11,7 @@ order that depends on timing, block inside a hook, or call ``cuda.synchronize``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import zlib
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -18,6 +19,7 @@ import torch
 
 from ..config import get_config
 from . import ops
+from .collectives import sparse_allreduce_async as ops_sparse
 from .compression import Compression
 from .process_sets import ProcessSet, global_process_set
 
@@ -44,8 +46,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                    compression: Any, backward_passes_per_step: int, op: int,
-                   gradient_predivide_factor: float, groups: Any,
+                   gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
                    process_set: ProcessSet) -> None:
+        if op == ops.Adasum:
+            raise NotImplementedError(
+                "DistributedOptimizer(op=hvd.Adasum) is not implemented: Horovod's Adasum "
+                "optimizer combines each rank's parameter *update* after a local step (a "
+                "different algorithm from averaging gradients); use hvd.allreduce(t, "
+                "op=hvd.Adasum) on tensors, or op=hvd.Average"
+            )
         if op not in (ops.Average, ops.Sum):
             raise ValueError("DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != ops.Average:
@@ -65,7 +74,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "pass model.named_parameters() of the model the optimizer was built on"
                 )
         pname = [names.get(p, f"param.{i}") for i, p in enumerate(params)]
+        #: Horovod's attribute: parameter -> the name its gradient is reduced under
+        self._parameter_names = dict(zip(params, pname))
         self._hvd_ps = process_set
+        self._hvd_member = process_set.included()
+        self._hvd_dense = bool(sparse_as_dense)
+        self._hvd_sparse: dict[torch.Tensor, Any] = {}
         self._hvd_comp = compression
         self._hvd_bpps = int(backward_passes_per_step)
         self._hvd_op = op
@@ -123,6 +137,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- hooks and buckets -------------------------------------------------------------------
     def _hvd_hook(self, p: torch.Tensor) -> None:
+        if not self._hvd_member:  # Horovod: a rank outside the process set trains alone
+            return
         c = self._hvd_counts[p] + 1
         self._hvd_counts[p] = c
         if c != self._hvd_bpps:
@@ -141,13 +157,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         p0 = b.params[0]
         if b.flat is None:
             b.flat = torch.empty(sum(b.sizes), dtype=p0.dtype, device=p0.device)
-        grads = [p.grad.reshape(-1) if p.grad is not None
-                 else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in b.params]
+        grads = []
+        for p in b.params:
+            g = p.grad
+            if g is None:
+                g = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            elif g.is_sparse:
+                if not self._hvd_dense:
+                    # Horovod: sparse gradients travel as gathered indices and values
+                    self._hvd_sparse[p] = ops_sparse(g, self._parameter_names[p],
+                                                     self._hvd_op, self._hvd_ps)
+                    g = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                else:
+                    g = g.to_dense()
+            grads.append(g.reshape(-1))
         torch.cat(grads, out=b.flat)
         wire, b.ctx = self._hvd_comp.compress(b.flat)
         pre, post = self._hvd_scale
-        b.handle = ops._allreduce_start(wire, True, b.name, self._hvd_op, pre, post,
-                                        self._hvd_ps, True, shape_key=b.key)
+        b.handle = ops._allreduce_launch(wire, True, b.name, self._hvd_op, pre, post,
+                                         self._hvd_ps, shape_key=b.key)
 
     def synchronize(self) -> None:
         """Finish every bucket's allreduce and write the averaged gradients into ``.grad``.
@@ -155,6 +183,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Collective (each bucket is one allreduce). Buckets whose gradients never arrived
         (unused parameters) are launched now with zeros, in bucket order on every rank.
         """
+        if not self._hvd_member:
+            self._hvd_synced = True
+            return
         with torch.no_grad():
             for b in self._hvd_buckets[self._hvd_next :]:
                 self._hvd_launch(b)
@@ -163,8 +194,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 res = self._hvd_comp.decompress(b.handle.wait(), b.ctx)
                 b.handle = None
                 for p, part in zip(b.params, res.split(b.sizes)):
-                    if p.grad is None:
+                    sparse = self._hvd_sparse.pop(p, None)
+                    if sparse is not None:
+                        p.grad = sparse()
+                    elif p.grad is None:
                         p.grad = part.view_as(p).clone()
+                    elif p.grad.is_sparse:  # sparse_as_dense: back in the optimizer's layout
+                        p.grad = part.view_as(p).to_sparse()
                     else:
                         p.grad.copy_(part.view_as(p))
                 b.ready = 0
@@ -184,7 +220,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if not self._hvd_skip_sync:
-            self.synchronize()
+            if self._hvd_synced:
+                # gradients are averaged already: averaging them again would be wasted work
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(). This can cause training slowdown. You may "
+                    "want to consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.", stacklevel=2)
+            else:
+                self.synchronize()
         self._hvd_synced = False
         return super().step(closure)
 
@@ -205,7 +249,9 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     op: int = ops.Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
     groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` uses gradients averaged over all ranks.
@@ -226,8 +272,12 @@ def DistributedOptimizer(
     op : ``hvd.Average`` (default) or ``hvd.Sum``
     gradient_predivide_factor : with Average, divide by this before the sum and by
         ``size / factor`` after (guards low-precision sums)
+    num_groups : deprecated (Horovod's): the same as ``groups=num_groups``
     groups : an int (split parameters into that many fused groups) or explicit lists of
         parameters to fuse together; default: by ``fusion_threshold``
+    sparse_as_dense : reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+        tensors inside the buckets; by default they travel as gathered indices and values.
+        Either way ``.grad`` stays sparse for the optimizer
     process_set : ranks that average gradients (default: all)
 
     Returns
@@ -238,6 +288,11 @@ def DistributedOptimizer(
     cls = type(base.__name__, (_DistributedOptimizer, base), {})
     dist_opt = cls.__new__(cls)
     dist_opt.__dict__.update(optimizer.__dict__)
+    if num_groups:
+        if groups is not None:
+            raise ValueError("pass groups= or num_groups= (deprecated), not both")
+        warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning, stacklevel=2)
+        groups = int(num_groups)
     dist_opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                        gradient_predivide_factor, groups, process_set)
+                        gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return dist_opt  # type: ignore[no-any-return]

@@ -87,12 +87,16 @@ class TimelineWriter:
 _ACTIVE: dict[str, Any] = {}
 
 
-def _listener(name: str, nbytes: int, seconds: float, backend: str) -> None:
+def _listener(name: str, nbytes: int, seconds: Any, backend: str, exposed: float) -> None:
     w = _ACTIVE.get("writer")
     if w is not None:
+        if not isinstance(seconds, float):  # NCCL's deferred reading: not on the hot path
+            seconds = exposed
+        if seconds != seconds:
+            seconds = exposed
         now = time.time() * 1e6
         w.event(name, name.split(".", 1)[0], now - seconds * 1e6, seconds * 1e6,
-                bytes=nbytes, backend=backend)
+                bytes=nbytes, backend=backend, exposed_us=round(exposed * 1e6, 1))
 
 
 def _rank_path(path: Path, rank: int) -> Path:
@@ -154,7 +158,7 @@ def stop_timeline(merge: bool = True) -> Path | None:
     if not merge:
         return None
     from .basics import rank, size
-    from .ops import barrier
+    from .collectives import barrier
 
     barrier()
     if rank() != 0:

@@ -39,8 +39,10 @@ class Kind:
     REDUCESCATTER = 5
     BARRIER = 6
     JOIN = 7
+    #: a rank with queued async ops (or several ops to settle) asks for a full round
+    ROUND = 8
     NAMES = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall",
-             5: "reducescatter", 6: "barrier", 7: "join"}
+             5: "reducescatter", 6: "barrier", 7: "join", 8: "round"}
 
 
 class MPITransport:
@@ -76,6 +78,8 @@ class MPITransport:
         self.status = MPI.Status()
         self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
         self.ops = {1: MPI.SUM, 3: MPI.MIN, 4: MPI.MAX, 5: MPI.PROD, 0: MPI.SUM}
+        #: async ops submitted on this rank, not yet negotiated (see rounds.py)
+        self.pending: list[Any] = []
 
     # -- negotiation -------------------------------------------------------------------
     def exchange(self, hdr: bytes, payload: torch.Tensor | None = None) -> list[bytes]:
@@ -196,6 +200,11 @@ class TorchTransport:
         self.backend = str(dist.get_backend(group))
         R = dist.ReduceOp
         self.ops = {0: R.SUM, 1: R.SUM, 3: R.MIN, 4: R.MAX, 5: R.PRODUCT}
+        # headers over MPI: one queue of async ops for both transports (one round order)
+        self.pending: list[Any] = mpi.pending if mpi is not None else []
+        from .rounds import GlooClock
+
+        self.clock = GlooClock()
 
     def exchange(self, hdr: bytes) -> list[bytes]:
         if self.mpi is not None:
