@@ -32,20 +32,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+#: the two step sizes measured: the MLP of bench_mlp.py (~8.5 ms) and the teaching
+#: notebooks' size (~1 ms)
+MODELS = {
+    "mlp": {"layers": [784, 512, 512, 10], "batch": 64, "steps": 100},
+    "small": {"layers": [64, 32, 10], "batch": 32, "steps": 800},
+}
+
 CELL = r"""
-import time, copy, torch, hvdnb
+import time, torch, hvdnb
 import hvdnb.torch as hvd
 from mpi4py import MPI
 hvd.init()
 torch.set_num_threads(1)
 comm = MPI.COMM_WORLD
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                            torch.nn.ReLU(), torch.nn.Linear(512, 10))
+sizes = __LAYERS__
+layers = []
+for a, b in zip(sizes[:-1], sizes[1:]):
+    layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+model = torch.nn.Sequential(*layers[:-1])
 torch.manual_seed(1 + hvd.rank())
-X, Y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+X, Y = torch.randn(__BATCH__, sizes[0]), torch.randint(0, sizes[-1], (__BATCH__,))
 loss_fn = torch.nn.CrossEntropyLoss()
-hvdnb.metrics.get_recorder()  # registers the allreduce listener (hvdnb.torch is loaded)
+rec = hvdnb.metrics.get_recorder()  # registers the allreduce listener (hvdnb.torch is loaded)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
 step = 0
@@ -59,29 +69,59 @@ def run(n, on):
         loss = loss_fn(model(X), Y)
         loss.backward()
         opt.step()
-        hvdnb.log(step, loss, samples=64)
+        hvdnb.log(step, loss, samples=__BATCH__)
         step += 1
+    if on:  # what is still unsent is this block's cost (the end of a cell flushes it too)
+        rec.flush()
     return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n
 for _ in range(2):
-    run(10, True); run(10, False)
+    run(__STEPS__ // 4, True); run(__STEPS__ // 4, False)
 res = {"on": [], "off": []}
 for b in range(__BLOCKS__):
     order = (True, False) if b % 2 == 0 else (False, True)
     for on in order:
-        res["on" if on else "off"].append(run(25, on))
+        res["on" if on else "off"].append(run(__STEPS__, on))
 hvdnb.metrics.set_enabled(True)
-hvdnb.metrics.get_recorder().flush()
+rec.flush()
 res
 """
 
 
-def overhead_and_latency(blocks: int) -> dict:
+def paired_overhead(samples: dict) -> dict:
+    """Median of the ratios of adjacent on/off blocks and its 95 % bootstrap interval:
+    adjacent blocks see the same machine load, so this is the estimate least disturbed
+    by other work on a shared machine."""
+    import random
+
+    ratios = [a / b for a, b in zip(samples["on"], samples["off"])]
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    on = statistics.median(samples["on"]) * 1e3
+    off = statistics.median(samples["off"]) * 1e3
+    return {
+        "step_ms_on": on, "step_ms_off": off,
+        "overhead_pct": 100 * (statistics.median(ratios) - 1),
+        "overhead_pct_of_medians": 100 * (on / off - 1),
+        "overhead_pct_ci95": (100 * (boot[50] - 1), 100 * (boot[1949] - 1)),
+        "blocks": len(ratios),
+        "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
+    }
+
+
+def cell_code(model: str, blocks: int, steps: int | None = None) -> str:
+    m = MODELS[model]
+    return (CELL.replace("__LAYERS__", repr(m["layers"])).replace("__BATCH__", str(m["batch"]))
+            .replace("__STEPS__", str(steps or m["steps"])).replace("__BLOCKS__", str(blocks)))
+
+
+def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int]) -> dict:
     import hvdnb
     from hvdnb import cells
     from hvdnb.metrics.store import MetricsStore
     from hvdnb.widgets.panel import Panel
 
     store = MetricsStore()
+    out: dict = {}
     with hvdnb.Cluster(n=2) as cluster:
         store.attach(cluster)
         panel = Panel(store)
@@ -89,32 +129,21 @@ def overhead_and_latency(blocks: int) -> dict:
         cells.add_wait_hook(panel.tick)
         cpu0, t0 = os.times(), time.perf_counter()
         try:
-            res = cells.run_cell(cluster, CELL.replace("__BLOCKS__", str(blocks)), quiet=True,
-                                 stream=False)
+            for model in models:
+                res = cells.run_cell(cluster, cell_code(model, blocks, steps.get(model)),
+                                     quiet=True, stream=False)
+                r = paired_overhead(res.values[0])
+                r["steps_per_block"] = steps.get(model) or MODELS[model]["steps"]
+                r["layers"], r["batch"] = MODELS[model]["layers"], MODELS[model]["batch"]
+                r["hot_path_us_per_step"] = hot_path_cost()
+                out[model] = r
         finally:
             cells.remove_wait_hook(panel.tick)
         wall = time.perf_counter() - t0
         cpu1 = os.times()
         panel.close()
-    samples = res.values[0]
-    on = statistics.median(samples["on"]) * 1e3
-    off = statistics.median(samples["off"]) * 1e3
-    # adjacent on/off blocks see the same machine load: the median of their ratios is the
-    # estimate least disturbed by other work on this shared machine
-    ratios = [a / b for a, b in zip(samples["on"], samples["off"])]
-    import random
-
-    rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-    ci = (100 * (boot[50] - 1), 100 * (boot[1949] - 1))
     lat = sorted(panel.latencies)
-    return {
-        "step_ms_on": on, "step_ms_off": off, "overhead_pct": 100 * (statistics.median(ratios) - 1),
-        "overhead_pct_of_medians": 100 * (on / off - 1),
-        "overhead_pct_ci95": ci,
-        "hot_path_us_per_step": hot_path_cost(),
-        "blocks": blocks, "steps_per_block": 25,
-        "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
+    out.update({
         "latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
         "latency_ms_p95": 1e3 * lat[int(0.95 * (len(lat) - 1))] if lat else None,
         "latency_points": len(lat),
@@ -122,7 +151,8 @@ def overhead_and_latency(blocks: int) -> dict:
         "panel_render_ms_mean": 1e3 * panel.render_seconds / max(1, panel.renders),
         "notebook_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
         "points": store.points, "lost_messages": store.lost_messages,
-    }
+    })
+    return out
 
 
 def hot_path_cost() -> dict:
@@ -234,38 +264,52 @@ def main() -> None:
     ap.add_argument("--scale-seconds", type=float, default=60.0,
                     help="length of the 64-rank run (default 60 s)")
     ap.add_argument("--ranks", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=40, help="on/off block pairs (25 steps each)")
+    ap.add_argument("--blocks", type=int, default=16, help="on/off block pairs per model")
+    ap.add_argument("--models", default="small,mlp",
+                    help="step sizes to measure: small (~1 ms), mlp (~8.5 ms)")
+    ap.add_argument("--steps-small", type=int, default=MODELS["small"]["steps"],
+                    help="steps per block, small model")
+    ap.add_argument("--steps-mlp", type=int, default=MODELS["mlp"]["steps"],
+                    help="steps per block, MLP")
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "panel.json"))
     args = ap.parse_args()
     out: dict = {"machine": f"{os.cpu_count()} cores, shared with other engineers' work",
+                 "command": " ".join(["python"] + sys.argv),
                  "load_avg_start": os.getloadavg()}
+    models = [m for m in args.models.split(",") if m]
     if not args.skip_overhead:
-        out["overhead"] = overhead_and_latency(args.blocks)
-    out["scale"] = scale(args.ranks, args.scale_seconds)
+        out["overhead"] = overhead_and_latency(
+            args.blocks, models, {"small": args.steps_small, "mlp": args.steps_mlp})
+    if not args.skip_scale:
+        out["scale"] = scale(args.ranks, args.scale_seconds)
     out["load_avg_end"] = os.getloadavg()
-    o, s = out.get("overhead"), out["scale"]
+    o, s = out.get("overhead"), out.get("scale")
     print("live panel benchmark (2 cores shared with other work; load avg "
           f"{out['load_avg_start'][0]:.2f} -> {out['load_avg_end'][0]:.2f})")
-    print(f"{'measure':<44} | {'value':>12} | target")
     if o:
-        print(f"{'MLP step, streaming off (median ms)':<44} | {o['step_ms_off']:12.2f} |")
-        print(f"{'MLP step, streaming on  (median ms)':<44} | {o['step_ms_on']:12.2f} |")
-        print(f"{'overhead (median of paired block ratios)':<44} | {o['overhead_pct']:11.2f}% | <= 2 %")
-        lo, hi = o["overhead_pct_ci95"]
-        print(f"{'  95% bootstrap interval':<44} | {lo:+5.1f}..{hi:+4.1f}% |")
-        hp = o["hot_path_us_per_step"]
-        pct = 100 * hp["total_us"] / (1e3 * o["step_ms_off"])
-        print(f"{'engine work per step, noise-free (us, %)':<44} | {hp['total_us']:6.1f} {pct:4.2f}% | <= 2 %")
+        print(f"{'step size':<10} | {'blocks x steps':>14} | {'off ms':>7} | {'on ms':>7} | "
+              f"{'overhead':>8} | {'95% CI':>13} | {'engine us/step':>14} | target")
+        for m in models:
+            r = o[m]
+            lo, hi = r["overhead_pct_ci95"]
+            hp = r["hot_path_us_per_step"]["total_us"]
+            print(f"{m:<10} | {r['blocks']:>5} x {r['steps_per_block']:<6} | "
+                  f"{r['step_ms_off']:7.3f} | {r['step_ms_on']:7.3f} | {r['overhead_pct']:7.2f}% | "
+                  f"{lo:+5.1f}..{hi:+5.1f}% | {hp:8.1f} {100 * hp / (1e3 * r['step_ms_off']):4.1f}% "
+                  "| <= 2 %")
+        print(f"{'measure':<44} | {'value':>12} | target")
         print(f"{'log() -> widget model latency p50 (ms)':<44} | {o['latency_ms_p50']:12.0f} |")
         print(f"{'log() -> widget model latency p95 (ms)':<44} | {o['latency_ms_p95']:12.0f} | <= 500")
         print(f"{'notebook CPU during training (% of a core)':<44} | {o['notebook_cpu_pct']:12.1f} |")
-    label = f"{s['ranks']} ranks x 10 Hz, seconds"
-    print(f"{label:<44} | {s['seconds']:12.1f} |")
-    print(f"{'rows sent / stored':<44} | {s['rows_sent']:>6}/{s['rows_stored']:<6}| equal")
-    print(f"{'messages sent / stored / seq gaps':<44} | {s['messages_sent']}/{s['messages_stored']}/{s['lost_messages']} | no gap")
-    print(f"{'client CPU (% of a core)':<44} | {s['client_cpu_pct']:12.1f} |")
-    print(f"{'panel render at 64 ranks (mean ms)':<44} | {s['panel_render_ms_mean']:12.1f} |")
+    if s:
+        label = f"{s['ranks']} ranks x 10 Hz, seconds"
+        print(f"{label:<44} | {s['seconds']:12.1f} |")
+        print(f"{'rows sent / stored':<44} | {s['rows_sent']:>6}/{s['rows_stored']:<6}| equal")
+        print(f"{'messages sent / stored / seq gaps':<44} | {s['messages_sent']}/{s['messages_stored']}/{s['lost_messages']} | no gap")
+        print(f"{'client CPU (% of a core)':<44} | {s['client_cpu_pct']:12.1f} |")
+        print(f"{'panel render at 64 ranks (mean ms)':<44} | {s['panel_render_ms_mean']:12.1f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
