@@ -413,7 +413,9 @@ class _ReducescatterGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, name: str | None, op: int, pre: float, post: float,
                 ps: ProcessSet) -> torch.Tensor:
-        ctx.scale = (pre * post / ps.size()) if op == Average else pre * post
+        # Horovod's gradient: the gathered incoming gradients, times size for Sum (each
+        # rank's loss is taken as the same average over ranks as Average's)
+        ctx.scale = pre * post * (1 if op == Average else ps.size())
         ctx.ps = ps
         tr, o, cut = _reducescatter_op(t, name, op, pre, post, ps)
         return cut(blocking(tr, o).wait())  # type: ignore[no-any-return]
