@@ -252,6 +252,8 @@ def _allreduce_op(
             )
     if pre != 1.0:
         wire = _scale(wire, pre, inplace=wire is not tensor)
+        if wd != dtype and dtype.is_floating_point:  # Horovod: scaled value stored in fp16
+            wire = wire.to(dtype).to(wd)
     nbytes = x.numel() * x.element_size()
     hdr = HDR.pack(
         Kind.ALLREDUCE, _nh(name), dcode, op, 0,
@@ -266,7 +268,10 @@ def _allreduce_op(
         post_eff = post
         if op == Average:
             if r.is_floating_point():
-                post_eff = post / n
+                if post == 1.0:
+                    r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
+                else:
+                    post_eff = post / n
             else:
                 r.div_(n, rounding_mode="trunc")
         if post_eff != 1.0:
@@ -434,7 +439,7 @@ class _BigPlan:
     """
 
     __slots__ = ("comm", "peer", "rspec", "rsig", "hdr", "hspec", "sig", "mop", "scale",
-                 "buf", "mtype", "count", "desc", "tr", "in_place", "rreq", "sreq", "rblock")
+                 "buf", "mtype", "count", "desc", "tr", "in_place", "rreq", "sreq", "rblock", "div")
 
     def __init__(self, tr: MPITransport, t: torch.Tensor, name: str, op: int, post: float):
         MPI = tr.MPI
@@ -449,6 +454,8 @@ class _BigPlan:
         self.sig = hdr[:SIG_BYTES]
         self.mop = tr.ops[op]
         self.scale = post / tr.size if op == Average else post
+        # Average alone divides (correctly rounded, as the general path does)
+        self.div = tr.size if op == Average and post == 1.0 else 0
         self.mtype = _mpi_type(MPI, t.dtype)
         self.count = t.numel()
         self.buf = [MPI.buffer.fromaddress(t.data_ptr(), nb), self.count, self.mtype]
@@ -544,7 +551,9 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None
         p.comm.Allreduce(src, dst, p.mop)
     else:
         p.comm.Iallreduce(src, dst, p.mop).Wait()
-    if p.scale != 1.0:
+    if p.div:
+        out.div_(p.div)
+    elif p.scale != 1.0:
         out.mul_(p.scale)
     return out
 
