@@ -416,3 +416,27 @@ def test_objects_are_read_by_the_flusher_thread_not_in_log():
     assert readers and threading.get_ident() not in readers
     rec.close()
     assert [v for _, _, v in _rows_of(ch.sent)["loss"]] == [1.5] * step
+
+
+def test_log_and_comm_from_another_thread_go_through_the_side_queue():
+    import threading
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=1e9, capacity=64)
+
+    def train() -> None:
+        for step in range(5):
+            rec.on_comm("DistributedOptimizer.bucket.0", 10, 0.5, "gloo", 0.25)
+            rec.log(step, 2.0, samples=4, data_time=0.1, total_steps=5)
+
+    th = threading.Thread(target=train)
+    th.start()
+    th.join()
+    assert rec._w == 0  # nothing went into the ring from that thread
+    rec.flush()
+    got = _rows_of(ch.sent)
+    assert [s for s, _, _ in got["loss"]] == list(range(5))
+    assert [v for _, _, v in got["time/data"]] == [0.1] * 5
+    assert [s for s, _, _ in got["comm/bucket.0/exposed"]] == [0, 1, 2, 3, 4]
+    assert [s for s, _, _ in got["time/step"]] == [1, 2, 3, 4]
+    assert ch.sent[-1]["meta"]["total_steps"] == 5 and ch.sent[-1]["step"] == 5
