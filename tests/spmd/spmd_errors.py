@@ -78,10 +78,19 @@ try:
     raise AssertionError("root outside the process set accepted")
 except ValueError as e:
     assert "outside" in str(e)
-try:
-    hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    raise AssertionError("Adasum accepted")
-except ValueError as e:
-    assert "Average" in str(e)
+# Adasum: equal vectors combine to themselves; a non-power-of-two set refuses on every rank
+if n & (n - 1) == 0:
+    v = torch.arange(4.0) + 1
+    assert torch.allclose(hvd.allreduce(v, op=hvd.Adasum), v)
+    # orthogonal vectors add up (Adasum's point: no double counting of shared directions)
+    e = torch.zeros(n * 2)
+    e[r] = 1.0
+    assert torch.allclose(hvd.allreduce(e, op=hvd.Adasum), (torch.arange(n * 2) < n).float())
+else:
+    try:
+        hvd.allreduce(torch.ones(4), op=hvd.Adasum)
+        raise AssertionError("Adasum on a non-power-of-two set accepted")
+    except NotImplementedError as e:
+        assert "power-of-two" in str(e)
 hvd.barrier()
 print(f"OK spmd_errors rank {r}", flush=True)

@@ -51,7 +51,7 @@ def test_spmd_under_mpiexec(script: Path) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors"])
+@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors", "spmd_horovod"])
 def test_spmd_three_ranks(script: str) -> None:
     """More than two ranks: headers go through Allgather, no inline data, no Sendrecv."""
     if not MPIEXEC.exists():
@@ -64,7 +64,8 @@ def test_spmd_three_ranks(script: str) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors"])
+@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors", "spmd_comm_timing",
+                                    "spmd_horovod"])
 def test_torchrun_style_gloo(script: str) -> None:
     """The same checks without MPI: torchrun's variables, every collective over gloo.
 
