@@ -252,8 +252,6 @@ def _allreduce_op(
             )
     if pre != 1.0:
         wire = _scale(wire, pre, inplace=wire is not tensor)
-        if wd != dtype and dtype.is_floating_point:  # Horovod: scaled value stored in fp16
-            wire = wire.to(dtype).to(wd)
     nbytes = x.numel() * x.element_size()
     hdr = HDR.pack(
         Kind.ALLREDUCE, _nh(name), dcode, op, 0,
