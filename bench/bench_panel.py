@@ -1,12 +1,18 @@
 """Live panel costs: training overhead, log-to-widget latency, and 64 simulated ranks.
 
-Run: ``python bench/bench_panel.py [--scale-seconds 60] [--blocks 16]``. Three parts:
+Run: ``python bench/bench_panel.py [--blocks 16] [--models small,mlp] [--skip-scale]``.
+Three parts:
 
-1. overhead: a real 2-rank cluster trains the MLP of ``bench_mlp.py`` (784-512-512-10,
-   batch 64/rank, 1 thread/rank, hvdnb DistributedOptimizer) in one cell; blocks of 25
-   steps alternate panel streaming on (``hvdnb.log`` every step, allreduce listener,
-   flusher, the notebook's store and a headless panel redrawing from the cell's wait hook)
-   and off (``hvdnb.metrics.set_enabled(False)``); the block time is the max over ranks.
+1. overhead, at two step sizes: a real 2-rank cluster (1 torch thread per rank, hvdnb
+   DistributedOptimizer) trains the teaching notebooks' size (``small``: 64-32-10, batch 32,
+   ~1 ms per step) and the MLP of ``bench_mlp.py`` (``mlp``: 784-512-512-10, batch 64,
+   ~8.5 ms), one cell each. Blocks of 800 / 100 steps (several 250 ms flush intervals
+   each) alternate panel streaming on (``hvdnb.log`` every step, the allreduce listener,
+   the flusher, the notebook's store and a headless panel redrawing from the cell's wait
+   hook; the block ends with its own last flush) and off
+   (``hvdnb.metrics.set_enabled(False)``); the block time is the max over ranks, the
+   overhead the median of the ratios of adjacent on/off blocks, with a 95 % bootstrap
+   interval.
 2. latency: from a rank's ``hvdnb.log`` call (its timestamp) to the panel's widget model
    holding that point, for every loss point of the "on" blocks.
 3. scale: one process stands in for 64 ranks (64 real ``EngineChannel`` sockets and 64
