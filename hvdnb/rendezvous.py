@@ -334,6 +334,7 @@ def init_process_group(
                 "--backend gloo, or leave --backend out to choose automatically"
             )
     setup_device(w)
+    _bind_group_defaults_before_init()
     if w.source == "env":
         # torchrun (or the user) already published the rendezvous address
         dist.init_process_group(
@@ -348,6 +349,25 @@ def init_process_group(
     _init_from_store(backend, w, timeout_s)
     atexit.register(_shutdown)
     return w
+
+
+def _bind_group_defaults_before_init() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    That module binds ``group.WORLD`` as its functions' default arguments at import time
+    (torch 2.13). Imported after ``init_process_group`` (``torch.optim`` imports it through
+    torch._dynamo the first time an optimizer is built) it holds the default group for
+    good: ``destroy_process_group`` at exit cannot free it, gloo's worker threads live into
+    interpreter teardown, and one that drops a finished collective's tensor there needs
+    the GIL and aborts the process ("terminate called without an active exception",
+    exit -6, after a run that succeeded). Imported first, the defaults are None (the
+    default group, whichever it is when called).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return  # too late to help; destroy_process_group then leaves gloo's threads
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def _shutdown() -> None:

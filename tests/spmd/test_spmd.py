@@ -65,7 +65,7 @@ def test_spmd_three_ranks(script: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors", "spmd_comm_timing",
-                                    "spmd_horovod"])
+                                    "spmd_horovod", "spmd_teardown"])
 def test_torchrun_style_gloo(script: str) -> None:
     """The same checks without MPI: torchrun's variables, every collective over gloo.
 
