@@ -718,7 +718,9 @@ def phase(name: str) -> Iterator[None]:
     ``comm``; any name is recorded as ``time/<name>``).
 
     Step time not covered by ``data`` and ``comm`` counts as compute; when ``comm`` is not
-    marked, the allreduce time that ``hvdnb.torch`` reports is used instead.
+    marked, the *exposed* communication that ``hvdnb.torch`` and ``ddp_comm_hook`` report
+    is used instead: the time the training thread was blocked by collectives, not their
+    duration (which overlaps backward).
 
     Examples
     --------
