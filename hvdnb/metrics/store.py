@@ -35,6 +35,7 @@ rank did not send is None (shown as "n/a"), not 0.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import itertools
 import json
@@ -127,6 +128,43 @@ def _run_trigger(name: str) -> bool:
     return not (name.startswith("mem/") or name.startswith("knob/"))
 
 
+class _CurveSums:
+    """One run's per-step sums of a metric over ranks (and of ``samples``), built up."""
+
+    __slots__ = ("pos", "sums", "samples")
+
+    def __init__(self) -> None:
+        self.pos: dict[tuple[int, str], int] = {}  # series -> index of its next new point
+        self.sums: dict[int, list[float]] = {}  # step -> [sum over ranks, ranks counted]
+        self.samples: dict[int, float] = {}  # step -> samples of every rank at that step
+
+    def add(self, series: dict[tuple[int, str], _Series], rid: int, name: str) -> None:
+        for key, s in series.items():
+            n = key[1]
+            if n != name and n != "samples":
+                continue
+            rs = s.run_slice(rid)
+            start = max(self.pos.get(key, rs.start), rs.start)
+            if start >= rs.stop:
+                continue
+            self.pos[key] = rs.stop
+            steps, values = s.steps[start:rs.stop], s.values[start:rs.stop]
+            if n == "samples":
+                dst = self.samples
+                for st, v in zip(steps, values):
+                    dst[st] = dst.get(st, 0.0) + v
+            else:
+                sums = self.sums
+                for st, v in zip(steps, values):
+                    if v == v:
+                        a = sums.get(st)
+                        if a is None:
+                            sums[st] = [v, 1.0]
+                        else:
+                            a[0] += v
+                            a[1] += 1.0
+
+
 class MetricsStore:
     """Every point from every rank, plus knob events; safe to feed from any thread."""
 
@@ -160,6 +198,9 @@ class MetricsStore:
         self.arrivals: list[tuple[float, float]] = []
         self.keep_arrivals = False
         self._breakdown_cache: tuple[tuple[int, int], dict[int, dict[str, float]]] | None = None
+        #: (run id, name) -> what run_curves has summed so far (a run's points are only
+        #: ever appended, so each redraw adds the new points instead of starting over)
+        self._curves: dict[tuple[int, str], _CurveSums] = {}
 
     @property
     def marks(self) -> list[tuple[int, str]]:
@@ -638,37 +679,32 @@ class MetricsStore:
             out = []
             for run in runs:
                 rid = run["id"]
-                acc: dict[int, list[float]] = {}
-                samples: dict[int, float] = {}
-                for (r, n), s in self._series.items():
-                    if n != name and n != "samples":
-                        continue
-                    rs = s.run_slice(rid)
-                    dst = samples if n == "samples" else None
-                    for st, v in zip(s.steps[rs], s.values[rs]):
-                        if dst is not None:
-                            dst[st] = dst.get(st, 0.0) + v
-                        elif v == v:
-                            acc.setdefault(st, []).append(v)
+                cs = self._curves.get((rid, name))
+                if cs is None:
+                    cs = self._curves[(rid, name)] = _CurveSums()
+                cs.add(self._series, rid, name)
+                acc, samples = cs.sums, cs.samples
                 steps = sorted(acc)
-                ys = [sum(acc[st]) / len(acc[st]) for st in steps]
-                xmap: dict[int, float] | None = {st: float(st) for st in steps}
+                ys = [a[0] / a[1] for a in map(acc.__getitem__, steps)]
+                xs: list[float] | None = list(map(float, steps))
                 if x == "samples":
+                    xs = None
                     if samples:
                         xmap, tot = {}, 0.0
                         for st in sorted(set(samples) | set(steps)):
                             tot += samples.get(st, 0.0)
                             xmap[st] = tot
-                    else:
-                        xmap = None
+                        xs = [xmap[st] for st in steps]
                 marks = []
                 for st, lab in run["marks"]:
-                    if xmap is not None and steps:
-                        near = min(steps, key=lambda q: abs(q - st))
-                        marks.append((xmap[near], lab))
+                    if xs is not None and steps:  # the logged step nearest to the mark
+                        i = bisect.bisect_left(steps, st)
+                        if i == len(steps) or (i > 0 and st - steps[i - 1] <= steps[i] - st):
+                            i -= 1
+                        marks.append((xs[i], lab))
                 out.append({
                     "id": rid, "label": _run_label(run),
-                    "xs": [xmap[st] for st in steps] if xmap is not None else None,
+                    "xs": xs,
                     "ys": ys, "marks": marks,
                 })
         return out
@@ -689,12 +725,12 @@ class MetricsStore:
             if not times:
                 continue
             found = True
-            end = times[-1]
-            sel = [(v, t) for v, t in zip(vals, times) if t > end - window]
-            if len(sel) < 2:
+            # a rank's samples come from its log() calls, in time order
+            i = bisect.bisect_right(times, times[-1] - window)
+            if len(times) - i < 2:
                 continue
-            total += sum(v for v, _ in sel[1:])
-            t_lo, t_hi = min(t_lo, sel[0][1]), max(t_hi, sel[-1][1])
+            total += sum(vals[i + 1:])
+            t_lo, t_hi = min(t_lo, times[i]), max(t_hi, times[-1])
         if not found or t_hi <= t_lo:
             return None
         return total / (t_hi - t_lo)
@@ -708,6 +744,7 @@ class MetricsStore:
     def clear(self) -> None:
         with self._lock:
             self._series.clear()
+            self._curves.clear()
             self._names_of.clear()
             self.runs.clear()
             self.run_id = 0

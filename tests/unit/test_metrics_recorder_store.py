@@ -254,6 +254,39 @@ def test_run_curves_overlay_by_step_and_samples_and_hide():
     assert len({r.run for r in st.rows("loss")}) == 2  # hidden, not deleted
 
 
+def test_run_curves_built_up_between_redraws_equal_curves_built_at_once():
+    """The panel redraws while points arrive: summing only the new points each time must
+    give the same curves, marks and throughput as a store that got everything at once."""
+    live, whole = MetricsStore(), MetricsStore()
+    for st in (live, whole):
+        st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
+        st.begin_cell(1)
+    msgs = []
+    for k in range(6):  # rank 1 lags one message behind rank 0, as on a real cluster
+        steps = range(10 * k, 10 * k + 10)
+        msgs.append(_log_msg(0, k + 1, steps, 1.0 + k, samples=32))
+        if k:
+            msgs.append(_log_msg(1, k, range(10 * k - 10, 10 * k), 0.5, samples=16))
+    for i, m in enumerate(msgs):
+        live.ingest(m)
+        if i == 5:
+            for r in (0, 1):
+                live.on_applied({"rank": r, "id": "k", "step": 23, "values": {"batch_size": 64}})
+        live.run_curves(), live.run_curves(x="samples")  # a redraw between messages
+    for i, m in enumerate(msgs):
+        whole.ingest(m)
+        if i == 5:
+            for r in (0, 1):
+                whole.on_applied({"rank": r, "id": "k", "step": 23, "values": {"batch_size": 64}})
+    for x in ("step", "samples"):
+        assert live.run_curves(x=x) == whole.run_curves(x=x)
+    c = whole.run_curves()[0]
+    # _log_msg adds the rank to the loss: rank 1 logs 1.5; rank 0 logs 1 + k in message k
+    assert c["ys"][:50] == [(1.0 + k + 1.5) / 2 for k in range(5) for _ in range(10)]
+    assert c["ys"][50:] == [6.0] * 10 and c["marks"] == [(23.0, "batch_size=64")]
+    assert live.throughput() == whole.throughput()
+
+
 # ---------------------------------------------------------------- packing and in-loop sends
 def _rows_of(msgs: list[dict]) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {}
