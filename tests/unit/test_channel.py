@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 
 import zmq
 
-from hvdnb.channel import ClientChannel, decode, encode
+from hvdnb.channel import ClientChannel, decode, encode, sign
 from kernels_ext.channel import EngineChannel
 
 KEY = b"k" * 32
@@ -35,6 +37,25 @@ def test_signed_json_roundtrip_and_tampering():
 
     blob = pickle.dumps({"kind": "x"})
     assert decode(KEY, [encode(KEY, {"kind": "y"})[0], blob]) is None
+
+
+def test_metrics_columns_travel_packed_and_come_back_exact():
+    inf = float("inf")
+    cols = {"loss": [[0, 1, 2**40], [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0], [0.5, inf, -0.0]],
+            "odd": [[1.5], [2.0], [3.0]],  # a float step: stays a list, still arrives
+            "empty": [[], [], []]}
+    msg = {"kind": "metrics", "rank": 1, "seq": 3, "cols": cols}
+    sig, body = encode(KEY, msg)
+    wire = json.loads(body)
+    assert set(wire["colsb"]) == {"loss", "empty"} and set(wire["cols"]) == {"odd"}
+    back = decode(KEY, [sig, body])
+    assert back == msg and msg["cols"] is cols  # exact doubles; the sender's dict untouched
+    nan = decode(KEY, encode(KEY, {"kind": "metrics", "cols": {"x": [[0], [0.0], [math.nan]]}}))
+    assert math.isnan(nan["cols"]["x"][2][0])
+    # a signed message whose packed columns are malformed is dropped, not half-read
+    for bad in ({"x": [2, "AAAAAAAAAAA=", "", ""]}, {"x": [1, "!!", "", ""]}, {"x": "AA"}):
+        body = json.dumps({"kind": "metrics", "cols": {}, "colsb": bad}).encode()
+        assert decode(KEY, [sign(KEY, body), body]) is None
 
 
 def test_client_listens_on_loopback_only():
