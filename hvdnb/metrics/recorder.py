@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from operator import itemgetter
 from typing import Any
 
+from .. import _nvtx
+
 __all__ = ["Recorder", "get_recorder", "log", "phase", "ddp_comm_hook", "set_enabled"]
 
 #: rows the ring holds between two flushes before the oldest are overwritten (and counted)
@@ -728,12 +730,15 @@ def phase(name: str) -> Iterator[None]:
     ...     x, y = next(loader)
     """
     rec = get_recorder()
+    opened = _nvtx.push(name)  # Nsight Systems sees the phase too (CUDA only)
     t0 = time.perf_counter()
     try:
         yield
     finally:
+        dt = time.perf_counter() - t0
+        _nvtx.pop(opened)
         if rec.enabled:
-            rec.record(rec.cur_step, f"time/{name}", time.perf_counter() - t0)
+            rec.record(rec.cur_step, f"time/{name}", dt)
 
 
 def ddp_comm_hook(model: Any, state: Any = None) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from .. import _nvtx
 from ..config import get_config
 from . import ops
 from .collectives import sparse_allreduce_async as ops_sparse
@@ -27,7 +28,7 @@ __all__ = ["DistributedOptimizer"]
 
 
 class _Bucket:
-    __slots__ = ("params", "sizes", "name", "key", "ready", "handle", "flat", "ctx")
+    __slots__ = ("params", "sizes", "name", "key", "ready", "handle", "flat", "ctx", "nvtx")
 
     def __init__(self, params: list[torch.nn.Parameter], name: str, names: list[str]) -> None:
         self.params = params
@@ -39,6 +40,7 @@ class _Bucket:
         self.handle: Any = None
         self.flat: torch.Tensor | None = None
         self.ctx: Any = None
+        self.nvtx: Any = None  # the bucket's NVTX range (CUDA only)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -174,6 +176,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         torch.cat(grads, out=b.flat)
         wire, b.ctx = self._hvd_comp.compress(b.flat)
         pre, post = self._hvd_scale
+        b.nvtx = _nvtx.start("allreduce " + b.name.replace("DistributedOptimizer.", ""))
         b.handle = ops._allreduce_launch(wire, True, b.name, self._hvd_op, pre, post,
                                          self._hvd_ps, shape_key=b.key)
 
@@ -193,6 +196,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for b in self._hvd_buckets:
                 res = self._hvd_comp.decompress(b.handle.wait(), b.ctx)
                 b.handle = None
+                _nvtx.end(b.nvtx)
+                b.nvtx = None
                 for p, part in zip(b.params, res.split(b.sizes)):
                     sparse = self._hvd_sparse.pop(p, None)
                     if sparse is not None:
