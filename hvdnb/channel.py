@@ -86,11 +86,10 @@ def pack_columns(msg: dict[str, Any]) -> dict[str, Any]:
     for name, col in cols.items():
         try:
             steps, times, values = col
-            packed[name] = [len(steps), _b64("q", steps), _b64("d", times), _b64("d", values)]
             if not len(steps) == len(times) == len(values):
                 raise ValueError
+            packed[name] = [len(steps), _b64("q", steps), _b64("d", times), _b64("d", values)]
         except (TypeError, ValueError, OverflowError):
-            packed.pop(name, None)
             rest[name] = col
     out = dict(msg, colsb=packed)
     out["cols"] = rest

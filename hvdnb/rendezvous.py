@@ -361,12 +361,8 @@ def _bind_group_defaults_before_init() -> None:
     interpreter teardown, and one that drops a finished collective's tensor there needs
     the GIL and aborts the process ("terminate called without an active exception",
     exit -6, after a run that succeeded). Imported first, the defaults are None (the
-    default group, whichever it is when called).
+    default group, whichever it is when called). Called only when no group exists yet.
     """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return  # too late to help; destroy_process_group then leaves gloo's threads
     import torch.distributed.nn.functional  # noqa: F401
 
 
