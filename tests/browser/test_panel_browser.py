@@ -279,7 +279,8 @@ def test_live_tuning_journey(lab):
             # one click closes the side panel (its tab), one click brings it back
             page.locator(".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon").first.click()
             page.wait_for_selector(".hvdnb-panel", state="detached", timeout=10_000)
-            cells.nth(0).locator(".hvdnb-show-panel").scroll_into_view_if_needed()
+            # click() scrolls it into view itself and re-finds the button when the cell's
+            # output is redrawn meanwhile (a separate scroll call fails if it is replaced)
             cells.nth(0).locator(".hvdnb-show-panel").click()
             page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=15_000)
             assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0  # beside, again

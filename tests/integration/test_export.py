@@ -31,8 +31,10 @@ NB03 = ROOT / "notebooks" / "03-data-parallel-mlp.ipynb"
 BIN = Path(sys.executable).parent
 NO_JUPYTER = ("IPython", "ipyparallel", "ipykernel", "jupyter_client", "ipywidgets", "zmq")
 # runs the script as __main__, then says which Jupyter modules it imported (none, we hope)
-PROBE = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__'); "
-         f"print('jupyter modules:', sorted({{m.split('.')[0] for m in sys.modules}} & {set(NO_JUPYTER)!r}))")
+# one os.write per rank: two ranks' print() calls (text, then newline) can interleave
+PROBE = ("import os, runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__'); "
+         "sys.stdout.flush(); "
+         f"os.write(1, ('jupyter modules: ' + str(sorted({{m.split('.')[0] for m in sys.modules}} & {set(NO_JUPYTER)!r})) + chr(10)).encode())")
 
 
 def _distributed_cells(path: Path) -> list[str]:
