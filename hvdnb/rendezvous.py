@@ -19,6 +19,7 @@ Never: start processes, talk to ipyparallel, or pick a fixed port.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -373,6 +374,9 @@ def _shutdown() -> None:
 
     try:
         if dist.is_initialized():
+            # a caught collective error keeps the group in a cycle (its traceback's frames
+            # hold the transport): destroy frees the group only once that cycle is gone
+            gc.collect()
             dist.destroy_process_group()
     except Exception:  # exiting anyway; a broken group must not turn into a crash
         pass

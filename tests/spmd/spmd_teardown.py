@@ -7,6 +7,11 @@ interpreter teardown, and one that dropped a finished collective's tensor there 
 the process (exit -6 after a successful run, one torchrun run in four on a loaded machine).
 The race is rare; its precondition is not: this script checks that no gloo thread is left
 once hvdnb's exit handlers (the same functions atexit calls) have run.
+
+A collective error that the script caught does the same: its traceback's frames hold the
+transport, and so the group, in a reference cycle that only the garbage collector frees
+(spmd_horovod aborted at exit three runs in ten under torchrun before the exit handler
+collected first). The script keeps one such error on purpose.
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ for _ in range(3):
     loss.backward()
     opt.step()
 hvd.allgather(torch.tensor([float(w.rank)]))
+try:  # ranks disagree on the shape: raises on every rank, the traceback forms a cycle
+    hvd.allreduce(torch.ones(w.rank + 1), name="mismatch")
+except Exception as exc:  # noqa: BLE001 - kept: its frames reference the transport
+    caught = exc
+assert "caught" in globals(), "a mismatched allreduce must raise"
+del caught  # the cycle (error -> traceback -> frames) stays: only gc can free it
 uses_gloo = bool(gloo_threads())  # under mpiexec hvdnb may carry everything over MPI
 hvd.shutdown()
 rendezvous._shutdown()  # what atexit runs, in the same order
