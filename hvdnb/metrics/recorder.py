@@ -56,7 +56,9 @@ class Recorder:
     ----------
     rank : this process's rank
     channel : an object with ``send(kind, **payload)`` (``kernels_ext.channel``), or None
-    flush_interval : seconds between two messages
+    flush_interval : seconds between two messages for the first ``warm`` seconds of a loop
+    steady_interval : seconds between two messages after that (default: ``flush_interval``)
+    warm : seconds of logging after which a loop sends every ``steady_interval``
     capacity : ring size in rows
     """
 
@@ -66,10 +68,16 @@ class Recorder:
         channel: Any = None,
         flush_interval: float = 0.25,
         capacity: int = CAPACITY,
+        steady_interval: float | None = None,
+        warm: float = 2.0,
     ) -> None:
         self.rank = rank
         self.channel = channel
         self.flush_interval = float(flush_interval)
+        self.steady_interval = float(flush_interval if steady_interval is None
+                                     else steady_interval)
+        self.warm = float(warm)
+        self._loop_t0 = 0.0  # perf_counter of the first log() of the running loop
         if capacity < 2 or capacity & (capacity - 1):
             raise ValueError(f"capacity must be a power of two, not {capacity}")
         self.capacity = capacity
@@ -172,6 +180,8 @@ class Recorder:
             names[i] = self._id_step
             vals[i] = (now - self.last_log) / (step - prev)
             w += 1
+        if now - self.last_log > IDLE_AFTER:  # a loop starts (or goes on after a pause)
+            self._loop_t0 = now
         self._prev_step = step
         self.last_log = now
         if loss is not None:
@@ -230,6 +240,8 @@ class Recorder:
         prev = self._prev_step
         if self.last_log and step > prev:
             self.record(step, "time/step", (now - self.last_log) / (step - prev), t)
+        if now - self.last_log > IDLE_AFTER:
+            self._loop_t0 = now
         self._prev_step = step
         self.last_log = now
         if loss is not None:
@@ -265,6 +277,7 @@ class Recorder:
         self._prev_step = -1
         self.last_log = 0.0
         self._last_mark = 0.0
+        self._loop_t0 = 0.0
 
     def on_comm(self, name: str, nbytes: int, seconds: Any, backend: str,
                 exposed: float = math.nan) -> None:
@@ -328,7 +341,7 @@ class Recorder:
         costs the training thread a wake-up (ms). The flusher thread then only covers a
         loop that stopped logging (see ``_run``)."""
         first = not self._due  # the first message goes out one interval after the first log
-        self._due = now + self.flush_interval
+        self._due = now + self.interval(now)
         if self.channel is None:
             return
         if self._thread is None:
@@ -347,6 +360,16 @@ class Recorder:
         finally:
             self._send_lock.release()
 
+    def interval(self, now: float | None = None) -> float:
+        """Seconds between two messages now: ``flush_interval`` while no loop runs and for
+        the first ``warm`` seconds of one (quick first points, knob effects seen at once),
+        ``steady_interval`` after that (fewer messages: each costs the ranks CPU)."""
+        t0 = self._loop_t0
+        if not t0 or self.idle():
+            return self.flush_interval
+        now = time.perf_counter() if now is None else now
+        return self.steady_interval if now - t0 >= self.warm else self.flush_interval
+
     def _run(self) -> None:
         wait = self.flush_interval
         while True:
@@ -360,9 +383,10 @@ class Recorder:
                 # a loop is logging and sends from log(); wake rarely, and only take over
                 # when it has not sent for a while (a slow step: its phase and allreduce
                 # rows, recorded between two log() calls, still go out)
+                every = self.interval()
                 since = time.perf_counter() - self._last_sent_pc
-                if since < 2 * self.flush_interval:
-                    wait = max(self.flush_interval, 4 * self.flush_interval - since)
+                if since < 2 * every:
+                    wait = max(every, 4 * every - since)
                     continue
             try:
                 self.flush()
@@ -664,7 +688,9 @@ def get_recorder() -> Recorder:
                 except Exception:
                     channel = None
             rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")) or 0)
-            rec = Recorder(rank, channel, get_config().flush_interval)
+            cfg = get_config()
+            rec = Recorder(rank, channel, cfg.flush_interval,
+                           steady_interval=cfg.flush_interval_steady, warm=cfg.flush_warm)
             _install_comm_listener(rec)
             _RECORDER = rec
     return _RECORDER
@@ -682,8 +708,20 @@ def _install_comm_listener(rec: Recorder) -> None:
 
 
 def set_enabled(on: bool) -> None:
-    """Switch recording on or off in this process (``log`` returns at once when off)."""
-    get_recorder().enabled = bool(on)
+    """Switch recording on or off in this process.
+
+    Off, ``log`` and ``phase`` return at once and the allreduce listener is unregistered,
+    so ``hvdnb.torch`` takes its untimed paths (no clock reads, the planned fast path for
+    named allreduces): a loop runs as it would without the panel. On registers it again.
+    """
+    rec = get_recorder()
+    rec.enabled = bool(on)
+    if on:
+        _install_comm_listener(rec)
+    else:
+        lst = sys.modules.get("hvdnb.torch.listeners")
+        if lst is not None:
+            lst.remove_comm_listener(rec.on_comm)
 
 
 def log(step: int, loss: Any = None, **metrics: Any) -> None:
@@ -691,8 +729,10 @@ def log(step: int, loss: Any = None, **metrics: Any) -> None:
 
     Call it once per step, at the end of the step, on every rank. It stores into a
     preallocated buffer (~5 us per step inside a training loop) and, once per flush
-    interval (``hvdnb.config`` ``flush_interval``, 250 ms), hands one message to the side
-    channel (packing it takes ~0.1-0.5 ms; a CUDA loss is read by a background thread).
+    interval, hands one message to the side channel (packing it takes ~0.1-0.5 ms; a CUDA
+    loss is read by a background thread). The interval is ``hvdnb.config``
+    ``flush_interval`` (250 ms) for the loop's first ``flush_warm`` seconds (2 s), then
+    ``flush_interval_steady`` (1 s): each message costs the ranks CPU.
 
     Parameters
     ----------

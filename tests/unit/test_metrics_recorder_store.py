@@ -473,3 +473,69 @@ def test_log_and_comm_from_another_thread_go_through_the_side_queue():
     assert [s for s, _, _ in got["comm/bucket.0/exposed"]] == [0, 1, 2, 3, 4]
     assert [s for s, _, _ in got["time/step"]] == [1, 2, 3, 4]
     assert ch.sent[-1]["meta"]["total_steps"] == 5 and ch.sent[-1]["step"] == 5
+
+
+def test_set_enabled_off_stops_logging_and_the_collective_timing():
+    """Off means the loop runs as without the panel: no rows, and hvdnb.torch's listener
+    list empty again (its collectives then skip the clock reads and take the fast path)."""
+    from hvdnb.metrics import recorder as R
+    from hvdnb.torch import listeners as L
+
+    rec = R.get_recorder()
+    try:
+        R.set_enabled(True)
+        assert rec.on_comm in L.LISTENERS
+        R.set_enabled(False)
+        assert rec.on_comm not in L.LISTENERS
+        w = rec._w
+        R.log(0, 1.0, samples=4)
+        rec.on_comm("x", 4, 0.001, "mpi")
+        assert rec._w == w
+        R.set_enabled(True)
+        assert L.LISTENERS.count(rec.on_comm) == 1
+        R.log(0, 1.0)
+        assert rec._w > w
+    finally:
+        R.set_enabled(True)
+
+
+def test_flush_interval_stretches_once_a_loop_has_run_and_resets_after_a_pause():
+    """Quick messages for the first ``warm`` seconds of a loop, ``steady_interval`` after:
+    the panel comes alive at once, then each rank sends fewer (costly) messages."""
+    import time as _time
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=0.04, steady_interval=0.2, warm=0.3, capacity=4096)
+    sent_at: list[float] = []
+    send = ch.send
+
+    def spy(kind, **payload):
+        sent_at.append(_time.perf_counter())
+        send(kind, **payload)
+
+    ch.send = spy
+
+    def loop(seconds: float) -> float:
+        start = _time.perf_counter()
+        step = 0
+        while _time.perf_counter() - start < seconds:
+            rec.log(step, 0.5)
+            step += 1
+            _time.sleep(0.001)
+        return start
+
+    def gaps(a: float, b: float) -> list[float]:
+        ts = [t for t in sent_at if a <= t < b]
+        return [y - x for x, y in zip(ts, ts[1:])]
+
+    t0 = loop(1.2)
+    early, late = gaps(t0, t0 + 0.3), gaps(t0 + 0.45, t0 + 1.2)
+    assert early and max(early) < 0.1, early  # every 40 ms while warming up
+    assert late and min(late) > 0.15, late  # every 200 ms once steady
+    _time.sleep(1.3)  # the loop pauses longer than IDLE_AFTER: a new loop warms up again
+    t1 = loop(0.3)
+    again = gaps(t1, t1 + 0.3)
+    assert again and max(again) < 0.1, again
+    rec.close()
+    seqs = [m["seq"] for m in ch.sent]
+    assert seqs == list(range(1, len(seqs) + 1))
