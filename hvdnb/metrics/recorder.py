@@ -710,9 +710,10 @@ def _install_comm_listener(rec: Recorder) -> None:
 def set_enabled(on: bool) -> None:
     """Switch recording on or off in this process.
 
-    Off, ``log`` and ``phase`` return at once and the allreduce listener is unregistered,
-    so ``hvdnb.torch`` takes its untimed paths (no clock reads, the planned fast path for
-    named allreduces): a loop runs as it would without the panel. On registers it again.
+    Off, ``log`` returns at once, ``phase`` records nothing and the allreduce listener is
+    unregistered, so ``hvdnb.torch`` takes its untimed paths (no clock reads, the planned
+    fast path for named allreduces): a loop runs as it would without the panel. On
+    registers the listener again.
     """
     rec = get_recorder()
     rec.enabled = bool(on)
