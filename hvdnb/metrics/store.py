@@ -128,15 +128,28 @@ def _run_trigger(name: str) -> bool:
     return not (name.startswith("mem/") or name.startswith("knob/"))
 
 
+def thin_indices(length: int, n: int) -> tuple[list[int] | None, int]:
+    """Which of ``length`` points a chart of at most ~``n`` points draws: None (all of
+    them) or evenly spaced indices plus the last one; and the stride between them."""
+    if length <= n:
+        return None, 1
+    stride = length / n
+    return [int(i * stride) for i in range(n)] + [length - 1], max(1, int(stride))
+
+
 class _CurveSums:
     """One run's per-step sums of a metric over ranks (and of ``samples``), built up."""
 
-    __slots__ = ("pos", "sums", "samples")
+    __slots__ = ("pos", "sums", "samples", "order", "unsorted")
 
     def __init__(self) -> None:
         self.pos: dict[tuple[int, str], int] = {}  # series -> index of its next new point
         self.sums: dict[int, list[float]] = {}  # step -> [sum over ranks, ranks counted]
         self.samples: dict[int, float] = {}  # step -> samples of every rank at that step
+        #: the steps of ``sums`` in order, kept as they come (steps arrive increasing, so a
+        #: redraw neither re-sorts nor rebuilds the whole curve)
+        self.order: list[int] = []
+        self.unsorted = False
 
     def add(self, series: dict[tuple[int, str], _Series], rid: int, name: str) -> None:
         for key, s in series.items():
@@ -154,12 +167,15 @@ class _CurveSums:
                 for st, v in zip(steps, values):
                     dst[st] = dst.get(st, 0.0) + v
             else:
-                sums = self.sums
+                sums, order = self.sums, self.order
                 for st, v in zip(steps, values):
                     if v == v:
                         a = sums.get(st)
                         if a is None:
                             sums[st] = [v, 1.0]
+                            if order and st < order[-1]:
+                                self.unsorted = True
+                            order.append(st)
                         else:
                             a[0] += v
                             a[1] += 1.0
@@ -460,16 +476,44 @@ class MetricsStore:
     def series(self, name: str, rank: int, last: int | None = None, run: int | None = None
                ) -> tuple[list[int], list[float], list[float]]:
         """(steps, values, times) of one metric on one rank in ``run`` (default: the
-        current run; -1: every run), the last ``last`` points."""
+        current run; -1: every run), the last ``last`` points (copies only those)."""
         with self._lock:
             s = self._series.get((rank, name))
             if s is None:
                 return [], [], []
-            rs = s.run_slice(self.run_id if run is None else run) if run != -1 else slice(None)
-            steps, values, times = s.steps[rs], s.values[rs], s.times[rs]
-        if last:
-            return steps[-last:], values[-last:], times[-last:]
-        return steps, values, times
+            rs = self._slice(s, run)
+            if last:
+                rs = slice(max(rs.start, rs.stop - last), rs.stop)
+            return s.steps[rs], s.values[rs], s.times[rs]
+
+    def _slice(self, s: _Series, run: int | None) -> slice:
+        if run == -1:
+            return slice(0, len(s.steps))
+        return s.run_slice(self.run_id if run is None else run)
+
+    def count(self, name: str, rank: int, run: int | None = None) -> int:
+        """How many points of one metric on one rank ``run`` holds (as ``series``)."""
+        with self._lock:
+            s = self._series.get((rank, name))
+            if s is None:
+                return 0
+            rs = self._slice(s, run)
+            return rs.stop - rs.start
+
+    def thinned(self, name: str, rank: int, n: int, run: int | None = None
+                ) -> tuple[list[float], list[float], int]:
+        """``series`` as a chart draws it: at most ~``n`` evenly spaced points (and the
+        last), read without copying the whole history; returns (steps, values, stride)."""
+        with self._lock:
+            s = self._series.get((rank, name))
+            if s is None:
+                return [], [], 1
+            rs = self._slice(s, run)
+            idx, stride = thin_indices(rs.stop - rs.start, n)
+            if idx is None:
+                return [float(x) for x in s.steps[rs]], s.values[rs], 1
+            steps, values, a = s.steps, s.values, rs.start
+            return [float(steps[a + i]) for i in idx], [values[a + i] for i in idx], stride
 
     def latest(self, name: str, rank: int) -> float | None:
         with self._lock:
@@ -659,8 +703,8 @@ class MetricsStore:
                         "backend": self.rank_info.get(r, {}).get("backend")})
         return out
 
-    def run_curves(self, x: str = "step", name: str = "loss", last_runs: int = 5
-                   ) -> list[dict[str, Any]]:
+    def run_curves(self, x: str = "step", name: str = "loss", last_runs: int = 5,
+                   points: int | None = None) -> list[dict[str, Any]]:
         """The visible runs' mean-over-ranks ``name`` per step, for overlaying.
 
         Parameters
@@ -669,6 +713,9 @@ class MetricsStore:
             including that step: the running sum of every rank's ``samples``); a run that
             logged no ``samples`` gets ``xs = None`` for ``"samples"``
         last_runs : at most this many of the newest visible runs
+        points : at most ~this many evenly spaced points per curve (``thin_indices``);
+            None: every step. Against ``x="step"`` a thinned curve costs the same however
+            long the run is.
 
         Returns
         -------
@@ -684,24 +731,30 @@ class MetricsStore:
                     cs = self._curves[(rid, name)] = _CurveSums()
                 cs.add(self._series, rid, name)
                 acc, samples = cs.sums, cs.samples
-                steps = sorted(acc)
-                ys = [a[0] / a[1] for a in map(acc.__getitem__, steps)]
-                xs: list[float] | None = list(map(float, steps))
-                if x == "samples":
+                if cs.unsorted:
+                    cs.order.sort()
+                    cs.unsorted = False
+                steps = cs.order
+                idx = thin_indices(len(steps), points)[0] if points else None
+                shown = steps if idx is None else [steps[i] for i in idx]
+                ys = [a[0] / a[1] for a in map(acc.__getitem__, shown)]
+                xs: list[float] | None = list(map(float, shown))
+                xmap: dict[int, float] = {}
+                if x == "samples":  # running sums: every step (this view is not thinned)
                     xs = None
                     if samples:
-                        xmap, tot = {}, 0.0
+                        tot = 0.0
                         for st in sorted(set(samples) | set(steps)):
                             tot += samples.get(st, 0.0)
                             xmap[st] = tot
-                        xs = [xmap[st] for st in steps]
+                        xs = [xmap[st] for st in shown]
                 marks = []
                 for st, lab in run["marks"]:
                     if xs is not None and steps:  # the logged step nearest to the mark
                         i = bisect.bisect_left(steps, st)
                         if i == len(steps) or (i > 0 and st - steps[i - 1] <= steps[i] - st):
                             i -= 1
-                        marks.append((xs[i], lab))
+                        marks.append((xmap[steps[i]] if xmap else float(steps[i]), lab))
                 out.append({
                     "id": rid, "label": _run_label(run),
                     "xs": xs,

@@ -279,10 +279,12 @@ class Panel:
     def _record_latency(self) -> None:
         now = time.time()
         for r in self.store.ranks():
-            _, _, times = self.store.series("loss", r)
+            n = self.store.count("loss", r)
             seen = self._seen_loss.get(r, 0)
-            self.latencies.extend(now - t for t in times[seen:])
-            self._seen_loss[r] = len(times)
+            if n > seen:
+                _, _, times = self.store.series("loss", r, last=n - seen)
+                self.latencies.extend(now - t for t in times)
+            self._seen_loss[r] = n
 
     def _header(self) -> tuple[str, tuple[int, int] | None]:
         s = self.store
@@ -514,15 +516,6 @@ class _Stub:
 LIVE_POINTS = 300
 
 
-def _thin(steps: list[int], vals: list[float], n: int = LIVE_POINTS
-          ) -> tuple[list[float], list[float], int]:
-    if len(steps) <= n:
-        return [float(x) for x in steps], list(vals), 1
-    stride = len(steps) / n
-    idx = [int(i * stride) for i in range(n)] + [len(steps) - 1]
-    return [float(steps[i]) for i in idx], [vals[i] for i in idx], max(1, int(stride))
-
-
 def _ema(vals: list[float], alpha: float) -> list[float]:
     if alpha <= 0:
         return vals
@@ -537,7 +530,7 @@ def _ema(vals: list[float], alpha: float) -> list[float]:
 def runs_html(store: MetricsStore, x: str = "step", log_y: bool = False) -> str:
     """The comparison chart: the last runs' mean loss over ranks, overlaid, with a legend
     of their knob values and the knob changes marked in each run's colour."""
-    curves = store.run_curves(x=x)
+    curves = store.run_curves(x=x, points=LIVE_POINTS)
     lines, marks, labels = [], [], []
     missing = []
     for i, c in enumerate(curves):
@@ -545,8 +538,7 @@ def runs_html(store: MetricsStore, x: str = "step", log_y: bool = False) -> str:
             missing.append(c["id"])
             continue
         color = PALETTE[len(lines) % len(PALETTE)]
-        xs, ys, _ = _thin(c["xs"], c["ys"])  # type: ignore[arg-type]
-        lines.append((c["label"], xs, ys))
+        lines.append((c["label"], c["xs"], c["ys"]))
         labels.append(c["label"])
         marks.extend((mx, lab, color) for mx, lab in c["marks"])
     what = "samples seen (all ranks)" if x == "samples" else "step"
@@ -566,9 +558,8 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
     ranks = store.ranks()
     lines = []
     for r in ranks:
-        steps, vals, _ = store.series("loss", r)
-        if steps:
-            xs, ys, stride = _thin(steps, vals)
+        xs, ys, stride = store.thinned("loss", r, LIVE_POINTS)
+        if xs:
             lines.append((f"rank {r}", xs, _ema(ys, alpha ** stride if alpha else 0.0)))
     band = None
     if len(lines) > MAX_LINES:

@@ -95,7 +95,7 @@ def _loss(ax: Any, store: Any, ranks: list[int], log_y: bool, alpha: float) -> N
     ax.tick_params(labelsize=7)
     series = []
     for r in ranks:
-        steps, vals, _ = store.series("loss", r)
+        steps, vals, _ = store.thinned("loss", r, MAX_POINTS)
         if steps:
             s, v = _thin(steps, vals)
             series.append((r, s, smooth(v, alpha)))

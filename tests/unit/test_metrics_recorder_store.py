@@ -287,6 +287,34 @@ def test_run_curves_built_up_between_redraws_equal_curves_built_at_once():
     assert live.throughput() == whole.throughput()
 
 
+def test_thinned_views_are_the_full_views_sampled_and_read_only_the_tail():
+    """What the live charts draw (``points=`` / ``thinned`` / ``last=``) equals the full
+    view sampled at ``thin_indices``, also when a rank's first message for some steps
+    comes after later steps (the run curve stays in step order)."""
+    from hvdnb.metrics.store import thin_indices
+
+    st = MetricsStore()
+    st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
+    st.begin_cell(1)
+    st.ingest(_log_msg(0, 1, range(0, 500), 1.0))
+    st.ingest(_log_msg(1, 1, range(500, 900), 2.0))  # rank 1 reports later steps first
+    st.ingest(_log_msg(1, 2, range(0, 500), 2.0))
+    st.ingest(_log_msg(0, 2, range(500, 900), 1.0))
+    st.on_applied({"rank": 0, "id": "k", "step": 633, "values": {"batch_size": 64}})
+    full, thin = st.run_curves()[0], st.run_curves(points=50)[0]
+    assert full["xs"] == [float(x) for x in range(900)] and full["ys"] == [2.0] * 900
+    idx, _ = thin_indices(900, 50)
+    assert thin["xs"] == [full["xs"][i] for i in idx] and thin["ys"] == [full["ys"][i] for i in idx]
+    assert thin["marks"] == full["marks"] == [(633.0, "batch_size=64")]
+    steps, vals, _ = st.series("loss", 1)
+    xs, ys, stride = st.thinned("loss", 1, 50)
+    assert xs == [float(steps[i]) for i in idx] and ys == [vals[i] for i in idx]
+    assert stride == 18
+    assert st.thinned("loss", 1, 5000)[:2] == ([float(x) for x in steps], vals)
+    assert st.count("loss", 1) == 900
+    assert st.series("loss", 1, last=3) == tuple(c[-3:] for c in st.series("loss", 1))
+
+
 # ---------------------------------------------------------------- packing and in-loop sends
 def _rows_of(msgs: list[dict]) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {}
