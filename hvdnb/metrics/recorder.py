@@ -45,8 +45,6 @@ CAPACITY = 1 << 16
 IDLE_AFTER = 1.0
 
 _NUMBER = (int, float)
-_FLOAT = {float}
-_NUMBERS = {float, int, bool}  # packed by array("d"): C speed
 
 
 class Recorder:
@@ -82,11 +80,16 @@ class Recorder:
             raise ValueError(f"capacity must be a power of two, not {capacity}")
         self.capacity = capacity
         self._mask = capacity - 1
-        # preallocated columns: the hot path only stores into them
-        self._steps = [0] * capacity
-        self._times = [0.0] * capacity
-        self._names = [0] * capacity
-        self._vals: list[Any] = [0.0] * capacity
+        # preallocated typed columns: the hot path only stores C numbers into them (no
+        # Python objects kept alive, none freed when a slot is reused), and a message is
+        # cut out of them with slices
+        self._steps = array("q", bytes(8 * capacity))
+        self._times = array("d", bytes(8 * capacity))
+        self._names = array("i", bytes(4 * capacity))
+        self._vals = array("d", bytes(8 * capacity))
+        # (row, object) for values that are not numbers yet (a CUDA loss, an NCCL timing):
+        # their row holds NaN until the next pack reads them (off the training thread)
+        self._objq: deque[tuple[int, Any]] = deque()
         self._objects = False  # a value that is not a float was stored since the last pack
         self._w = 0  # rows written (monotonic); only the training thread writes it
         self._r = 0  # rows flushed; only the flusher writes it
@@ -137,6 +140,16 @@ class Recorder:
             self._name_list.append(name)
         return i
 
+    def _value(self, w: int, v: Any) -> float:
+        """What row ``w`` stores for ``v``: a float now when that is cheap and never waits
+        (a number, a CPU tensor), else NaN, with ``v`` kept to be read at the next pack."""
+        v = _scalar(v)
+        if type(v) is float:
+            return v
+        self._objq.append((w, v))  # before the row is published (the flusher reads < _w)
+        self._objects = True
+        return math.nan
+
     def record(self, step: int, name: str, value: Any, t: float | None = None) -> None:
         """Store one point (training thread: ring; any other thread: a side queue)."""
         if t is None:
@@ -144,11 +157,9 @@ class Recorder:
         if threading.get_ident() != self._owner:
             self._side.append((step, t, name, value))
             return
-        if type(value) is not float:
-            value = _scalar(value)
-            if type(value) is not float:
-                self._objects = True  # read (and its reference dropped) at the next pack
         w = self._w
+        if type(value) is not float:
+            value = self._value(w, value)
         i = w & self._mask
         self._steps[i] = step
         self._times[i] = t
@@ -186,9 +197,7 @@ class Recorder:
         self.last_log = now
         if loss is not None:
             if type(loss) is not float:
-                loss = _scalar(loss)
-                if type(loss) is not float:
-                    self._objects = True
+                loss = self._value(w, loss)
             i = w & mask
             steps[i] = step
             times[i] = t
@@ -205,9 +214,7 @@ class Recorder:
                         continue
                     nid = ids[k] = self._nid(_PHASE_ALIASES.get(k, k))
                 if type(v) is not float:
-                    v = _scalar(v)
-                    if type(v) is not float:
-                        self._objects = True
+                    v = self._value(w, v)
                 i = w & mask
                 steps[i] = step
                 times[i] = t
@@ -314,9 +321,7 @@ class Recorder:
         w = self._w
         for nid, v in ((ids[0], seconds), (ids[1], exposed), (ids[2], nbytes)):
             if type(v) is not float:
-                v = _scalar(v)
-                if type(v) is not float:
-                    self._objects = True
+                v = self._value(w, v)
             i = w & mask
             steps[i] = step
             times[i] = t
@@ -418,22 +423,20 @@ class Recorder:
             # copy the rows out with slices (C speed) while the writer goes on above w
             a, b = r & self._mask, w & self._mask
             if w - r == 0:
-                cols: dict[str, list[list[Any]]] = {}
+                cols: dict[str, list[Any]] = {}
             else:
-                if a < b:
-                    sl = [slice(a, b)]
-                else:  # wrapped around the end of the ring (or exactly full)
-                    sl = [slice(a, self.capacity), slice(0, b)]
                 parts = []
                 for col in (self._steps, self._times, self._names, self._vals):
-                    parts.append(col[sl[0]] + col[sl[1]] if len(sl) == 2 else col[sl[0]])
+                    # wrapped around the end of the ring (or exactly full): two slices
+                    parts.append(col[a:b] if a < b else col[a:] + col[:b])
                 steps, times, nids, vals = parts
+                if objects:
+                    self._read_objects(vals, r, w)
                 cols = _columns(steps, times, nids, vals, self._name_list)
-                if objects and w - r <= self.capacity // 2:
-                    # drop the ring's references to tensors (and their autograd graphs) once
-                    # read; never near a lap, where the writer may already reuse these slots
-                    for s_ in sl:
-                        self._vals[s_] = [0.0] * (s_.stop - s_.start)
+            if objects:  # rows overwritten by a lap: their objects are dropped unread
+                q = self._objq
+                while q and q[0][0] < w:
+                    q.popleft()
             # a flush racing the writer may have read a row being overwritten: only the
             # lapped case can do that, and then it is counted as lost
             self._r = w
@@ -462,6 +465,14 @@ class Recorder:
             if self.meta:
                 msg["meta"] = dict(self.meta)
             return msg
+
+    def _read_objects(self, vals: array, r: int, w: int) -> None:
+        """Fill the NaN placeholders of rows ``r``..``w`` with their objects' values."""
+        q = self._objq
+        while q and q[0][0] < w:
+            row, obj = q.popleft()
+            if row >= r:
+                vals[row - r] = _as_float(obj)
 
     def flush(self) -> None:
         """Send what was recorded since the last flush (also called at the end of a loop)."""
@@ -515,10 +526,12 @@ def _scalar(v: Any) -> Any:
     tensor (``.item()``, ~0.2 us); anything else as it is, read by ``_as_float`` at the
     next pack, on whichever thread sends (a CUDA tensor must not be read in the step)."""
     try:
-        if type(v) is int:
+        if isinstance(v, _NUMBER):  # int, bool, numpy's float64
             return float(v)
         if getattr(v, "is_cpu", False):
             return float(v.item())
+        if type(v).__module__ == "numpy":  # numpy's other scalars
+            return float(v)
     except Exception:  # an int too large for a float, a tensor of many elements: NaN later
         pass
     return v
@@ -532,20 +545,6 @@ def _as_float(v: Any) -> float:
         return float(item() if item is not None else v)
     except Exception:
         return math.nan
-
-
-def _floats(vals: list[Any]) -> list[Any]:
-    """``vals`` as floats, at C speed when they are numbers already; anything else (a
-    CUDA tensor, an object with ``.item()``) one by one through ``_as_float``."""
-    kinds = set(map(type, vals))
-    if kinds == _FLOAT:
-        return vals
-    if kinds <= _NUMBERS:
-        try:
-            return array("d", vals).tolist()
-        except OverflowError:
-            pass
-    return [_as_float(v) for v in vals]
 
 
 def _period(nids: list[int]) -> int:
@@ -568,14 +567,14 @@ def _period(nids: list[int]) -> int:
 
 
 def _columns(
-    steps: list[int], times: list[float], nids: list[int], vals: list[Any], names: list[str]
-) -> dict[str, list[list[Any]]]:
-    """Group rows (in order) into ``{name: [steps, times, values]}``."""
-    cols: dict[str, list[list[Any]]] = {}
+    steps: array, times: array, nids: array, vals: array, names: list[str]
+) -> dict[str, list[Any]]:
+    """Group rows (in order) into ``{name: [steps, times, values]}`` (typed arrays)."""
+    cols: dict[str, list[Any]] = {}
     p = _period(nids)
     if p:  # the usual loop: strided slices, no per-row Python work
         for k in range(p):
-            cols[names[nids[k]]] = [steps[k::p], times[k::p], _floats(vals[k::p])]
+            cols[names[nids[k]]] = [steps[k::p], times[k::p], vals[k::p]]
         return cols
     rows: dict[int, list[int]] = {}
     for k, i in enumerate(nids):
@@ -587,10 +586,12 @@ def _columns(
     for i, ix in rows.items():
         if len(ix) == 1:
             k = ix[0]
-            cols[names[i]] = [[steps[k]], [times[k]], _floats([vals[k]])]
+            cols[names[i]] = [array("q", (steps[k],)), array("d", (times[k],)),
+                              array("d", (vals[k],))]
         else:
             get = itemgetter(*ix)
-            cols[names[i]] = [list(get(steps)), list(get(times)), _floats(list(get(vals)))]
+            cols[names[i]] = [array("q", get(steps)), array("d", get(times)),
+                              array("d", get(vals))]
     return cols
 
 

@@ -40,22 +40,39 @@ def test_signed_json_roundtrip_and_tampering():
 
 
 def test_metrics_columns_travel_packed_and_come_back_exact():
+    from array import array
+
     inf = float("inf")
-    cols = {"loss": [[0, 1, 2**40], [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0], [0.5, inf, -0.0]],
-            "odd": [[1.5], [2.0], [3.0]],  # a float step: stays a list, still arrives
+    steps = [0, 1, 2**40]
+    cols = {"loss": [steps, [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0], [0.5, inf, -0.0]],
+            "samples": [array("q", steps), [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0],
+                        array("d", [32.0, 32.0, 32.0])],
+            "odd": [[1.5], [2.0], [3.0]],  # a float step: stays JSON, still arrives
             "empty": [[], [], []]}
     msg = {"kind": "metrics", "rank": 1, "seq": 3, "cols": cols}
-    sig, body = encode(KEY, msg)
+    sig, body, blob = encode(KEY, msg)
     wire = json.loads(body)
-    assert set(wire["colsb"]) == {"loss", "empty"} and set(wire["cols"]) == {"odd"}
-    back = decode(KEY, [sig, body])
-    assert back == msg and msg["cols"] is cols  # exact doubles; the sender's dict untouched
+    assert set(wire["colsx"]) == {"loss", "samples", "empty"} and set(wire["cols"]) == {"odd"}
+    # equal columns are sent once: steps and times shared by loss and samples
+    assert wire["colsx"]["loss"][1:3] == wire["colsx"]["samples"][1:3]
+    assert len(blob) == wire["blob"] == 8 * 3 * 4  # steps, times, two value columns
+    back = decode(KEY, [sig, body, blob])
+    assert {k: [list(c) for c in v] for k, v in back["cols"].items()} == {
+        k: [list(c) for c in v] for k, v in cols.items()}  # exact doubles and int64
+    assert type(back["cols"]["loss"][2]) is array and msg["cols"] is cols  # sender untouched
     nan = decode(KEY, encode(KEY, {"kind": "metrics", "cols": {"x": [[0], [0.0], [math.nan]]}}))
     assert math.isnan(nan["cols"]["x"][2][0])
-    # a signed message whose packed columns are malformed is dropped, not half-read
-    for bad in ({"x": [2, "AAAAAAAAAAA=", "", ""]}, {"x": [1, "!!", "", ""]}, {"x": "AA"}):
-        body = json.dumps({"kind": "metrics", "cols": {}, "colsb": bad}).encode()
-        assert decode(KEY, [sign(KEY, body), body]) is None
+    # the signature covers the blob: one changed byte and the message is dropped
+    assert decode(KEY, [sig, body, blob[:-1] + bytes([blob[-1] ^ 1])]) is None
+    assert decode(KEY, [sig, body]) is None  # the blob left out
+    # a signed message whose columns do not fit its blob is dropped, not half-read
+    for bad_cols, size in (({"x": [2, 0, 0, 0]}, 8), ({"x": [1, 0, 8, 16]}, 16),
+                           ({"x": [1, -8, 0, 0]}, 24), ({"x": "AA"}, 24),
+                           ({"x": [1, 0, 8, 16]}, 23)):
+        body = json.dumps({"kind": "metrics", "cols": {}, "colsx": bad_cols,
+                           "blob": size}).encode()
+        raw = bytes(24)
+        assert decode(KEY, [sign(KEY, body, raw), body, raw]) is None, bad_cols
 
 
 def test_client_listens_on_loopback_only():

@@ -4,12 +4,17 @@ store fed by simulated ranks: no processes."""
 from __future__ import annotations
 
 import math
+from array import array
 
 import pytest
 
+from hvdnb.channel import decode, encode
 from hvdnb.metrics import knobset as kn
 from hvdnb.metrics.recorder import Recorder
 from hvdnb.metrics.store import MetricsStore
+
+
+KEY = b"k" * 32
 
 
 class FakeChannel:
@@ -19,7 +24,13 @@ class FakeChannel:
         self.handlers: dict[str, list] = {}
 
     def send(self, kind: str, **payload) -> None:
-        self.sent.append({"kind": kind, "rank": self.rank, **payload})
+        # through the real wire: what the notebook receives, columns as plain lists
+        frames = encode(KEY, {"kind": kind, "rank": self.rank, **payload})
+        msg = decode(KEY, frames)
+        assert msg is not None, "the channel refused a recorder's message"
+        for col in msg.get("cols", {}).values():
+            col[:] = [list(c) for c in col]
+        self.sent.append(msg)
 
     def on(self, kind: str, fn) -> None:
         self.handlers.setdefault(kind, []).append(fn)
@@ -136,6 +147,24 @@ def test_store_with_simulated_ranks_loses_nothing_and_detects_gaps():
     assert st.lost_messages == 2
     st.ingest(_msg(0, 1, range(0, 5), pid=8))  # a restarted rank starts over: no gap
     assert st.lost_messages == 2
+
+
+def test_store_takes_wire_arrays_and_lists_alike_and_drops_bad_columns():
+    st = MetricsStore()
+    wire = decode(KEY, encode(KEY, {"kind": "metrics", "rank": 0, "seq": 1, "cols": {
+        "loss": [[0, 1, 2], [10.0, 10.5, 11.0], [1.0, 0.5, 0.25]]}}))
+    assert type(wire["cols"]["loss"][2]) is array
+    st.ingest(wire)
+    st.ingest({"rank": 1, "seq": 1, "cols": {
+        "loss": [[0, 1.0, 2], [10.0, 10.5, 11.0], [1.0, None, 0.25]],  # None: NaN
+        "half": [[0.5], [1.0], [1.0]],  # not a whole step
+        "ragged": [[0, 1], [1.0], [1.0, 2.0]],
+        "text": [[0], [1.0], ["x"]]}})
+    assert st.series("loss", 0) == ([0, 1, 2], [1.0, 0.5, 0.25], [10.0, 10.5, 11.0])
+    steps, vals, _ = st.series("loss", 1)
+    assert steps == [0, 1, 2] and vals[0] == 1.0 and math.isnan(vals[1])
+    assert type(steps) is list and type(vals) is list  # views are plain lists
+    assert st.names() == ["loss"] and st.points == 6
 
 
 def test_store_views_breakdown_hint_comm_memory(tmp_path):
@@ -360,15 +389,20 @@ def test_pack_fast_path_and_general_path_agree():
     from hvdnb.metrics.recorder import _columns
 
     names = ["a", "b", "c"]
-    nids = [0, 1, 2] * 5 + [0, 1]  # a flush in the middle of a step
-    steps = list(range(len(nids)))
-    times = [float(s) for s in steps]
-    vals = [s * 0.5 for s in steps]
+    nids = array("i", [0, 1, 2] * 5 + [0, 1])  # a flush in the middle of a step
+    steps = array("q", range(len(nids)))
+    times = array("d", steps)
+    vals = array("d", [s * 0.5 for s in steps])
     fast = _columns(steps, times, nids, vals, names)
-    slow = _columns(steps, times, nids[:-1] + [0], vals, names)  # breaks the pattern
-    assert fast["a"][0] == [0, 3, 6, 9, 12, 15] and fast["b"][0] == [1, 4, 7, 10, 13, 16]
-    assert slow["a"][0] == [0, 3, 6, 9, 12, 15, 16] and "b" in slow
-    assert fast["c"][2] == [1.0, 2.5, 4.0, 5.5, 7.0]
+    broken = nids[:-1] + array("i", [0])  # breaks the pattern
+    slow = _columns(steps, times, broken, vals, names)
+    assert list(fast["a"][0]) == [0, 3, 6, 9, 12, 15]
+    assert list(fast["b"][0]) == [1, 4, 7, 10, 13, 16]
+    assert list(slow["a"][0]) == [0, 3, 6, 9, 12, 15, 16] and "b" in slow
+    assert list(fast["c"][2]) == [1.0, 2.5, 4.0, 5.5, 7.0]
+    for name in names:  # both paths give typed columns, in row order
+        for got in (fast, slow):
+            assert [c.typecode for c in got[name]] == ["q", "d", "d"]
 
 
 def test_values_are_floats_and_odd_values_become_nan_not_errors():
@@ -402,6 +436,43 @@ def test_cpu_tensor_loss_is_read_in_log_and_not_kept():
     assert ref() is None  # the ring holds a float, not the tensor and its graph
     rec.flush()
     assert ch.sent[-1]["cols"]["loss"][2] == [6.0]
+
+
+def test_object_values_are_read_at_pack_then_released_and_lapped_ones_dropped():
+    import gc
+    import weakref
+
+    class Span:  # a value that must not be read in the step (an NCCL timing, a CUDA loss)
+        def __init__(self, v: float) -> None:
+            self.v = v
+
+        def item(self) -> float:
+            return self.v
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=1e9, capacity=16)
+    spans = [Span(0.5 + s) for s in range(3)]
+    refs = [weakref.ref(sp) for sp in spans]
+    for s, sp in enumerate(spans):
+        rec.log(s, sp)
+    del spans, sp
+    assert all(r() is not None for r in refs)  # kept until the next pack reads them
+    rec.flush()
+    assert ch.sent[-1]["cols"]["loss"][2] == [0.5, 1.5, 2.5]
+    gc.collect()
+    assert all(r() is None for r in refs)  # and not a moment longer
+    # a lapped ring loses its oldest rows, objects included (counted, never misplaced)
+    lapped = [Span(10.0 + s) for s in range(12)]
+    lrefs = [weakref.ref(sp) for sp in lapped]
+    for s, sp in enumerate(lapped):
+        rec.log(100 + s, sp, other=1.0)  # 2-3 rows a step: 16 rows hold the last 6-8 steps
+    del lapped, sp
+    rec.flush()
+    msg = ch.sent[-1]
+    got = dict(zip(msg["cols"]["loss"][0], msg["cols"]["loss"][2]))
+    assert msg["lost"] > 0 and got and all(v == 10.0 + (s - 100) for s, v in got.items())
+    gc.collect()
+    assert all(r() is None for r in lrefs)
 
 
 def test_log_sends_from_the_loop_once_per_interval_without_the_flusher_thread():
