@@ -60,6 +60,11 @@ class Panel:
     ----------
     store : the store to draw (default: the notebook's store)
     render_interval : minimum seconds between two redraws
+
+    While a cell runs, a redraw waits until every rank heard from in the last 5 s has
+    sent a message since the previous redraw (ranks flush within milliseconds of each
+    other), or ``settle`` seconds (0.3) after the change was first seen: one redraw per
+    round of messages, not one per rank.
     """
 
     def __init__(self, store: MetricsStore | None = None, render_interval: float = 0.2) -> None:
@@ -71,6 +76,10 @@ class Panel:
         self.render_seconds = 0.0
         self._drawn_version = -1
         self._last_render = 0.0
+        self._last_render_wall = 0.0  # time.time() of the last redraw
+        self._changed_at = 0.0  # monotonic time the store was first seen changed, undrawn
+        #: seconds a redraw waits for the other ranks' messages of the same round
+        self.settle = 0.3
         self._last_cost = 0.0
         self._lock = threading.RLock()
         self._note = ""  # set by control handlers (any thread), drawn by tick()
@@ -250,7 +259,24 @@ class Panel:
         # a redraw may take most of this thread at 1,000 ranks: keep it under ~25 % of it
         if now - self._last_render < max(self.render_interval, 3 * self._last_cost):
             return
+        if self.store.version == self._drawn_version:
+            self._changed_at = 0.0
+            return
+        if not self._changed_at:
+            self._changed_at = now
+        # ranks in step flush within milliseconds of each other: one redraw for the round,
+        # not one per rank's message (each redraw takes the notebook's CPU, which on a
+        # small machine is the ranks' CPU); a rank that lags holds it back ``settle`` s
+        if now - self._changed_at < self.settle and not self._round_complete():
+            return
         self.render()
+
+    def _round_complete(self) -> bool:
+        """Every rank heard from lately has sent a message since the last redraw."""
+        drawn = self._last_render_wall
+        recent = time.time() - 5.0
+        seen = [i.get("seen") or 0.0 for i in list(self.store.rank_info.values())]
+        return all(t > drawn for t in seen if t > recent)
 
     def render(self, force: bool = False) -> bool:
         """Draw now if anything changed; returns whether widgets were updated."""
@@ -269,6 +295,8 @@ class Panel:
             if status != self.knob_status.value:
                 self.knob_status.value = status
             self._last_render = time.monotonic()
+            self._last_render_wall = time.time()
+            self._changed_at = 0.0
             self.renders += 1
             self._last_cost = time.perf_counter() - t0
             self.render_seconds += self._last_cost

@@ -62,6 +62,52 @@ def test_updates_are_batched_and_throttled(sent):
     assert not sent
 
 
+def test_one_redraw_per_round_of_rank_messages(sent):
+    import time
+
+    from hvdnb.metrics.store import MetricsStore
+    from hvdnb.widgets.panel import Panel
+
+    st = MetricsStore()
+    p = Panel(st, render_interval=0.0)
+    p._idle.stop()
+
+    def tick() -> None:  # past the render interval and the redraw-cost throttle
+        p._last_render = 0.0
+        p.tick()
+
+    _feed(st, 1)
+    tick()
+    base = p.renders  # both ranks' first messages drawn
+
+    def one_rank(rank: int, seq: int) -> None:
+        steps = list(range(seq * 10, seq * 10 + 10))
+        st.ingest({"rank": rank, "seq": seq, "pid": 1, "step": steps[-1] + 1, "idle": False,
+                   "cols": {"loss": [steps, [1000.0 + s for s in steps], [0.5] * 10]}})
+
+    one_rank(0, 2)
+    for _ in range(5):  # rank 1's message of this round is still on its way: wait
+        tick()
+    assert p.renders == base + 0
+    one_rank(1, 2)
+    tick()  # the round is complete: one redraw for both messages
+    assert p.renders == base + 1
+    # a rank that lags holds the redraw back ``settle`` seconds, no longer
+    p.settle = 0.05
+    one_rank(0, 3)
+    tick()
+    assert p.renders == base + 1
+    time.sleep(0.06)
+    tick()
+    assert p.renders == base + 2
+    # a rank not heard from for 5 s is not waited for
+    st.rank_info[1]["seen"] = time.time() - 6
+    p.settle = 60
+    one_rank(0, 4)
+    tick()
+    assert p.renders == base + 3
+
+
 def test_many_ranks_draw_a_band_not_64_lines(sent):
     from hvdnb.metrics.store import MetricsStore
     from hvdnb.widgets.panel import charts_html
