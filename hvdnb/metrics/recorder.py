@@ -412,7 +412,8 @@ class Recorder:
         """Take every unflushed row and build one message (None when there is nothing new
         and the last message is recent)."""
         with self._lock:
-            objects = self._objects  # cleared before w is read: a later object is seen next time
+            # cleared before w is read: an object stored after this is flagged again; the
+            # queue itself, not the flag, says which rows below w hold objects to read
             self._objects = False
             w = self._w
             r = self._r
@@ -430,13 +431,12 @@ class Recorder:
                     # wrapped around the end of the ring (or exactly full): two slices
                     parts.append(col[a:b] if a < b else col[a:] + col[:b])
                 steps, times, nids, vals = parts
-                if objects:
+                if self._objq:
                     self._read_objects(vals, r, w)
                 cols = _columns(steps, times, nids, vals, self._name_list)
-            if objects:  # rows overwritten by a lap: their objects are dropped unread
-                q = self._objq
-                while q and q[0][0] < w:
-                    q.popleft()
+            q = self._objq  # rows overwritten by a lap: their objects are dropped unread
+            while q and q[0][0] < w:
+                q.popleft()
             # a flush racing the writer may have read a row being overwritten: only the
             # lapped case can do that, and then it is counted as lost
             self._r = w

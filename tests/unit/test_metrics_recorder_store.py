@@ -473,6 +473,11 @@ def test_object_values_are_read_at_pack_then_released_and_lapped_ones_dropped():
     assert msg["lost"] > 0 and got and all(v == 10.0 + (s - 100) for s, v in got.items())
     gc.collect()
     assert all(r() is None for r in lrefs)
+    # a pack that cleared the flag just before this object was stored still reads it
+    rec.log(200, Span(7.0))
+    rec._objects = False  # what a pack racing the store leaves behind
+    rec.flush()
+    assert ch.sent[-1]["cols"]["loss"][2] == [7.0]
 
 
 def test_log_sends_from_the_loop_once_per_interval_without_the_flusher_thread():
