@@ -140,12 +140,9 @@ class Recorder:
             self._name_list.append(name)
         return i
 
-    def _value(self, w: int, v: Any) -> float:
-        """What row ``w`` stores for ``v``: a float now when that is cheap and never waits
-        (a number, a CPU tensor), else NaN, with ``v`` kept to be read at the next pack."""
-        v = _scalar(v)
-        if type(v) is float:
-            return v
+    def _keep(self, w: int, v: Any) -> float:
+        """Row ``w``'s value ``v`` is not a float (``_scalar`` could not make it one without
+        waiting): keep it to be read at the next pack; the row holds NaN until then."""
         self._objq.append((w, v))  # before the row is published (the flusher reads < _w)
         self._objects = True
         return math.nan
@@ -159,7 +156,9 @@ class Recorder:
             return
         w = self._w
         if type(value) is not float:
-            value = self._value(w, value)
+            value = _scalar(value)
+            if type(value) is not float:
+                value = self._keep(w, value)
         i = w & self._mask
         self._steps[i] = step
         self._times[i] = t
@@ -197,7 +196,9 @@ class Recorder:
         self.last_log = now
         if loss is not None:
             if type(loss) is not float:
-                loss = self._value(w, loss)
+                loss = _scalar(loss)
+                if type(loss) is not float:
+                    loss = self._keep(w, loss)
             i = w & mask
             steps[i] = step
             times[i] = t
@@ -214,7 +215,9 @@ class Recorder:
                         continue
                     nid = ids[k] = self._nid(_PHASE_ALIASES.get(k, k))
                 if type(v) is not float:
-                    v = self._value(w, v)
+                    v = _scalar(v)
+                    if type(v) is not float:
+                        v = self._keep(w, v)
                 i = w & mask
                 steps[i] = step
                 times[i] = t
@@ -321,7 +324,9 @@ class Recorder:
         w = self._w
         for nid, v in ((ids[0], seconds), (ids[1], exposed), (ids[2], nbytes)):
             if type(v) is not float:
-                v = self._value(w, v)
+                v = _scalar(v)
+                if type(v) is not float:
+                    v = self._keep(w, v)
             i = w & mask
             steps[i] = step
             times[i] = t
