@@ -339,6 +339,22 @@ def run_cell(
         if any rank raised (or was interrupted); the message names the ranks.
     """
     cfg = get_config()
+    # from here on a Ctrl-C is remembered even where Python drops its KeyboardInterrupt (a
+    # __del__ run by the garbage collector while the cell is being submitted): the wait
+    # loop below acts on it, so the stop button never leaves the ranks running unwatched
+    sigint = _SigintLatch()
+    try:
+        ar, cell_no, ranks, everyone, store, t0 = _submit(cluster, code, targets)
+    except BaseException:
+        sigint.close()
+        raise
+    return _wait_cell(cluster, code, ar, cell_no, ranks, everyone, store, t0, sigint, cfg,
+                      timeout, stream, quiet)
+
+
+def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int], bool, Any,
+                                                             float]:
+    """Check the ranks, start the cell on them (apply_async) and begin its run in the store."""
     cluster._check_alive()
     dead = cluster.dead_ranks()
     if dead:
@@ -359,6 +375,14 @@ def run_cell(
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
     t0 = time.monotonic()
     ar = view.apply_async(_engine_runner(), code, cell_no)
+    return ar, cell_no, ranks, everyone, store, t0
+
+
+def _wait_cell(cluster: Any, code: str, ar: Any, cell_no: int, ranks: list[int],
+               everyone: bool, store: Any, t0: float, sigint: _SigintLatch, cfg: Any,
+               timeout: float | None, stream: bool, quiet: bool) -> CellResult:
+    """Stream the running cell's output until every rank is done; interrupt on Ctrl-C, a
+    failed rank (fail-fast) or the timeout; collect the results."""
     result = CellResult(cell=cell_no, ranks=ranks)
     metadata = [cluster.client.metadata[mid] for mid in ar.msg_ids]
     streamer = _Streamer(metadata, ranks, cfg.collapse_window)
@@ -371,7 +395,7 @@ def run_cell(
     futures = dict(zip(ranks, ar._children))  # one reply future per rank
     children: dict[int, Any] = {}  # per-rank AsyncResults, made only when ranks finish apart
     done: set[int] = set()
-    sigint = _SigintLatch()
+    resent = False
     try:
         while True:
             try:
@@ -420,6 +444,12 @@ def run_cell(
                 if failed_at is not None and interrupted_at is None and now - failed_at > 2.0:
                     # fail fast: a rank failed; peers not blocked on it (so not yet released) stop
                     interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
+                if (interrupted_at is not None and not resent and interrupted_at - t0 < 0.5
+                        and now - interrupted_at > 0.5):
+                    # interrupted right after the submit: a rank that had not begun the cell
+                    # yet was idle, and an idle engine ignores SIGINT; say it once more
+                    resent = True
+                    _interrupt(cluster, [r for r in ranks if r not in done])
                 if interrupted_at is not None and now - interrupted_at > 2.0:
                     stuck = [r for r in ranks if r not in done]
                     cluster._check_alive()
