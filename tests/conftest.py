@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import psutil
@@ -46,3 +47,14 @@ def alive(pids: list[int], within: float = 5.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+@pytest.fixture
+def kernel_sigint():
+    """SIGINT raises KeyboardInterrupt for this test, as in a Jupyter kernel running a cell
+    (ipykernel installs Python's handler while it executes one). A suite started in the
+    background from a non-interactive shell (``make test &``) inherits SIGINT ignored, and
+    a test of the stop button would then wait for a signal that never arrives."""
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prev)

@@ -77,7 +77,7 @@ def test_failing_rank_ends_the_cell_everywhere(ready, shell, capsys, place):
 
 
 @pytest.mark.parametrize("where", ["sleeping", "one rank blocked in a collective"])
-def test_notebook_interrupt_stops_every_rank(ready, shell, capsys, where):
+def test_notebook_interrupt_stops_every_rank(ready, shell, capsys, where, kernel_sigint):
     code = {
         "sleeping": "time.sleep(30)",
         "one rank blocked in a collective": "x = torch.ones(4)\n"
@@ -99,7 +99,8 @@ def test_notebook_interrupt_stops_every_rank(ready, shell, capsys, where):
     assert ok == TRIALS
 
 
-def test_interrupt_lost_while_submitting_still_stops_the_cell(ready, shell, monkeypatch):
+def test_interrupt_lost_while_submitting_still_stops_the_cell(ready, shell, monkeypatch,
+                                                              kernel_sigint):
     """A Ctrl-C whose KeyboardInterrupt Python drops (raised inside a ``__del__`` that the
     garbage collector runs while the cell is being submitted) must still stop the cell.
     Seen in a full-suite run after many earlier cells: the stop button did nothing, and a

@@ -146,7 +146,7 @@ def test_cell_timeout_interrupts_ranks(dist2, shell):
     assert "timed out after 1 s" in str(info.value)
 
 
-def test_notebook_interrupt_stops_every_rank(dist2, shell):
+def test_notebook_interrupt_stops_every_rank(dist2, shell, kernel_sigint):
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     t0 = time.monotonic()
     timer.start()
@@ -272,7 +272,7 @@ def test_output_below_python_is_in_the_cell_that_wrote_it(dist2):
     assert missing == []
 
 
-def test_stop_button_works_even_when_its_keyboardinterrupt_is_lost(dist2):
+def test_stop_button_works_even_when_its_keyboardinterrupt_is_lost(dist2, kernel_sigint):
     """Python drops a KeyboardInterrupt raised inside a weakref callback or __del__; a
     SIGINT handler that does not raise stands in for that here. The cell must still stop
     every rank promptly (it once waited out a 300 s collective timeout)."""
