@@ -417,7 +417,7 @@ def _progress() -> list[Any]:
     recorder = sys.modules.get("hvdnb.metrics.recorder")
     rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
     if rec is not None:
-        out[2] = getattr(rec, "_prev_step", None)
+        out[2] = rec.logged_step()
     return out
 
 

@@ -430,12 +430,16 @@ def test_cpu_tensor_loss_is_read_in_log_and_not_kept():
     rec = Recorder(0, ch, flush_interval=1e9, capacity=64)
     x = torch.ones(3, requires_grad=True)
     loss = (x * 2).sum()
-    ref = weakref.ref(loss)
-    rec.log(0, loss)
-    del loss
-    assert ref() is None  # the ring holds a float, not the tensor and its graph
+    acc = (x * 3).mean()
+    ref, ref_acc = weakref.ref(loss), weakref.ref(acc)
+    rec.log(0, loss, acc=acc)
+    del loss, acc
+    # the queue holds floats, not the tensors and their graphs (nor a value that an
+    # in-place change before the next flush would alter)
+    assert ref() is None and ref_acc() is None
     rec.flush()
     assert ch.sent[-1]["cols"]["loss"][2] == [6.0]
+    assert ch.sent[-1]["cols"]["acc"][2] == [3.0]
 
 
 def test_object_values_are_read_at_pack_then_released_and_lapped_ones_dropped():
