@@ -209,6 +209,21 @@ class Recorder:
         steps, times, names, vals = self._steps, self._times, self._names, self._vals
         mask = self._mask
         w = self._w
+        keep = self._keep
+
+        def put(step: int, t: float, nid: int, v: Any) -> None:
+            nonlocal w
+            if type(v) is not float:
+                v = _scalar(v)
+                if type(v) is not float:
+                    v = keep(w, v)
+            i = w & mask
+            steps[i] = step
+            times[i] = t
+            names[i] = nid
+            vals[i] = v
+            w += 1
+
         off = time.time() - _perf_counter()  # perf_counter -> wall clock, for log entries
         id_step, id_loss, ids = self._id_step, self._id_loss, self._metric_ids
         prev, last = self._prev_step, self.last_log
@@ -222,27 +237,13 @@ class Recorder:
                 t = now + off
                 if last and step > prev:
                     per = (now - last) / (step - prev)
-                    i = w & mask
-                    steps[i] = step
-                    times[i] = t
-                    names[i] = id_step
-                    vals[i] = per
-                    w += 1
+                    put(step, t, id_step, per)
                     st = per if not st else 0.8 * st + 0.2 * per
                 if now - last > IDLE_AFTER:  # a loop starts (or goes on after a pause)
                     self._loop_t0 = now
                 prev, last = step, now
                 if loss is not None:
-                    if type(loss) is not float:
-                        loss = _scalar(loss)
-                        if type(loss) is not float:
-                            loss = self._keep(w, loss)
-                    i = w & mask
-                    steps[i] = step
-                    times[i] = t
-                    names[i] = id_loss
-                    vals[i] = loss
-                    w += 1
+                    put(step, t, id_loss, loss)
                 for k, v in metrics.items():
                     nid = ids.get(k)
                     if nid is None:
@@ -250,51 +251,24 @@ class Recorder:
                             self.meta["total_steps"] = int(v)
                             continue
                         nid = ids[k] = self._nid(_PHASE_ALIASES.get(k, k))
-                    if type(v) is not float:
-                        v = _scalar(v)
-                        if type(v) is not float:
-                            v = self._keep(w, v)
-                    i = w & mask
-                    steps[i] = step
-                    times[i] = t
-                    names[i] = nid
-                    vals[i] = v
-                    w += 1
+                    put(step, t, nid, v)
             elif kind == _COMM:
                 _, t, step, name, nbytes, seconds, backend, exposed = e
                 self.comm_backend = backend
                 cids = self._comm_names.get(name)
                 if cids is None:
                     short = name.replace("DistributedOptimizer.", "")
-                    full = (f"comm/{short}/time", f"comm/{short}/exposed",
-                            f"comm/{short}/bytes")
-                    cids = tuple(self._nid(n_) for n_ in full)
+                    cids = (self._nid(f"comm/{short}/time"), self._nid(f"comm/{short}/exposed"),
+                            self._nid(f"comm/{short}/bytes"))
                     if len(self._comm_names) < 4096:  # unnamed allreduces: a new name each
                         self._comm_names[name] = cids  # call, not cached
-                for nid, v in ((cids[0], seconds), (cids[1], exposed), (cids[2], nbytes)):
-                    if type(v) is not float:
-                        v = _scalar(v)
-                        if type(v) is not float:
-                            v = self._keep(w, v)
-                    i = w & mask
-                    steps[i] = step
-                    times[i] = t
-                    names[i] = nid
-                    vals[i] = v
-                    w += 1
+                put(step, t, cids[0], seconds)
+                put(step, t, cids[1], exposed)
+                put(step, t, cids[2], nbytes)
             else:  # _RECORD
                 _, t, step, name, value = e
-                if type(value) is not float:
-                    value = _scalar(value)
-                    if type(value) is not float:
-                        value = self._keep(w, value)
-                i = w & mask
-                steps[i] = step
-                times[i] = t
-                i_name = self._name_ids.get(name)
-                names[i] = i_name if i_name is not None else self._nid(name)
-                vals[i] = value
-                w += 1
+                nid = self._name_ids.get(name)
+                put(step, t, nid if nid is not None else self._nid(name), value)
         self._prev_step, self.last_log, self.step_time = prev, last, st
         self._w = w  # published last: a pack reads rows below _w only
 
