@@ -14,6 +14,9 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 __all__ = ["line_chart", "stacked_bars", "legend_html", "PALETTE"]
 
@@ -81,9 +84,6 @@ def line_chart(
     def sx(x: float) -> float:
         return L + (x - x0) / (x1 - x0) * pw
 
-    def sy(y: float) -> float:
-        return T + ph - (tf(y) - y0) / (y1 - y0) * ph
-
     out = [head, f"<rect x='{L}' y='{T}' width='{pw}' height='{ph}' fill='none' stroke='#ccc'/>"]
     for t in _ticks(y0, y1):
         yy = T + ph - (t - y0) / (y1 - y0) * ph
@@ -94,22 +94,38 @@ def line_chart(
         xx = sx(t)
         out.append(f"<text x='{xx:.1f}' y='{height - 10}' text-anchor='middle' fill='#555'>"
                    f"{_fmt(round(t))}</text>")
+    # curves in tenths of a pixel, as integers inside a scale(0.1) group: formatting
+    # them is one join over a numpy array (a float f-string per point was half a redraw)
+    def tenths(xs: Sequence[float], ys: Sequence[float]) -> Any:
+        x = np.asarray(xs, dtype=float)
+        y = np.asarray(ys, dtype=float)
+        ok = y == y
+        if log_y:
+            ok &= y > 0
+        x, y = x[ok], y[ok]
+        if log_y:
+            y = np.log10(y)
+        px = np.rint(10 * (L + (x - x0) / (x1 - x0) * pw)).astype(np.int64)
+        py = np.rint(10 * (T + ph - (y - y0) / (y1 - y0) * ph)).astype(np.int64)
+        return np.column_stack((px, py))
+
+    def joined(xy: Any) -> str:
+        return " ".join(map(str, xy.ravel().tolist()))
+
+    out.append("<g transform='scale(0.1)'>")
     if band is not None:
         bx, lo, hi, med = band
-        upper = [(sx(x), sy(h)) for x, h in zip(bx, hi) if h == h and (h > 0 or not log_y)]
-        lower = [(sx(x), sy(v)) for x, v in zip(bx, lo) if v == v and (v > 0 or not log_y)]
-        if upper and lower:
-            poly = " ".join(f"{a:.1f},{b:.1f}" for a, b in upper + lower[::-1])
+        upper, lower = tenths(bx, hi), tenths(bx, lo)
+        if len(upper) and len(lower):
+            poly = joined(np.concatenate((upper, lower[::-1])))
             out.append(f"<polygon points='{poly}' fill='#4c78a8' fill-opacity='0.25' stroke='none'/>")
-        mp = " ".join(f"{sx(x):.1f},{sy(m):.1f}" for x, m in zip(bx, med)
-                      if m == m and (m > 0 or not log_y))
-        out.append(f"<polyline points='{mp}' fill='none' stroke='#4c78a8' stroke-width='1.5'/>")
+        out.append(f"<polyline points='{joined(tenths(bx, med))}' fill='none' stroke='#4c78a8' "
+                   "stroke-width='15'/>")
     for i, (label, xs, ys) in enumerate(series):
-        p = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys)
-                     if y == y and (y > 0 or not log_y))
         color = PALETTE[i % len(PALETTE)]
-        out.append(f"<polyline points='{p}' fill='none' stroke='{color}' stroke-width='1.2'>"
-                   f"<title>{html.escape(label)}</title></polyline>")
+        out.append(f"<polyline points='{joined(tenths(xs, ys))}' fill='none' stroke='{color}' "
+                   f"stroke-width='12'><title>{html.escape(label)}</title></polyline>")
+    out.append("</g>")
     for mark in marks:
         x, label = mark[0], mark[1]
         mc = mark[2] if len(mark) > 2 else "#d62728"  # type: ignore[misc]
