@@ -163,7 +163,11 @@ class Recorder:
         if threading.get_ident() != self._owner:
             self._side.append((step, t, name, value))
             return
-        self._pend.append((_RECORD, t, step, name, value))
+        q = self._pend
+        q.append((_RECORD, t, step, name, value))
+        if len(q) > self.capacity:  # no log() drains it (phases alone, no channel)
+            with self._lock:
+                self._drain()
 
     def log(self, step: int, loss: Any = None, **metrics: Any) -> None:
         # The hot path appends what it was given and returns: measured inside a 2-rank
@@ -342,7 +346,11 @@ class Recorder:
             return
         t = time.time()
         if threading.get_ident() == self._owner:
-            self._pend.append((_COMM, t, self.cur_step, name, nbytes, seconds, backend, exposed))
+            q = self._pend
+            q.append((_COMM, t, self.cur_step, name, nbytes, seconds, backend, exposed))
+            if len(q) > self.capacity:  # no log() drains it (allreduces alone, no channel)
+                with self._lock:
+                    self._drain()
             return
         self.comm_backend = backend
         step = self.cur_step

@@ -647,3 +647,16 @@ def test_flush_interval_stretches_once_a_loop_has_run_and_resets_after_a_pause()
     rec.close()
     seqs = [m["seq"] for m in ch.sent]
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_queue_stays_bounded_without_log_or_channel():
+    """Phases and allreduces recorded in a loop that never calls log(), with no cluster:
+    the training thread's queue is written into the ring (which laps and counts) instead
+    of growing without end."""
+    rec = Recorder(0, None, capacity=64)
+    for step in range(1000):
+        rec.record(step, "time/data", 0.001)
+        rec.on_comm("allreduce.x", 16, 0.0001, "mpi", 0.0001)
+    assert len(rec._pend) <= rec.capacity
+    queued_rows = sum(1 if e[0] == 2 else 3 for e in rec._pend)  # a record: 1, a comm: 3
+    assert rec._w + queued_rows == 4000  # every row is in the ring or still queued
