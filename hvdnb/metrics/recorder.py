@@ -166,8 +166,7 @@ class Recorder:
         q = self._pend
         q.append((_RECORD, t, step, name, value))
         if len(q) > self.capacity:  # no log() drains it (phases alone, no channel)
-            with self._lock:
-                self._drain()
+            self._try_drain()
 
     def log(self, step: int, loss: Any = None, **metrics: Any) -> None:
         # The hot path appends what it was given and returns: measured inside a 2-rank
@@ -276,6 +275,16 @@ class Recorder:
         self._prev_step, self.last_log, self.step_time = prev, last, st
         self._w = w  # published last: a pack reads rows below _w only
 
+    def _try_drain(self) -> None:
+        """Drain on the training thread unless a pack holds the lock: that pack drains the
+        queue itself, and it may be reading a CUDA value (waiting for the device), which
+        the step must never wait for."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
     def logged_step(self) -> int:
         """The last step given to ``log`` (-1: none in this loop), drained or not."""
         try:
@@ -349,8 +358,7 @@ class Recorder:
             q = self._pend
             q.append((_COMM, t, self.cur_step, name, nbytes, seconds, backend, exposed))
             if len(q) > self.capacity:  # no log() drains it (allreduces alone, no channel)
-                with self._lock:
-                    self._drain()
+                self._try_drain()
             return
         self.comm_backend = backend
         step = self.cur_step
@@ -374,8 +382,7 @@ class Recorder:
         GIL from the training thread, and on a loaded machine each hand-over of the GIL
         costs the training thread a wake-up (ms). The flusher thread then only covers a
         loop that stopped logging (see ``_run``)."""
-        with self._lock:
-            self._drain()  # also without a channel: the queue stays one interval long
+        self._try_drain()  # also without a channel: the queue stays one interval long
         first = not self._due  # the first message goes out one interval after the first log
         self._due = now + self.interval(now)
         if self.channel is None:

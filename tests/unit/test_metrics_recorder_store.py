@@ -660,3 +660,38 @@ def test_queue_stays_bounded_without_log_or_channel():
     assert len(rec._pend) <= rec.capacity
     queued_rows = sum(1 if e[0] == 2 else 3 for e in rec._pend)  # a record: 1, a comm: 3
     assert rec._w + queued_rows == 4000  # every row is in the ring or still queued
+
+
+def test_log_never_waits_for_a_pack_in_progress():
+    """A pack on the flusher thread holds the lock while it reads a CUDA value, which can
+    wait for the device: log(), due to send, must not wait for it (the pack drains the
+    queue itself)."""
+    import threading
+    import time
+
+    ch = FakeChannel()
+    rec = Recorder(0, ch, flush_interval=0.01, capacity=1024)
+    rec.log(0, 1.0)  # the first log only schedules the first message
+    held, release = threading.Event(), threading.Event()
+
+    def slow_pack() -> None:  # as the flusher thread's flush(): both locks, then a slow read
+        with rec._send_lock, rec._lock:
+            held.set()
+            release.wait(5)
+
+    th = threading.Thread(target=slow_pack)
+    th.start()
+    held.wait(5)
+    time.sleep(0.02)  # a message is due now
+    t0 = time.perf_counter()
+    for step in range(1, 40):
+        rec.log(step, 1.0, samples=4)
+        rec.on_comm("allreduce.x", 16, 0.0001, "mpi", 0.0)
+        rec.record(step, "time/data", 0.001)
+        time.sleep(0.002)  # several messages fall due during the loop
+    took = time.perf_counter() - t0
+    release.set()
+    th.join()
+    assert took < 1.0, f"log waited {took:.2f} s for a pack held elsewhere"
+    rec.flush()
+    assert [s for s, _, _ in _rows_of(ch.sent)["loss"]] == list(range(40))
