@@ -200,3 +200,17 @@ def test_runs_chart_overlays_runs_with_their_knobs_in_the_legend():
     assert out.count("<polyline") == 2
     assert "run 1: batch_size=32" in out and "run 2: batch_size=32" in out
     assert "n/a" in runs_html(st, "samples")  # these runs logged no samples=
+
+
+def test_svg_curve_coordinates_land_on_the_plot_corners_and_skip_nan():
+    """The curves are written in tenths of a pixel inside a scale(0.1) group: a line from
+    (0, 0) to (10, 1) through a missing point runs from the plot's bottom-left corner to
+    its top-right corner, and the NaN is left out (never drawn as 0)."""
+    import re
+
+    from hvdnb.widgets.svg import H, L, R, T, B, W, line_chart
+
+    svg = line_chart("t", [("a", [0.0, 5.0, 10.0], [0.0, float("nan"), 1.0])])
+    assert "<g transform='scale(0.1)'>" in svg
+    pts = re.search(r"<polyline points='([^']*)'", svg).group(1).split()
+    assert [int(v) for v in pts] == [10 * L, 10 * (H - B), 10 * (W - R), 10 * T]
