@@ -10,9 +10,9 @@ Three parts:
    one cell each. Blocks of ~2 s (several flush intervals each, steady ones included)
    alternate panel streaming on (``hvdnb.log`` every step, the allreduce listener, the
    messages, the notebook's store and a headless panel redrawing from the cell's wait
-   hook; the block ends with its own last flush) and off (``hvdnb.metrics.set_enabled
-   (False)``: ``log`` returns at once and no listener times the allreduces, as in a loop
-   that never logs); the block time is the max over ranks, the overhead the median of the
+   hook; the block ends with its own last flush) and off (the loop does not call
+   ``hvdnb.log`` and ``hvdnb.metrics.set_enabled(False)`` unregisters the allreduce
+   listener: a loop that never logs); the block time is the max over ranks, the overhead the median of the
    ratios of adjacent on/off blocks, with a 95 % bootstrap interval.
 2. latency: from a rank's ``hvdnb.log`` call (its timestamp) to the panel's widget model
    holding that point, for every loss point of the "on" blocks.
@@ -77,13 +77,21 @@ def run(n, mode):
     rec.warm = 0.0 if mode == "steady" else float("inf")
     comm.Barrier()
     t0 = time.perf_counter()
-    for _ in range(n):
-        opt.zero_grad()
-        loss = loss_fn(model(X), Y)
-        loss.backward()
-        opt.step()
-        hvdnb.log(step, loss, samples=__BATCH__)
-        step += 1
+    if on:
+        for _ in range(n):
+            opt.zero_grad()
+            loss = loss_fn(model(X), Y)
+            loss.backward()
+            opt.step()
+            hvdnb.log(step, loss, samples=__BATCH__)
+            step += 1
+    else:  # a loop that never logs
+        for _ in range(n):
+            opt.zero_grad()
+            loss = loss_fn(model(X), Y)
+            loss.backward()
+            opt.step()
+            step += 1
     if on:  # what is still unsent is this block's cost (the end of a cell flushes it too)
         rec.flush()
     return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n

@@ -21,7 +21,8 @@ Communication, per collective or fused bucket and step, as ``hvdnb.torch`` and
 ``ddp_comm_hook`` report it: ``comm/<bucket>/time`` is the collective's own duration,
 ``comm/<bucket>/exposed`` what the training thread waited for it (the step breakdown's
 "comm" when the loop marks no ``phase("comm")``), ``comm/<bucket>/bytes`` this rank's
-payload. A collective is one operation: it runs from the moment the last rank joins it
+payload. While a loop logs, ranks time the collectives of one step in k (see
+``Config.comm_sample_interval``): these rows exist on those steps only. A collective is one operation: it runs from the moment the last rank joins it
 to its completion, and a rank that started it earlier also waited for the others. So
 the panel's *collective time* of a bucket at a step is the smallest of the ranks' own
 readings (the last rank to arrive waited least); a rank's excess over it is waiting for
@@ -573,6 +574,29 @@ class MetricsStore:
             out = {k: out[k] for k in keep}
         return out
 
+    def at_steps(self, prefix: str, rank: int, steps: Any,
+                 suffix: str = "/time") -> dict[int, float]:
+        """``per_step``'s sums at the given steps of the current run (steps missing from a
+        series contribute nothing). Found by bisection: step numbers increase within a
+        loop; a cell that runs two loops (steps start over) may find fewer of them."""
+        with self._lock:
+            keys = [(rank, n) for n in self._names_of.get(rank, ()) if
+                    n == prefix or (n.startswith(prefix) and n.endswith(suffix))]
+            out: dict[int, float] = {}
+            for k in keys:
+                s = self._series[k]
+                rs = s.run_slice(self.run_id)
+                arr, values = s.steps, s.values
+                lo_, hi_ = rs.start, rs.stop
+                for st in steps:
+                    i = bisect.bisect_left(arr, st, lo_, hi_)
+                    while i < hi_ and arr[i] == st:
+                        v = values[i]
+                        if v == v:
+                            out[st] = out.get(st, 0.0) + v
+                        i += 1
+        return out
+
     def breakdown(self, last_steps: int = 50) -> dict[int, dict[str, float]]:
         """Median seconds per step on each rank, split into data / compute / comm.
 
@@ -581,7 +605,10 @@ class MetricsStore:
         else the *exposed* communication ``hvdnb.torch`` / ``ddp_comm_hook`` reported (time
         the training thread waited for collectives; communication hidden behind backward
         is compute time, not comm), and ``compute`` is the rest (or ``phase("compute")``
-        when marked).
+        when marked). With exposed communication, the medians are over the last
+        ``last_steps`` steps whose collectives were timed (one step in k while a loop logs,
+        see ``Config.comm_sample_interval``): each row pairs a step's own total, data and
+        comm.
 
         Computed once per store version (the panel's chart and hint share it); beyond
         ``MANY_RANKS`` ranks the medians cover the last ``last_steps // 5`` steps, which
@@ -599,10 +626,16 @@ class MetricsStore:
             step = self.per_step("time/step", r, last_steps)
             if not step:
                 continue
-            data = self.per_step("time/data", r, last_steps)
-            comm = (self.per_step("time/comm", r, last_steps)
-                    or self.per_step("comm/", r, last_steps, suffix="/exposed"))
-            marked_compute = self.per_step("time/compute", r, last_steps)
+            comm = self.per_step("time/comm", r, last_steps)
+            if comm:
+                data = self.per_step("time/data", r, last_steps)
+                marked_compute = self.per_step("time/compute", r, last_steps)
+            else:
+                comm = self.per_step("comm/", r, last_steps, suffix="/exposed")
+                if comm:  # the timed steps (one in k): every part read at those steps
+                    step = self.at_steps("time/step", r, comm) or step
+                data = self.at_steps("time/data", r, step)
+                marked_compute = self.at_steps("time/compute", r, step)
             rows = []
             for st, total in step.items():
                 d = min(data.get(st, 0.0), total)

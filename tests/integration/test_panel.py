@@ -236,3 +236,47 @@ def test_ddp_hook_reports_collective_and_exposed_time(dist2):
         # the step breakdown's comm is the exposed time, not the collectives' sum
         coll = store.per_step("comm/", rank)
         assert sum(exposed.values()) < sum(coll.values())
+
+
+SAMPLED = r"""
+import torch, hvdnb
+import hvdnb.torch as hvd
+hvd.init()
+torch.set_num_threads(1)
+model = torch.nn.Linear(64, 10)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+rec = hvdnb.metrics.get_recorder()
+x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+def train(steps, first):
+    for step in range(first, first + steps):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        hvdnb.log(step, loss)
+train(3000, 0)
+k = rec.comm_every
+rec.comm_interval, rec.comm_every = 0.0, 1  # every step from here on
+train(200, 3000)
+rec.flush()
+k
+"""
+
+
+def test_short_steps_time_their_collectives_on_one_step_in_k(dist2):
+    """Steps of well under a millisecond: the allreduce listener times one step in k
+    (k > 1), each timed step's exposed wait lies within that step, and the breakdown reads
+    those steps; with ``comm_interval`` 0 every step is timed."""
+    store = attach(dist2)
+    store.clear()
+    res = cells.run_cell(dist2, SAMPLED, quiet=True)
+    for rank, k in res.values.items():
+        assert k > 1, "steps of < 1 ms were timed every step"
+        exposed = store.per_step("comm/", rank, 10_000, suffix="/exposed")
+        early = [s for s in exposed if s < 3000]
+        assert 3000 / 70 < len(early) < 3000 / 2, len(early)
+        assert all(s in exposed for s in range(3001, 3200)), "comm_interval 0: every step"
+        steps = store.at_steps("time/step", rank, exposed)
+        assert set(steps) == set(exposed) - {0}
+        assert all(exposed[s] <= steps[s] for s in steps)
+        b = store.breakdown()[rank]
+        assert 0 < b["comm"] <= b["step"] and b["compute"] >= 0

@@ -695,3 +695,73 @@ def test_log_never_waits_for_a_pack_in_progress():
     assert took < 1.0, f"log waited {took:.2f} s for a pack held elsewhere"
     rec.flush()
     assert [s for s, _, _ in _rows_of(ch.sent)["loss"]] == list(range(40))
+
+
+def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
+    """With ``comm_interval``, the recorder's listener is registered only for the steps
+    ``s`` with ``s % comm_every == 0`` (k from the step time), and again between loops."""
+    rec = Recorder(0, None, flush_interval=0.01, capacity=1 << 12, comm_interval=0.008)
+    listeners: list = []
+    rec._comm_list = listeners
+    rec._time_comm(True)
+    registered = []
+    clock = [100.0]
+    import hvdnb.metrics.recorder as recmod
+
+    real = recmod._perf_counter
+    recmod._perf_counter = lambda: clock[0]
+    try:
+        for step in range(200):
+            registered.append((rec.cur_step, rec._on_comm in listeners))
+            if rec._on_comm in listeners:
+                rec.on_comm("bucket.0", 64, 1e-4, "mpi", 5e-5)
+            clock[0] += 0.001  # 1 ms steps
+            rec.log(step, 0.5)
+    finally:
+        recmod._perf_counter = real
+    rec._try_drain()
+    assert rec.comm_every == 8  # 8 ms / 1 ms
+    late = [(s, on) for s, on in registered if s >= 50]  # once the step time is known
+    assert late and all(on == (s % 8 == 0) for s, on in late)
+    timed = [r for r in _rows(rec) if r[1] == "comm/bucket.0/exposed"]
+    assert {s for s, _, _ in timed if s >= 50} == {s for s in range(56, 200) if s % 8 == 0}
+    rec.new_loop()  # a new cell: collectives outside a logging loop are all timed
+    assert rec._on_comm in listeners and rec.comm_every == 1
+    # comm_interval 0 (the default of a bare Recorder): every step
+    rec0 = Recorder(0, None, capacity=1 << 10)
+    rec0._comm_list = []
+    rec0._time_comm(True)
+    for step in range(20):
+        rec0.log(step, 0.5)
+        assert rec0._on_comm in rec0._comm_list
+
+
+def _rows(rec: Recorder) -> list[tuple[int, str, float]]:
+    n = rec._w
+    return [(rec._steps[i], rec._name_list[rec._names[i]], rec._vals[i])
+            for i in range(max(0, n - rec.capacity), n)]
+
+
+def test_breakdown_pairs_each_timed_step_with_its_own_step_time():
+    """Collectives timed on one step in 4: the breakdown's rows are those steps, each with
+    its own step time and data phase (a timed step that took longer is not compared with
+    the untimed ones)."""
+    st = MetricsStore()
+    steps = list(range(200))
+    t = [1000.0 + 0.001 * s for s in steps]
+    timed = [s for s in steps if s % 4 == 0]
+    st.ingest({"rank": 0, "seq": 1, "cols": {
+        "time/step": [steps, t, [0.003 if s % 4 == 0 else 0.001 for s in steps]],
+        "time/data": [steps, t, [0.0005] * len(steps)],
+        "comm/bucket.0/exposed": [timed, [1000.0 + 0.001 * s for s in timed],
+                                  [0.002] * len(timed)]}})
+    b = st.breakdown()[0]
+    assert b["step"] == pytest.approx(0.003) and b["comm"] == pytest.approx(0.002)
+    assert b["data"] == pytest.approx(0.0005) and b["compute"] == pytest.approx(0.0005)
+    # the same data with no collective timed: every step, comm 0
+    st2 = MetricsStore()
+    st2.ingest({"rank": 0, "seq": 1, "cols": {
+        "time/step": [steps, t, [0.001] * len(steps)],
+        "time/data": [steps, t, [0.0005] * len(steps)]}})
+    b2 = st2.breakdown()[0]
+    assert b2["comm"] == 0.0 and b2["compute"] == pytest.approx(0.0005)
