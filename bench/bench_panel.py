@@ -13,10 +13,11 @@ Three parts:
    hook; the block ends with its own last flush) and off (the loop does not call
    ``hvdnb.log`` and ``hvdnb.metrics.set_enabled(False)`` unregisters the allreduce
    listener: a loop that never logs); the block time is the max over ranks, the overhead
-   the median of the ratios of adjacent on/off blocks, with a 95 % bootstrap interval. Then 4 more steady
-   blocks time, inside the loop, each ``hvdnb.log`` call and each collective's report
-   (``in loop us/step``: the ranks' direct cost, free of the machine's noise; it leaves
-   out the CPU that the notebook and the ranks' I/O threads take from the ranks).
+   the median of the ratios of adjacent on/off blocks, with a 95 % bootstrap interval.
+   Then 4 more steady blocks time, inside the loop, each ``hvdnb.log`` call and each
+   collective's report (``in loop us/step``: the ranks' direct cost, free of the
+   machine's noise; it leaves out the CPU that the notebook and the ranks' I/O threads
+   take from the ranks).
 2. latency: from a rank's ``hvdnb.log`` call (its timestamp) to the panel's widget model
    holding that point, for every loss point of the "on" blocks.
 3. scale: one process stands in for 64 ranks (64 real ``EngineChannel`` sockets and 64

@@ -16,9 +16,10 @@ progress. While a loop logs, the allreduce listener is registered for one step i
 only (``Recorder.comm_every``: timed steps ``comm_interval`` seconds apart, 8 ms by
 default; every step when steps are longer): reporting a timed collective costs the
 training thread ~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are
-drained, packed and sent with the step's. Ints and CPU tensors become floats in ``log`` (``.item()`` on a CPU tensor
-never waits); other objects (a CUDA loss, an NCCL timing) are kept as references and
-turned into floats on the flusher thread, so the training thread never waits for the device.
+drained, packed and sent with the step's. Ints and CPU tensors become floats in ``log``
+(``.item()`` on a CPU tensor never waits); other objects (a CUDA loss, an NCCL timing)
+are kept as references and turned into floats on the flusher thread, so the training
+thread never waits for the device.
 
 Never: block the step, issue a collective, call ``cuda.synchronize``, import torch
 (it is used only when the training code already imported it), or raise into the training

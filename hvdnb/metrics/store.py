@@ -22,13 +22,15 @@ Communication, per collective or fused bucket and step, as ``hvdnb.torch`` and
 ``comm/<bucket>/exposed`` what the training thread waited for it (the step breakdown's
 "comm" when the loop marks no ``phase("comm")``), ``comm/<bucket>/bytes`` this rank's
 payload. While a loop logs, ranks time the collectives of one step in k (see
-``Config.comm_sample_interval``): these rows exist on those steps only. A collective is one operation: it runs from the moment the last rank joins it
-to its completion, and a rank that started it earlier also waited for the others. So
-the panel's *collective time* of a bucket at a step is the smallest of the ranks' own
-readings (the last rank to arrive waited least); a rank's excess over it is waiting for
-peers, which shows as exposed time and in the straggler hint. Bus bandwidth follows
-nccl-tests: ``bytes * 2 (n - 1) / n / collective time`` for n ranks. Series are indexed by rank as well as by
-(rank, name), so views cost O(ranks), not O(ranks x series): 1,024 ranks stay cheap.
+``Config.comm_sample_interval``): these rows exist on those steps only. A collective is
+one operation: it runs from the moment the last rank joins it to its completion, and a
+rank that started it earlier also waited for the others. So the panel's *collective
+time* of a bucket at a step is the smallest of the ranks' own readings (the last rank to
+arrive waited least); a rank's excess over it is waiting for peers, which shows as
+exposed time and in the straggler hint. Bus bandwidth follows nccl-tests:
+``bytes * 2 (n - 1) / n / collective time`` for n ranks. Series are indexed by rank as
+well as by (rank, name), so views cost O(ranks), not O(ranks x series): 1,024 ranks
+stay cheap.
 
 Never: import torch or widgets, block the channel thread, or invent a value: a reading a
 rank did not send is None (shown as "n/a"), not 0.
@@ -556,8 +558,7 @@ class MetricsStore:
         (or equals ``prefix``), per step of the current run, over its last ``last_steps``
         steps."""
         with self._lock:
-            keys = [(rank, n) for n in self._names_of.get(rank, ()) if
-                    n == prefix or (n.startswith(prefix) and n.endswith(suffix))]
+            keys = self._summed_keys(prefix, rank, suffix)
             parts = []
             for k in keys:
                 s = self._series[k]
@@ -574,14 +575,19 @@ class MetricsStore:
             out = {k: out[k] for k in keep}
         return out
 
+    def _summed_keys(self, prefix: str, rank: int, suffix: str) -> list[tuple[int, str]]:
+        """The series ``per_step`` / ``at_steps`` sum: ``prefix`` itself, or names starting
+        with ``prefix`` and ending with ``suffix`` (caller holds the lock)."""
+        return [(rank, n) for n in self._names_of.get(rank, ()) if
+                n == prefix or (n.startswith(prefix) and n.endswith(suffix))]
+
     def at_steps(self, prefix: str, rank: int, steps: Any,
                  suffix: str = "/time") -> dict[int, float]:
         """``per_step``'s sums at the given steps of the current run (steps missing from a
         series contribute nothing). Found by bisection: step numbers increase within a
         loop; a cell that runs two loops (steps start over) may find fewer of them."""
         with self._lock:
-            keys = [(rank, n) for n in self._names_of.get(rank, ()) if
-                    n == prefix or (n.startswith(prefix) and n.endswith(suffix))]
+            keys = self._summed_keys(prefix, rank, suffix)
             out: dict[int, float] = {}
             for k in keys:
                 s = self._series[k]
