@@ -80,7 +80,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         out = run_notebook(
-            args.notebook, n=args.n, output=args.output, timeout=args.timeout
+            args.notebook, n=args.n, output=args.output, timeout=args.timeout,
+            oversubscribe=args.oversubscribe,
         )
     except NotebookRunError as exc:
         print(f"hvdnb run: {exc}", file=sys.stderr)
@@ -127,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-n", type=int, default=None, help="ranks for %%dist start (default 2)")
     r.add_argument("-o", "--output", type=Path, default=None, help="where to save it")
     r.add_argument("--timeout", type=float, default=600, help="seconds per cell")
+    r.add_argument("--oversubscribe", action="store_true",
+                   help="allow more ranks than GPUs (they share them over gloo) or cores")
     r.set_defaults(func=_run)
     e = sub.add_parser("export", help="turn a notebook's %%distributed cells into a script "
                        "for mpiexec, torchrun or Slurm")

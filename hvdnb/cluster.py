@@ -170,13 +170,20 @@ class Cluster:
                 "--partition, --time, --gpus-per-node, --account and sbatch arguments are "
                 "Slurm options: add `--launcher slurm`"
             )
-        self.n = self._check_n(n, oversubscribe or self.multi_host)
+        self.n = self._check_n(n, oversubscribe or bool(cfg.oversubscribe) or self.multi_host)
         if backend not in (None, "auto", "gloo", "nccl", "mpi"):
             raise ClusterError(
                 f"unknown backend {backend!r}: use gloo (CPU), nccl (GPU), mpi, or leave it "
                 "out for automatic"
             )
         self.backend = None if backend == "auto" else backend
+        gpus = gpu_count()
+        if self.backend == "nccl" and not self.multi_host and 0 < gpus < self.n:
+            raise ClusterError(
+                f"--backend nccl needs one GPU per rank, and {self.n} ranks would share this "
+                f"host's {gpus} GPU(s): NCCL refuses two ranks on one GPU. Use `-n {gpus}`, or "
+                "leave --backend out (ranks that share a GPU use gloo)."
+            )
         if timeout is not None and not timeout > 0:
             raise ClusterError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.timeout = float(timeout or cfg.start_timeout)
@@ -214,9 +221,10 @@ class Cluster:
         gpus = gpu_count()
         limit, what = (gpus, "GPUs") if gpus else (cores(), "CPU cores")
         if n > limit and not oversubscribe:
+            share = " (ranks sharing a GPU use gloo: NCCL needs a GPU per rank)" if gpus else ""
             raise ClusterError(
                 f"{n} ranks but this host has {limit} {what}: ranks would share them and run "
-                f"slower. Use `-n {limit}`, or add `--oversubscribe` if you mean it."
+                f"slower. Use `-n {limit}`, or add `--oversubscribe` if you mean it{share}."
             )
         return n
 

@@ -24,6 +24,9 @@ class Config:
 
     #: ranks for ``%dist start`` without ``-n`` (0: one per GPU, else 2); ``hvdnb run -n`` sets it
     ranks: int = 0
+    #: 1: ``%dist start`` allows more ranks than this host has GPUs (or cores) without
+    #: ``--oversubscribe``; ranks sharing a GPU use gloo. ``hvdnb run --oversubscribe`` sets it
+    oversubscribe: int = 0
     #: seconds to wait for engines, process groups and rendezvous before giving up
     start_timeout: float = 60.0
     #: controller heartbeat period in ms: an engine counts as registered one to three

@@ -57,24 +57,32 @@ def cores() -> int:
 
 
 def gpu_count() -> int:
-    """GPUs on this host, found without importing torch or initialising CUDA here."""
+    """GPUs this process may use, found without importing torch or initialising CUDA here.
+
+    NVML lists every GPU of the host; ``CUDA_VISIBLE_DEVICES`` (which the engines inherit)
+    limits what CUDA, and so each rank, can see: the smaller of the two counts.
+    """
+    n = -1
     try:
         import pynvml  # from nvidia-ml-py, the [gpu] extra
 
         pynvml.nvmlInit()
         try:
-            return int(pynvml.nvmlDeviceGetCount())
+            n = int(pynvml.nvmlDeviceGetCount())
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no NVML: fall back to the driver's own listing
-        pass
+        gpus = Path("/proc/driver/nvidia/gpus")
+        n = len(list(gpus.iterdir())) if gpus.is_dir() else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = Path("/proc/driver/nvidia/gpus")
-    if not gpus.is_dir():
-        return 0
-    n = len(list(gpus.iterdir()))
     if visible is not None:
-        n = min(n, len([v for v in visible.split(",") if v.strip() not in ("", "-1")]))
+        ids = []
+        for v in visible.split(","):
+            v = v.strip()
+            if v == "" or v.startswith("-"):
+                break  # CUDA stops at the first invalid entry: "" or "-1" hides every GPU
+            ids.append(v)
+        n = min(n, len(ids))
     return n
 
 

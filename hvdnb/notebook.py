@@ -26,8 +26,12 @@ def run_notebook(
     n: int | None = None,
     output: str | os.PathLike[str] | None = None,
     timeout: float = 600,
+    oversubscribe: bool = False,
 ) -> Path:
     """Run every cell of ``path`` with a cluster of ``n`` ranks; save the executed copy.
+
+    ``oversubscribe`` lets ``%dist start`` put more ranks on the host than it has GPUs (or
+    cores): e.g. a 2-rank notebook on a 1-GPU machine (the ranks share it over gloo).
 
     Returns the path of the executed notebook (default: ``<name>.out.ipynb`` beside it).
     """
@@ -50,6 +54,8 @@ def run_notebook(
         spec = get_kernel_dict()
         if n is not None:
             spec["env"]["HVDNB_RANKS"] = str(n)
+        if oversubscribe:
+            spec["env"]["HVDNB_OVERSUBSCRIBE"] = "1"
         (kdir / "kernel.json").write_text(json.dumps(spec))
         km = KernelManager(
             kernel_name=KERNEL_NAME,

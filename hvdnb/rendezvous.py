@@ -280,15 +280,33 @@ def export_env(w: World, master_addr: str, master_port: int) -> None:
     )
 
 
-def default_backend() -> str:
-    """``nccl`` when this process can see a GPU, ``gloo`` otherwise."""
+def shares_gpus(w: World) -> bool:
+    """Do this host's ranks outnumber the GPUs they can see (``--oversubscribe``)?"""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return torch.cuda.is_available() and w.local_size > torch.cuda.device_count()
+
+
+def default_backend(w: World | None = None) -> str:
+    """``nccl`` when each rank of this host has a GPU of its own, ``gloo`` otherwise.
+
+    Ranks that share a GPU (more ranks than GPUs on a host) get gloo: NCCL refuses two
+    ranks of one communicator on one device. Gloo reduces CUDA tensors too, through host
+    memory, so the same training code runs, slower.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "gloo"
+    return "gloo" if w is not None and shares_gpus(w) else "nccl"
 
 
 def setup_device(w: World) -> str:
-    """Pin this rank to its GPU by local rank (GPU hosts) and set torch's thread count."""
+    """Pin this rank to its GPU by local rank (GPU hosts) and set torch's thread count.
+
+    With more ranks than GPUs on the host they share them round-robin (rank ``i`` on GPU
+    ``i % count``).
+    """
     import torch
 
     torch.set_num_threads(threads_per_rank(w))
@@ -325,7 +343,7 @@ def init_process_group(
     if dist.is_available() and dist.is_initialized():
         return w
     timeout_s = cfg.collective_timeout if timeout is None else timeout
-    backend = backend or default_backend()
+    backend = backend or default_backend(w)
     if backend == "nccl":
         import torch
 
@@ -334,6 +352,16 @@ def init_process_group(
                 "backend nccl needs a CUDA GPU on every rank and this rank sees none: use "
                 "--backend gloo, or leave --backend out to choose automatically"
             )
+        if shares_gpus(w):
+            raise RuntimeError(
+                f"backend nccl needs one GPU per rank, and this host runs {w.local_size} ranks "
+                f"on {torch.cuda.device_count()} GPU(s): NCCL refuses two ranks on one GPU. "
+                "Start as many ranks as GPUs, or leave --backend out (gloo when ranks share)"
+            )
+    if backend == "nccl":
+        # ProcessGroupNCCL then records CUDA events around each collective on its stream:
+        # the collective's own GPU time (Work.get_duration) that the panel shows
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     setup_device(w)
     _bind_group_defaults_before_init()
     if w.source == "env":
@@ -561,7 +589,7 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
         old_backend = dist.get_backend()
         dist.destroy_process_group()
     _GENERATION = generation
-    _init_from_store(backend or old_backend or default_backend(), w, get_config().collective_timeout)
+    _init_from_store(backend or old_backend or default_backend(w), w, get_config().collective_timeout)
 
 
 def generation() -> int:

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
+
+# The suite's CPU tests start CPU ranks (gloo, MPI) on any machine, a GPU node too: every
+# process they start inherits a hidden GPU list, and hvdnb's GPU count honours it. Tests
+# marked gpu see the GPUs again inside ``gpu_visible()``. Set before torch is imported.
+REAL_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@contextmanager
+def gpu_visible() -> Iterator[None]:
+    """Give processes started inside the block (and hvdnb's GPU count) the real GPUs."""
+    if REAL_CUDA_VISIBLE_DEVICES is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = REAL_CUDA_VISIBLE_DEVICES
+    try:
+        yield
+    finally:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

@@ -742,12 +742,19 @@ class _MemorySampler:
                 self._nvml = None
         if self._nvml is None:
             return None
+        nvml = self._nvml
         try:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
             ids = [v.strip() for v in visible.split(",") if v.strip()]
             index = int(ids[dev]) if dev < len(ids) and ids[dev].isdigit() else dev
-            h = self._nvml.nvmlDeviceGetHandleByIndex(index)
-            return float(self._nvml.nvmlDeviceGetMemoryInfo(h).used)
+            h = nvml.nvmlDeviceGetHandleByIndex(index)
+            v2 = getattr(nvml, "nvmlMemory_v2", None)
+            if v2 is not None:
+                try:  # "used" as nvidia-smi shows it: the driver's reserve is not in it
+                    return float(nvml.nvmlDeviceGetMemoryInfo(h, version=v2).used)
+                except Exception:  # an older driver: v1, whose "used" counts the reserve
+                    pass
+            return float(nvml.nvmlDeviceGetMemoryInfo(h).used)
         except Exception:
             return None
 
@@ -882,7 +889,7 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
 
     For plain ``torch.nn.parallel.DistributedDataParallel`` users (hvdnb.torch's
     DistributedOptimizer reports by itself). The hook is torch's ``allreduce_hook``; per
-    bucket and step it records, measured on the host (no ``cuda.synchronize``):
+    bucket and step it records, never waiting for the device (no ``cuda.synchronize``):
 
     - ``comm/ddp.bucket.<i>/time``, the collective's own duration: from when it could
       start (its launch, or the previous bucket's completion when the backend was still
@@ -893,11 +900,16 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
       completion is seen when Gloo's thread gets the GIL, so a bucket that completes
       while the training thread still runs Python reads late: measured on 2 CPU ranks,
       6 buckets of 257 KB read 0.4-0.9 ms where the same allreduce alone took 0.45-0.65
-      ms, except the first of each step, 1.7-2.4 ms;
+      ms, except the first of each step, 1.7-2.4 ms. On CUDA (NCCL) it is NCCL's own
+      kernel time (``Work.get_duration()``: CUDA events ProcessGroupNCCL records on its
+      stream; ``TORCH_NCCL_ENABLE_TIMING=1``, which hvdnb's rendezvous sets), read on the
+      flusher thread; "n/a" (NaN) for a group made without timing;
     - ``comm/ddp.bucket.<i>/exposed``, communication the step waited for: DDP waits for
       every bucket once the last one is launched (backward compute is over), so a bucket
       completing after that instant exposes the time since the later of that instant
-      and the previous completion; buckets done earlier were hidden behind backward (0);
+      and the previous completion; buckets done earlier were hidden behind backward (0).
+      On CUDA "n/a" (NaN): DDP makes the stream wait inside its C++ reducer, where no
+      event can be placed (hvdnb.torch's DistributedOptimizer measures it on the GPU);
     - ``comm/ddp.bucket.<i>/bytes``.
 
     Parameters
@@ -929,6 +941,18 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
         buf = bucket.buffer()
         cuda = bool(buf.is_cuda)
         nbytes = float(buf.numel() * buf.element_size())
+        if cuda:  # allreduce_hook's own steps, keeping the Work for NCCL's kernel time
+            from hvdnb.torch.rounds import _NcclSeconds
+
+            group = st if st is not None else dist.group.WORLD
+            buf.div_(group.size())
+            work = dist.all_reduce(buf, group=group, async_op=True)
+            t = time.time()
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/time", _NcclSeconds(work)))
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/exposed", math.nan))
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/bytes", nbytes))
+            rec.comm_backend = backend
+            return work.get_future().then(lambda f: f.value()[0])
         if is_last:
             with lock:
                 clock["last_launch"] = t0
@@ -945,9 +969,8 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
                 if is_last:  # every bucket of this step is done: the next step starts afresh
                     clock["last_launch"] = clock["prev_done"] = 0.0
             t = time.time()
-            nan = math.nan
-            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/time", nan if cuda else t1 - start))
-            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/exposed", nan if cuda else exposed))
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/time", t1 - start))
+            rec._side.append((step, t, f"comm/ddp.bucket.{idx}/exposed", exposed))
             rec._side.append((step, t, f"comm/ddp.bucket.{idx}/bytes", nbytes))
             rec.comm_backend = backend
             return f.value()

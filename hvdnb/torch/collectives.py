@@ -67,7 +67,10 @@ def _grouped(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | Non
     op = _op(op, average)
     tensors = list(tensors)
     if len({t.device for t in tensors}) > 1:
-        raise ValueError("grouped_allreduce: every tensor of a group must be on one device")
+        raise RuntimeError(  # Horovod raises RuntimeError here (a fatal op error)
+            "grouped_allreduce: every tensor of a group must be on one device; reduce CPU "
+            "and GPU tensors in separate groups"
+        )
     names = _grouped_names(ps, name, Kind.ALLREDUCE, len(tensors))
     if not is_async and not inplace and torch.is_grad_enabled() and any(
             t.requires_grad for t in tensors):
@@ -332,12 +335,15 @@ def _alltoall_op(tensor: torch.Tensor, splits: Any, name: str | None,
     hdr = HDR.pack(Kind.ALLTOALL, _nh(name), _dcode(x), 0, 0, hash(trailing), len(trailing),
                    0, 0, 0, 0, 0, x.shape[0], 0, 0, 0)
 
+    # received splits where the splits were (Horovod: a CUDA splits tensor gets CUDA ones)
+    sdev = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
+
     def start(hdrs: list[bytes]) -> Handle:
         rs = tr.alltoall_counts(s)
         rowbytes = torch.Size(trailing).numel() * x.element_size()
         out = torch.empty((sum(rs), *trailing), dtype=x.dtype, device=x.device)
         tr.alltoallv(x, [v * rowbytes for v in s], out, [v * rowbytes for v in rs])
-        return Handle(None, None, (out, torch.tensor(rs, dtype=torch.int32)))
+        return Handle(None, None, (out, torch.tensor(rs, dtype=torch.int32, device=sdev)))
 
     return tr, Op(name, hdr, _desc(Kind.ALLTOALL, name, tensor, trailing_shape=trailing), start)
 

@@ -112,6 +112,10 @@ def _mismatch(tr: Any, mine: dict[str, Any]) -> None:
 
 def _scale(t: torch.Tensor, f: float, inplace: bool) -> torch.Tensor:
     if t.is_floating_point():
+        if t.is_cuda and t.element_size() == 2:
+            # Horovod's GPU kernels scale 16-bit floats by the factor rounded to that type
+            # (on CPU they compute in float32, as hvdnb's wire dtype does there)
+            f = float(torch.tensor(f, dtype=t.dtype))
         return t.mul_(f) if inplace else t * f
     # Horovod scales integers in double precision and truncates
     s = (t.double() * f).to(t.dtype)
@@ -325,20 +329,12 @@ def _allreduce_op(
 
 def _nccl_timed(tr: Any, wire: torch.Tensor, res: torch.Tensor, op: int,
                 finish: Callable[[torch.Tensor], Any], meta: Any) -> Handle:
-    """NCCL with CUDA events around it on a side stream (read later, never here)."""
-    from .rounds import _CudaSeconds
+    """NCCL, its own kernel time read later from the Work (never here)."""
+    from .rounds import _NcclSeconds
 
-    cur = torch.cuda.current_stream(wire.device)
-    side = torch.cuda.Stream(device=wire.device)
-    side.wait_stream(cur)
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    with torch.cuda.stream(side):
-        start.record()
-        work = tr.allreduce(wire, res, op, True)
-        work.wait()
-        end.record()
+    work = tr.allreduce(wire, res, op, True)
     h = Handle(work, lambda: finish(res), None, meta)
-    h.cuda = _CudaSeconds(start, end)
+    h.cuda = _NcclSeconds(work)
     return h
 
 

@@ -31,6 +31,7 @@ decision is a function of what all ranks sent), or block in ``poll``.
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from typing import Any, Callable
@@ -70,17 +71,69 @@ def kind_of(h: bytes) -> int:
 
 
 # -- handles ----------------------------------------------------------------------------
-class _CudaSeconds:
-    """A collective's own GPU time, read later (off the hot path) by the recorder."""
+class _NcclSeconds:
+    """A collective's own GPU time as ProcessGroupNCCL measures it: CUDA events it records
+    on its own stream around the kernel (``TORCH_NCCL_ENABLE_TIMING=1``, which hvdnb's
+    rendezvous sets for NCCL groups). Read later (the recorder's flusher thread, the
+    timeline's flush), never in the step; read once, then kept; NaN ("n/a") when the group
+    was made without timing."""
 
-    __slots__ = ("start", "end")
+    __slots__ = ("work", "value")
 
-    def __init__(self, start: Any, end: Any) -> None:
-        self.start, self.end = start, end
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.value: float | None = None
+
+    def ready(self) -> bool:
+        """Has the GPU finished it (never waits)?"""
+        w = self.work
+        return w is None or self.value is not None or bool(w.is_completed())
 
     def item(self) -> float:
-        self.end.synchronize()
-        return float(self.start.elapsed_time(self.end)) / 1000.0
+        if self.value is not None:
+            return self.value
+        w = self.work
+        if w is None:
+            return math.nan
+        deadline = time.monotonic() + 60.0
+        try:
+            while not w.is_completed():  # polls the end event; never blocks the device
+                if time.monotonic() > deadline:
+                    return math.nan
+                time.sleep(0.0002)
+            v = float(w.get_duration()) / 1000.0
+        except Exception:  # timing off for this group, or the work failed
+            v = math.nan
+        self.value, self.work = v, None
+        return v
+
+
+class _CudaGap:
+    """How long the compute stream waited for a collective: CUDA events on the current
+    stream just before and just after it was made to wait for the collective's end."""
+
+    __slots__ = ("before", "after")
+
+    def __init__(self, before: Any, after: Any) -> None:
+        self.before, self.after = before, after
+
+    def ready(self) -> bool:
+        return bool(self.after.query())
+
+    def item(self) -> float:
+        self.after.synchronize()
+        return float(self.before.elapsed_time(self.after)) / 1000.0
+
+
+def _cuda_wait(work: Any) -> _CudaGap:
+    """``work.wait()`` (the current stream waits for NCCL; the host does not) between two
+    timing events: the exposed communication on the GPU."""
+    before = torch.cuda.Event(enable_timing=True)
+    after = torch.cuda.Event(enable_timing=True)
+    before.record()
+    work.wait()
+    after.record()
+    return _CudaGap(before, after)
 
 
 class GlooClock:
@@ -120,7 +173,8 @@ class Handle:
 
     ``meta`` is (name, nbytes, backend) when comm listeners were registered at launch;
     ``own`` / ``exp`` accumulate the blocking seconds of the collective and of the calling
-    thread, ``gloo`` is a GlooClock record, ``cuda`` a _CudaSeconds.
+    thread, ``gloo`` is a GlooClock record, ``cuda`` an _NcclSeconds (NCCL's own timing;
+    the exposed time is then a _CudaGap on the compute stream).
     """
 
     __slots__ = ("work", "finish", "result", "meta", "own", "exp", "gloo", "cuda")
@@ -143,6 +197,8 @@ class Handle:
         if w is not None:
             if self.meta is None:
                 w.Wait() if hasattr(w, "Test") else w.wait()
+            elif self.cuda is not None:
+                self.exp = _cuda_wait(w)
             else:
                 t0 = time.perf_counter()
                 w.Wait() if hasattr(w, "Test") else w.wait()

@@ -38,8 +38,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        if not self.training or self.process_set.size() == 1:
+        if not self.training:
             return super().forward(x)
+        # in training even one rank takes the synchronised path (as Horovod does): the
+        # statistics come from the same formulas, and a batch of one value per channel
+        # (which torch's BatchNorm refuses in training) gives variance 0
         c = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         xf = x.float()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import signal
 import time
@@ -47,6 +48,8 @@ class TimelineWriter:
         self._last = time.monotonic()
         self.truncated = False
         self.closed = False
+        #: NCCL collectives whose CUDA timings the GPU has not finished yet
+        self._deferred: list[tuple[Any, ...]] = []
 
     def event(self, name: str, cat: str, ts_us: float, dur_us: float, **args: Any) -> None:
         """Record one complete event ("ph": "X"); drops events past the size bound."""
@@ -58,9 +61,35 @@ class TimelineWriter:
         if time.monotonic() - self._last > self.flush_interval:
             self.flush()
 
-    def flush(self) -> None:
+    def defer(self, name: str, cat: str, end_us: float, seconds: Any, exposed: Any,
+              **args: Any) -> None:
+        """An event whose duration (and exposed time) are CUDA timings: written at a flush
+        once the GPU has finished them, so recording never waits for the device."""
+        if not (self.closed or self.truncated):
+            self._deferred.append((name, cat, end_us, seconds, exposed, args))
+
+    def _resolve(self, force: bool) -> None:
+        keep = []
+        for item in self._deferred:
+            name, cat, end_us, seconds, exposed, args = item
+            if not force and not all(getattr(v, "ready", lambda: True)() for v in
+                                     (seconds, exposed)):
+                keep.append(item)
+                continue
+            sec, exp = _seconds(seconds), _seconds(exposed)
+            if sec != sec:
+                sec = exp if exp == exp else 0.0
+            ev = {"name": name, "cat": cat, "ph": "X", "ts": round(end_us - sec * 1e6, 1),
+                  "dur": round(sec * 1e6, 1), "pid": self.pid, "tid": 0,
+                  "args": {**args, "exposed_us": round(exp * 1e6, 1) if exp == exp else None}}
+            self._buf.append(json.dumps(ev, separators=(",", ":")).encode())
+        self._deferred = keep
+
+    def flush(self, force: bool = False) -> None:
         """Write buffered events, keeping the file a closed JSON array."""
         self._last = time.monotonic()
+        if self._deferred and not self.closed:
+            self._resolve(force)
         if not self._buf or self.closed:
             return
         chunk = b"".join(b",\n" + e for e in self._buf)
@@ -79,7 +108,7 @@ class TimelineWriter:
 
     def close(self) -> None:
         if not self.closed:
-            self.flush()
+            self.flush(force=True)
             self._f.close()
             self.closed = True
 
@@ -87,16 +116,30 @@ class TimelineWriter:
 _ACTIVE: dict[str, Any] = {}
 
 
-def _listener(name: str, nbytes: int, seconds: Any, backend: str, exposed: float) -> None:
+def _seconds(v: Any) -> float:
+    try:
+        return float(v.item() if hasattr(v, "item") else v)
+    except Exception:
+        return math.nan
+
+
+def _listener(name: str, nbytes: int, seconds: Any, backend: str, exposed: Any) -> None:
+    """One collective completed (as the host sees it). Its span ends now and lasts its own
+    duration; NCCL's are CUDA timings (the kernel's time), written once the GPU is done."""
     w = _ACTIVE.get("writer")
-    if w is not None:
-        if not isinstance(seconds, float):  # NCCL's deferred reading: not on the hot path
-            seconds = exposed
-        if seconds != seconds:
-            seconds = exposed
-        now = time.time() * 1e6
-        w.event(name, name.split(".", 1)[0], now - seconds * 1e6, seconds * 1e6,
-                bytes=nbytes, backend=backend, exposed_us=round(exposed * 1e6, 1))
+    if w is None:
+        return
+    now = time.time() * 1e6
+    cat = name.split(".", 1)[0]
+    if type(seconds) is not float or type(exposed) is not float:
+        w.defer(name, cat, now, seconds, exposed, bytes=nbytes, backend=backend)
+        if time.monotonic() - w._last > w.flush_interval:
+            w.flush()
+        return
+    if seconds != seconds:
+        seconds = exposed
+    w.event(name, cat, now - seconds * 1e6, seconds * 1e6,
+            bytes=nbytes, backend=backend, exposed_us=round(exposed * 1e6, 1))
 
 
 def _rank_path(path: Path, rank: int) -> Path:

@@ -62,3 +62,43 @@ def test_fp16_compression_round_trip() -> None:
     ints = torch.arange(3)
     assert Compression.fp16.compress(ints)[0] is ints
     assert Compression.none.compress(t)[0] is t
+
+
+class _LateTiming:
+    """Stands in for an NCCL timing (``rounds._NcclSeconds``: CUDA needs a GPU, absent
+    here): not ready until the test says so, then reads ``value``."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.done, self.reads = value, False, 0
+
+    def ready(self) -> bool:
+        return self.done
+
+    def item(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_gpu_timings_are_written_once_the_device_is_done(tmp_path):
+    from hvdnb.torch import timeline as tl
+
+    path = tmp_path / "t.json"
+    w = tl.TimelineWriter(path, pid=0, flush_interval=0.0)
+    tl._ACTIVE["writer"] = w
+    try:
+        own, gap = _LateTiming(0.002), _LateTiming(0.0005)
+        tl._listener("allreduce.g", 4096, own, "nccl", gap)
+        w.flush()
+        assert [e["name"] for e in json.loads(path.read_text())] == ["process_name"]
+        assert own.reads == 0  # never read before the GPU is done: no wait in the step
+        own.done = gap.done = True
+        w.flush()
+        ev = json.loads(path.read_text())[-1]
+        assert ev["name"] == "allreduce.g" and ev["dur"] == 2000.0
+        assert ev["args"]["exposed_us"] == 500.0 and ev["args"]["backend"] == "nccl"
+        late = _LateTiming(0.001)  # still running at stop: read (waiting) at close
+        tl._listener("allreduce.h", 8, late, "nccl", 0.0)
+        w.close()
+        assert json.loads(path.read_text())[-1]["dur"] == 1000.0
+    finally:
+        tl._ACTIVE.pop("writer", None)
