@@ -144,7 +144,8 @@ def test_training_on_gpu_reports_gpu_memory_and_nccl_times(gpu_cluster):
         early = [a for s, a in zip(steps, allocs) if s < 150]
         late = [a for s, a in zip(steps, allocs) if s > 160]
         assert early and late, steps
-        assert max(late) - min(early) >= 256 << 20
+        # (within 1 %: the loop's own temporaries come and go around it)
+        assert max(late) - min(early) == pytest.approx(256 << 20, rel=0.01)
         assert late[-1] == pytest.approx(alloc, rel=0.05)
         # reserved holds allocated; NVML's device-wide "used" holds this process's reserve
         assert reserved_s[-1] >= late[-1] and nvml[-1] >= reserved_s[-1]
