@@ -73,7 +73,8 @@ def kind_of(h: bytes) -> int:
 # -- handles ----------------------------------------------------------------------------
 class _NcclSeconds:
     """A collective's own GPU time as ProcessGroupNCCL measures it: CUDA events it records
-    on its own stream around the kernel (``TORCH_NCCL_ENABLE_TIMING=1``, which hvdnb's
+    on its own stream around the kernel (``Work._get_duration``, public as ``get_duration``
+    in older torch; ``TORCH_NCCL_ENABLE_TIMING=1``, which hvdnb's
     rendezvous sets for NCCL groups). Read later (the recorder's flusher thread, the
     timeline's flush), never in the step; read once, then kept; NaN ("n/a") when the group
     was made without timing."""
@@ -101,7 +102,8 @@ class _NcclSeconds:
                 if time.monotonic() > deadline:
                     return math.nan
                 time.sleep(0.0002)
-            v = float(w.get_duration()) / 1000.0
+            get = getattr(w, "_get_duration", None) or w.get_duration  # torch >= 2.11: private
+            v = float(get()) / 1000.0
         except Exception:  # timing off for this group, or the work failed
             v = math.nan
         self.value, self.work = v, None
