@@ -901,7 +901,7 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
       while the training thread still runs Python reads late: measured on 2 CPU ranks,
       6 buckets of 257 KB read 0.4-0.9 ms where the same allreduce alone took 0.45-0.65
       ms, except the first of each step, 1.7-2.4 ms. On CUDA (NCCL) it is NCCL's own
-      kernel time (``Work.get_duration()``: CUDA events ProcessGroupNCCL records on its
+      kernel time (``Work._get_duration()``: CUDA events ProcessGroupNCCL records on its
       stream; ``TORCH_NCCL_ENABLE_TIMING=1``, which hvdnb's rendezvous sets), read on the
       flusher thread; "n/a" (NaN) for a group made without timing;
     - ``comm/ddp.bucket.<i>/exposed``, communication the step waited for: DDP waits for
