@@ -10,6 +10,7 @@ fails.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -279,6 +280,11 @@ class DistMagics(Magics):
         from .metrics import knobset, store as _store
 
         st = _store.attach(_cluster.current())
+        # knobs made by the cell just run announce themselves on the side channel, which
+        # can trail the cell's reply (seen once in a suite run under load): wait a little
+        deadline = time.monotonic() + 2.0
+        while not st.knob_spec and time.monotonic() < deadline:
+            time.sleep(0.02)
         if not args.values:
             if not st.knob_spec:
                 print("hvdnb: no knobs yet: create them with hvdnb.knobs(...) in a "
