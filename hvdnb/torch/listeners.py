@@ -13,7 +13,7 @@ from typing import Any, Callable
 __all__ = ["add_comm_listener", "remove_comm_listener", "CommListener"]
 
 #: fn(name, nbytes, seconds, backend, exposed); see ``add_comm_listener``
-CommListener = Callable[[str, int, Any, str, float], None]
+CommListener = Callable[[str, int, Any, str, Any], None]
 
 LISTENERS: list[CommListener] = []
 
@@ -37,14 +37,17 @@ def add_comm_listener(fn: CommListener) -> CommListener:
             request (MPICH on CPU makes no progress outside them). Gloo: the work's own
             execution time, from max(its enqueue, completion of the previous gloo work of
             the same process group) to its completion, so queueing behind earlier buckets
-            is not counted. NCCL: an object whose ``.item()`` returns the seconds between
-            CUDA events recorded around the collective (it synchronizes on the end event:
-            call it off the training thread, later). ``float('nan')`` when it cannot be
-            measured.
+            is not counted. NCCL: an object whose ``.item()`` returns NCCL's own kernel time
+            (the CUDA events ProcessGroupNCCL records around it on its stream) and whose
+            ``.ready()`` says, without waiting, whether the GPU has finished it; ``.item()``
+            waits for the GPU: call it off the training thread, later. ``float('nan')``
+            when it cannot be measured.
         backend : str
             ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"local"``.
-        exposed : float
-            Seconds the calling (training) thread was blocked by this collective: the time
+        exposed : float, or on NCCL an object with ``.item()`` and ``.ready()``
+            NCCL: how long the GPU's compute stream waited for the collective (CUDA events
+            just before and after it was made to wait; the host does not wait). Otherwise
+            seconds the calling (training) thread was blocked by this collective: the time
             inside a blocking call; for an async handle the time ``synchronize`` waited
             for it (0.0 if it was already done); for a DistributedOptimizer bucket the
             blocking part inside the gradient hook (a small bucket's one-message exchange,
