@@ -62,7 +62,6 @@ def gpu_count() -> int:
     NVML lists every GPU of the host; ``CUDA_VISIBLE_DEVICES`` (which the engines inherit)
     limits what CUDA, and so each rank, can see: the smaller of the two counts.
     """
-    n = -1
     try:
         import pynvml  # from nvidia-ml-py, the [gpu] extra
 

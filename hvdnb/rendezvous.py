@@ -358,9 +358,8 @@ def init_process_group(
                 f"on {torch.cuda.device_count()} GPU(s): NCCL refuses two ranks on one GPU. "
                 "Start as many ranks as GPUs, or leave --backend out (gloo when ranks share)"
             )
-    if backend == "nccl":
         # ProcessGroupNCCL then records CUDA events around each collective on its stream:
-        # the collective's own GPU time (Work.get_duration) that the panel shows
+        # the collective's own GPU time (Work._get_duration) that the panel shows
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     setup_device(w)
     _bind_group_defaults_before_init()
