@@ -170,14 +170,15 @@ class Cluster:
                 "--partition, --time, --gpus-per-node, --account and sbatch arguments are "
                 "Slurm options: add `--launcher slurm`"
             )
-        self.n = self._check_n(n, oversubscribe or bool(cfg.oversubscribe) or self.multi_host)
+        gpus = gpu_count()
+        self.n = self._check_n(n, oversubscribe or bool(cfg.oversubscribe) or self.multi_host,
+                               gpus)
         if backend not in (None, "auto", "gloo", "nccl", "mpi"):
             raise ClusterError(
                 f"unknown backend {backend!r}: use gloo (CPU), nccl (GPU), mpi, or leave it "
                 "out for automatic"
             )
         self.backend = None if backend == "auto" else backend
-        gpus = gpu_count()
         if self.backend == "nccl" and not self.multi_host and 0 < gpus < self.n:
             raise ClusterError(
                 f"--backend nccl needs one GPU per rank, and {self.n} ranks would share this "
@@ -211,14 +212,13 @@ class Cluster:
 
     # ------------------------------------------------------------------ validation
     @staticmethod
-    def _check_n(n: Any, oversubscribe: bool) -> int:
+    def _check_n(n: Any, oversubscribe: bool, gpus: int) -> int:
         if n is None:
-            n = get_config().ranks or gpu_count() or 2
+            n = get_config().ranks or gpus or 2
         if isinstance(n, bool) or not isinstance(n, int):
             raise ClusterError(f"-n must be a whole number of ranks, not {n!r}")
         if n < 1:
             raise ClusterError(f"-n must be at least 1 (got {n}); e.g. `%dist start -n 2`")
-        gpus = gpu_count()
         limit, what = (gpus, "GPUs") if gpus else (cores(), "CPU cores")
         if n > limit and not oversubscribe:
             share = " (ranks sharing a GPU use gloo: NCCL needs a GPU per rank)" if gpus else ""

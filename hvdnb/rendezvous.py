@@ -354,7 +354,8 @@ def init_process_group(
             )
         if shares_gpus(w):
             raise RuntimeError(
-                f"backend nccl needs one GPU per rank, and this host runs {w.local_size} ranks "
+                f"rank {w.rank}: backend nccl needs one GPU per rank, and this host "
+                f"({w.hostname}) runs {w.local_size} ranks "
                 f"on {torch.cuda.device_count()} GPU(s): NCCL refuses two ranks on one GPU. "
                 "Start as many ranks as GPUs, or leave --backend out (gloo when ranks share)"
             )

@@ -67,6 +67,8 @@ class TimelineWriter:
         once the GPU has finished them, so recording never waits for the device."""
         if not (self.closed or self.truncated):
             self._deferred.append((name, cat, end_us, seconds, exposed, args))
+            if time.monotonic() - self._last > self.flush_interval:
+                self.flush()
 
     def _resolve(self, force: bool) -> None:
         keep = []
@@ -133,8 +135,6 @@ def _listener(name: str, nbytes: int, seconds: Any, backend: str, exposed: Any) 
     cat = name.split(".", 1)[0]
     if type(seconds) is not float or type(exposed) is not float:
         w.defer(name, cat, now, seconds, exposed, bytes=nbytes, backend=backend)
-        if time.monotonic() - w._last > w.flush_interval:
-            w.flush()
         return
     if seconds != seconds:
         seconds = exposed
