@@ -384,7 +384,11 @@ def _wait_cell(cluster: Any, code: str, ar: Any, cell_no: int, ranks: list[int],
     """Stream the running cell's output until every rank is done; interrupt on Ctrl-C, a
     failed rank (fail-fast) or the timeout; collect the results."""
     result = CellResult(cell=cell_no, ranks=ranks)
-    metadata = [cluster.client.metadata[mid] for mid in ar.msg_ids]
+    # the AsyncResult's own metadata dicts, taken when the cell was sent: the client's
+    # ``metadata`` is a defaultdict that drops an entry once its output is complete, and a
+    # lookup after that (a fast cell, a loaded machine) made a fresh empty one: the cell's
+    # output was lost (1 cell in ~40 under load)
+    metadata = list(ar._metadata)
     streamer = _Streamer(metadata, ranks, cfg.collapse_window)
     note = ""
     interrupted_at: float | None = None

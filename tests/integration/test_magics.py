@@ -66,6 +66,24 @@ def test_targets_select_ranks(dist2, shell, capsys):
     assert "[1] hi from 1" in out and "[0]" not in out
 
 
+def test_output_of_a_cell_done_before_the_wait_begins(dist2, shell, capsys, monkeypatch):
+    """A cell can finish, output and all, before the notebook starts waiting for it (a
+    loaded machine): ipyparallel has dropped its metadata entry by then, and the output
+    must still come from the cell's own record (1 cell in ~40 printed nothing under load)."""
+    from hvdnb import cells
+
+    real_submit = cells._submit
+
+    def submit_then_let_it_finish(*args):
+        sent = real_submit(*args)
+        assert sent[0].wait_for_output(30)
+        return sent
+
+    monkeypatch.setattr(cells, "_submit", submit_then_let_it_finish)
+    shell.run_cell_magic("distributed", "--targets 1", "print('early', dist.get_rank())")
+    assert "[1] early 1" in capsys.readouterr().out
+
+
 def test_ipython_syntax_works_on_ranks(dist2, shell, capsys):
     shell.run_cell_magic("distributed", "-q -o echo", "x = !echo shell-ok\nx[0]")
     assert shell.user_ns["echo"] == {0: "shell-ok", 1: "shell-ok"}
