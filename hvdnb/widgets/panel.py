@@ -624,7 +624,8 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
                          [1e3 * per[k] for k in st]))
     backends = sorted({_bk(i.get("backend")) for i in store.rank_info.values() if i.get("backend")})
     out.append(line_chart(f"allreduce ms per step ({'/'.join(backends) or 'backend n/a'})",
-                          comm, empty="no allreduce timings (hvdnb.torch reports them)"))
+                          comm, empty="no allreduce timings (hvdnb.torch reports them)",
+                          clip_spikes=True))
     b = store.breakdown()
     rows = [(f"rank {r}", [1e3 * b[r]["data"], 1e3 * b[r]["compute"], 1e3 * b[r]["comm"]])
             for r in sorted(b)]

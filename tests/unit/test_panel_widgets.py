@@ -214,3 +214,32 @@ def test_svg_curve_coordinates_land_on_the_plot_corners_and_skip_nan():
     assert "<g transform='scale(0.1)'>" in svg
     pts = re.search(r"<polyline points='([^']*)'", svg).group(1).split()
     assert [int(v) for v in pts] == [10 * L, 10 * (H - B), 10 * (W - R), 10 * T]
+
+
+def test_allreduce_chart_keeps_the_steady_timings_readable_under_a_first_call_spike():
+    """The first allreduce of a loop (connection set-up) took 319 ms where the others took
+    ~0.13 ms: with ``clip_spikes`` the axis ends at 3x the 95th percentile, the spike runs
+    along the top edge, and the chart says a point is above the axis and how large it is.
+    Without it (the loss chart) the axis still spans every value."""
+    import re
+
+    from hvdnb.widgets.svg import SPIKE_FACTOR, T, line_chart
+
+    ys = [319.2] + [0.13 + 0.01 * (i % 5) for i in range(59)]
+    xs = [float(i) for i in range(60)]
+    svg = line_chart("allreduce", [("c", xs, ys)], clip_spikes=True)
+    labels = [float(v) for v in re.findall(r"text-anchor='end' fill='#555'>([0-9.e+-]+)<", svg)]
+    p95 = sorted(ys)[int(0.95 * 59)]
+    assert max(labels) <= SPIKE_FACTOR * p95 * 1.01 and max(labels) < 1.0, labels
+    assert "1 point above the axis (max 319.2)" in svg
+    pts = [int(v) for v in re.search(r"<polyline points='([^']*)'", svg).group(1).split()]
+    assert pts[1] == 10 * T  # the spike is drawn on the top edge, not off the chart
+    # the steady points spread over the plot's height instead of lying on the axis
+    heights = pts[3::2]
+    assert max(heights) - min(heights) > 10 * 10  # 18 px here; unclipped: 0.02 px
+    plain = line_chart("loss", [("c", xs, ys)])
+    assert "above the axis" not in plain
+    assert max(float(v) for v in re.findall(
+        r"text-anchor='end' fill='#555'>([0-9.e+-]+)<", plain)) == 319.2
+    # few points: nothing is clipped (too little to tell a spike from a trend)
+    assert "above the axis" not in line_chart("a", [("c", xs[:10], ys[:10])], clip_spikes=True)
