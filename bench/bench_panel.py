@@ -1,6 +1,7 @@
 """Live panel costs: training overhead, log-to-widget latency, and 64 simulated ranks.
 
-Run: ``python bench/bench_panel.py [--blocks 16] [--models small,mlp] [--skip-scale]``.
+Run: ``python bench/bench_panel.py [--blocks 16] [--fine-pairs 200] [--models small,mlp]
+[--skip-scale]``.
 Three parts:
 
 1. overhead, at three step sizes: a real 2-rank cluster (1 torch thread per rank, hvdnb
@@ -14,10 +15,15 @@ Three parts:
    ``hvdnb.log`` and ``hvdnb.metrics.set_enabled(False)`` unregisters the allreduce
    listener: a loop that never logs); the block time is the max over ranks, the overhead
    the median of the ratios of adjacent on/off blocks, with a 95 % bootstrap interval.
-   Then 4 more steady blocks time, inside the loop, each ``hvdnb.log`` call and each
-   collective's report (``in loop us/step``: the ranks' direct cost, free of the
-   machine's noise; it leaves out the CPU that the notebook and the ranks' I/O threads
-   take from the ranks).
+   Then ``--fine-pairs`` pairs of short blocks (~0.25 s, on and off alternating, no
+   flush at a block's end): this box's speed drifts by ±20 % over seconds, and blocks
+   this close see the same speed; the estimate is total time on / total time off - 1 (a
+   mean, so each message's cost counts in the block where it falls), with a bootstrap
+   interval over pairs. Then 4 more steady blocks time, inside the loop, each
+   ``hvdnb.log`` call and each collective's report (``in loop us/step``: the ranks'
+   direct cost, free of the machine's noise). CPU accounting for the rest: each rank's
+   threads other than the training thread (side channel, flusher, MPI) and the
+   notebook process, on vs off blocks: CPU they take on a 2-core box delays a rank.
 2. latency: from a rank's ``hvdnb.log`` call (its timestamp) to the panel's widget model
    holding that point, for every loss point of the "on" blocks.
 3. scale: one process stands in for 64 ranks (64 real ``EngineChannel`` sockets and 64
@@ -72,7 +78,7 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
 step = 0
 warm = rec.warm
-def run(n, mode):
+def run(n, mode, flush=True):
     global step
     on = mode != "off"
     hvdnb.metrics.set_enabled(on)
@@ -80,6 +86,7 @@ def run(n, mode):
     # "warm": every flush_interval, as in a loop's first flush_warm seconds
     rec.warm = 0.0 if mode == "steady" else float("inf")
     comm.Barrier()
+    w0, c0, th0 = time.time(), time.process_time(), time.thread_time()
     t0 = time.perf_counter()
     if on:
         for _ in range(n):
@@ -96,17 +103,34 @@ def run(n, mode):
             loss.backward()
             opt.step()
             step += 1
-    if on:  # what is still unsent is this block's cost (the end of a cell flushes it too)
+    if on and flush:  # what is still unsent is this block's cost (a cell's end flushes too)
         rec.flush()
-    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n
+    wall = time.perf_counter() - t0
+    # CPU accounting: the training thread's own CPU, and the process's other threads
+    # (side channel, flusher, MPI), per step; the notebook's is read over [w0, w1]
+    th = time.thread_time() - th0
+    if flush:  # the long blocks only
+        cpu_log.append((mode, w0, time.time(), th / n, (time.process_time() - c0 - th) / n))
+    return comm.allreduce(wall, op=MPI.MAX) / n
+cpu_log = []
 MODES = ("steady", "warm", "off")
 for m in MODES:
     run(__STEPS__ // 4, m)
+cpu_log.clear()  # the warm-up blocks are not measured
 res = {m: [] for m in MODES}
 for b in range(__BLOCKS__):  # every order of the three modes, in turn
     for m in ([MODES[(b + k) % 3] for k in range(3)] if b % 2 else
               [MODES[(b - k) % 3] for k in range(3)]):
         res[m].append(run(__STEPS__, m))
+# short blocks (~0.25 s), on and off alternating: the machine's speed drifts over
+# seconds, and neighbours this close see the same speed; no flush at a block's end (the
+# rows go out with a later block's message, as in a loop), so the mean counts each
+# message's cost where it falls
+fine = {"on": [], "off": []}
+for b in range(__FINE__):
+    for m in (("steady", "off") if b % 2 == 0 else ("off", "steady")):
+        fine["on" if m == "steady" else "off"].append(run(max(1, __STEPS__ // 14), m, False))
+res["fine"] = fine
 # in the loop, precisely: seconds per step inside hvdnb.log (its share of each message's
 # drain, pack and send included) and inside the report of each timed collective (listener
 # and queueing), perf_counter around each call, steady mode
@@ -137,6 +161,7 @@ for b in range(4):
     rounds.Handle.report = report
     probe.append([a / __STEPS__ for a in acc])
 res["in_loop"] = probe
+res["cpu"] = cpu_log
 rec.warm = warm
 rec.flush()
 res
@@ -165,13 +190,33 @@ def paired_overhead(samples: dict, on: str = "on") -> dict:
     }
 
 
-def cell_code(model: str, blocks: int, steps: int | None = None) -> str:
+def cell_code(model: str, blocks: int, steps: int | None = None, fine: int = 200) -> str:
     m = MODELS[model]
     return (CELL.replace("__LAYERS__", repr(m["layers"])).replace("__BATCH__", str(m["batch"]))
-            .replace("__STEPS__", str(steps or m["steps"])).replace("__BLOCKS__", str(blocks)))
+            .replace("__STEPS__", str(steps or m["steps"])).replace("__BLOCKS__", str(blocks))
+            .replace("__FINE__", str(fine)))
 
 
-def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int]) -> dict:
+def fine_overhead(fine: dict) -> dict:
+    """Short alternating blocks: total time on / total time off - 1 (a mean: a message
+    and its cost fall in one block of several), with a 95 % bootstrap interval over the
+    on/off pairs."""
+    import random
+
+    pairs = list(zip(fine["on"], fine["off"]))
+    rng = random.Random(0)
+
+    def est(ps: list) -> float:
+        return 100 * (sum(a for a, _ in ps) / sum(b for _, b in ps) - 1)
+
+    boot = sorted(est(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
+    return {"overhead_pct": est(pairs), "overhead_pct_ci95": (boot[50], boot[1949]),
+            "pairs": len(pairs), "step_ms_on": 1e3 * statistics.mean(fine["on"]),
+            "step_ms_off": 1e3 * statistics.mean(fine["off"])}
+
+
+def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int],
+                         fine: int = 200) -> dict:
     import hvdnb
     from hvdnb import cells
     from hvdnb.metrics.store import MetricsStore
@@ -184,13 +229,21 @@ def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int]) 
         panel = Panel(store)
         panel.measure_latency = True
         cells.add_wait_hook(panel.tick)
+        nb_cpu: list[tuple[float, float]] = []  # (wall, notebook CPU so far), ~20 per s
+
+        def sample_cpu(final: bool) -> None:
+            t = os.times()
+            nb_cpu.append((time.time(), t.user + t.system))
+
+        cells.add_wait_hook(sample_cpu)
         cpu0, t0 = os.times(), time.perf_counter()
         try:
             for model in models:
-                res = cells.run_cell(cluster, cell_code(model, blocks, steps.get(model)),
+                res = cells.run_cell(cluster, cell_code(model, blocks, steps.get(model), fine),
                                      quiet=True, stream=False)
                 r = paired_overhead(res.values[0], "steady")
                 r["warm"] = paired_overhead(res.values[0], "warm")
+                r["fine"] = fine_overhead(res.values[0]["fine"])
                 per_rank = [v["in_loop"] for v in res.values.values()]
                 r["in_loop_us"] = {  # median over blocks, max over ranks
                     "log": 1e6 * max(statistics.median(b[0] for b in p) for p in per_rank),
@@ -199,9 +252,11 @@ def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int]) 
                 r["steps_per_block"] = steps.get(model) or MODELS[model]["steps"]
                 r["layers"], r["batch"] = MODELS[model]["layers"], MODELS[model]["batch"]
                 r["hot_path_us_per_step"] = hot_path_cost()
+                r["cpu_us_per_step"] = cpu_accounting(res.values, nb_cpu)
                 out[model] = r
         finally:
             cells.remove_wait_hook(panel.tick)
+            cells.remove_wait_hook(sample_cpu)
         wall = time.perf_counter() - t0
         cpu1 = os.times()
         panel.close()
@@ -215,6 +270,42 @@ def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int]) 
         "notebook_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
         "points": store.points, "lost_messages": store.lost_messages,
     })
+    return out
+
+
+def cpu_accounting(values: dict, nb_cpu: list[tuple[float, float]]) -> dict:
+    """CPU by mode (median over blocks): each rank's training thread (``thread_time``;
+    it includes MPI's busy wait for a late peer, so it moves with the machine's noise),
+    each rank's other threads (``process_time`` minus it: side channel, flusher, MPI's
+    own), and the notebook process (its ``os.times`` sampled by the cell's wait hook,
+    read over each block's wall-clock span on rank 0), as a share of one core. On a
+    2-core box where 2 ranks in lockstep keep both cores busy, CPU that the notebook or a
+    side thread takes delays one rank and its peer waits for it: the extra CPU "on"
+    beside the training threads is the part of the overhead the in-loop figure omits."""
+    import bisect
+
+    walls = [w for w, _ in nb_cpu]
+
+    def nb_at(t: float) -> float:
+        i = min(max(bisect.bisect_left(walls, t), 1), len(walls) - 1)
+        (wa, ca), (wb, cb) = nb_cpu[i - 1], nb_cpu[i]
+        return ca + (cb - ca) * ((t - wa) / (wb - wa) if wb > wa else 0.0)
+
+    rank0 = values[min(values)]["cpu"]
+    out: dict = {}
+    for mode in dict.fromkeys(b[0] for b in rank0):
+        def per_rank(col: int, mode: str = mode) -> float:  # mean over ranks of medians
+            meds = [statistics.median(b[col] for b in v["cpu"] if b[0] == mode)
+                    for v in values.values()]
+            return sum(meds) / len(meds)
+
+        nb = [(nb_at(w1) - nb_at(w0)) / (w1 - w0) for m, w0, w1, _, _ in rank0
+              if m == mode and len(nb_cpu) > 1 and walls[0] <= w0 and w1 <= walls[-1]]
+        out[mode] = {
+            "train_thread_us": 1e6 * per_rank(3),
+            "other_threads_us": 1e6 * per_rank(4),
+            "notebook_core_pct": 100 * statistics.median(nb) if nb else None,
+        }
     return out
 
 
@@ -338,6 +429,8 @@ def main() -> None:
                     help="steps per block, ~1 ms model")
     ap.add_argument("--steps-mlp", type=int, default=MODELS["mlp"]["steps"],
                     help="steps per block, MLP")
+    ap.add_argument("--fine-pairs", type=int, default=200,
+                    help="short (~0.25 s) on/off block pairs per model")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "panel.json"))
@@ -349,7 +442,8 @@ def main() -> None:
     if not args.skip_overhead:
         out["overhead"] = overhead_and_latency(
             args.blocks, models,
-            {"small": args.steps_small, "mid": args.steps_mid, "mlp": args.steps_mlp})
+            {"small": args.steps_small, "mid": args.steps_mid, "mlp": args.steps_mlp},
+            args.fine_pairs)
     if not args.skip_scale:
         out["scale"] = scale(args.ranks, args.scale_seconds)
     out["load_avg_end"] = os.getloadavg()
@@ -372,6 +466,23 @@ def main() -> None:
                   f"{r['step_ms_off']:7.3f} | {r['step_ms_on']:7.3f} | {r['overhead_pct']:6.2f}% | "
                   f"{lo:+5.1f}..{hi:+5.1f}% | {wr['overhead_pct']:6.2f}% | {wlo:+5.1f}..{whi:+5.1f}% | "
                   f"{hp:9.1f} {100 * hp / (1e3 * r['step_ms_off']):4.1f}% | <= 2 %")
+        print("short blocks: ~0.25 s on and off alternating; overhead = total time on / "
+              "total time off - 1 (messages counted where they fall)")
+        for m in models:
+            f = o[m]["fine"]
+            flo, fhi = f["overhead_pct_ci95"]
+            print(f"{m:<10} | {f['pairs']:>5} pairs | off {f['step_ms_off']:7.3f} ms | "
+                  f"on {f['step_ms_on']:7.3f} ms | {f['overhead_pct']:+6.2f}% | "
+                  f"95% CI {flo:+5.2f}..{fhi:+5.2f}% | target <= 2 %")
+        print("CPU beside the training thread, on / off (median over blocks; other threads: "
+              "side channel, flusher, MPI, per step, mean over ranks)")
+        for m in models:
+            c = o[m]["cpu_us_per_step"]
+            on, off = c["steady"], c["off"]
+            nb = ("n/a" if on["notebook_core_pct"] is None or off["notebook_core_pct"] is None
+                  else f"{on['notebook_core_pct']:.2f} / {off['notebook_core_pct']:.2f} % of a core")
+            print(f"{m:<10} | rank's other threads {on['other_threads_us']:5.1f} / "
+                  f"{off['other_threads_us']:5.1f} us | notebook {nb}")
         print(f"{'measure':<44} | {'value':>12} | target")
         print(f"{'log() -> widget model latency p50 (ms)':<44} | {o['latency_ms_p50']:12.0f} |")
         print(f"{'log() -> widget model latency p95 (ms)':<44} | {o['latency_ms_p95']:12.0f} | <= 1.5 x steady interval")

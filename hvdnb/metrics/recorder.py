@@ -14,7 +14,8 @@ step in progress becomes ``s + 1``; ``knobs.step(s)`` (start of a step) says "st
 progress". Allreduce timings and ``phase`` blocks are recorded against the step in
 progress. While a loop logs, the allreduce listener is registered for one step in ``k``
 only (``Recorder.comm_every``: timed steps ``comm_interval`` seconds apart, 8 ms by
-default; every step when steps are longer): reporting a timed collective costs the
+default, for the loop's first ``warm`` seconds, then ``comm_interval_steady`` apart, 50 ms
+by default; every step when steps are longer): reporting a timed collective costs the
 training thread ~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are
 drained, packed and sent with the step's. Ints and CPU tensors become floats in ``log``
 (``.item()`` on a CPU tensor never waits); other objects (a CUDA loss, an NCCL timing)
@@ -73,6 +74,8 @@ class Recorder:
     comm_interval : while a loop logs, time its collectives on one step in ``k``, with
         ``k`` the whole number of steps in ``comm_interval`` seconds (1 to
         ``COMM_EVERY_MAX``); 0 times every step
+    comm_interval_steady : the same once the loop has logged for ``warm`` seconds (the
+        larger of the two applies; default: ``comm_interval``)
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class Recorder:
         steady_interval: float | None = None,
         warm: float = 2.0,
         comm_interval: float = 0.0,
+        comm_interval_steady: float | None = None,
     ) -> None:
         self.rank = rank
         self.channel = channel
@@ -151,6 +155,8 @@ class Recorder:
         #: send from the training thread at log() when a message is due (see _run)
         self.flush_in_loop = True
         self.comm_interval = float(comm_interval)
+        self.comm_interval_steady = float(comm_interval if comm_interval_steady is None
+                                          else comm_interval_steady)
         #: the collectives of step s are timed when s % comm_every == 0 (set by _drain)
         self.comm_every = 1
         # hvdnb.torch's listener list while this recorder times collectives (None: it
@@ -300,7 +306,11 @@ class Recorder:
                 put(step, t, nid if nid is not None else self._nid(name), value)
         self._prev_step, self.last_log, self.step_time = prev, last, st
         if st > 0.0 and self.comm_interval > 0.0:
-            self.comm_every = max(1, min(COMM_EVERY_MAX, round(self.comm_interval / st)))
+            ci = self.comm_interval
+            t0 = self._loop_t0
+            if t0 and last - t0 >= self.warm:  # past the loop's first seconds: sparser
+                ci = max(ci, self.comm_interval_steady)
+            self.comm_every = max(1, min(COMM_EVERY_MAX, round(ci / st)))
         else:
             self.comm_every = 1
         self._w = w  # published last: a pack reads rows below _w only
@@ -786,7 +796,8 @@ def get_recorder() -> Recorder:
             cfg = get_config()
             rec = Recorder(rank, channel, cfg.flush_interval,
                            steady_interval=cfg.flush_interval_steady, warm=cfg.flush_warm,
-                           comm_interval=cfg.comm_sample_interval)
+                           comm_interval=cfg.comm_sample_interval,
+                           comm_interval_steady=cfg.comm_sample_interval_steady)
             _install_comm_listener(rec)
             _RECORDER = rec
     return _RECORDER

@@ -736,6 +736,48 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
         assert rec0._on_comm in rec0._comm_list
 
 
+def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds():
+    """``comm_interval`` (8 ms) holds for the loop's first ``warm`` seconds, then the
+    larger ``comm_interval_steady`` (50 ms): 1 ms steps are timed one in 8, then one in
+    50; a new loop starts dense again."""
+    rec = Recorder(0, None, flush_interval=0.01, capacity=1 << 14, warm=2.0,
+                   comm_interval=0.008, comm_interval_steady=0.05)
+    listeners: list = []
+    rec._comm_list = listeners
+    rec._time_comm(True)
+    clock = [100.0]
+    import hvdnb.metrics.recorder as recmod
+
+    real = recmod._perf_counter
+    recmod._perf_counter = lambda: clock[0]
+    timed: list[int] = []
+    try:
+        def loop(first: int, steps: int) -> None:
+            for step in range(first, first + steps):
+                if rec._on_comm in listeners:
+                    timed.append(step)
+                    rec.on_comm("bucket.0", 64, 1e-4, "mpi", 5e-5)
+                clock[0] += 0.001  # 1 ms steps
+                rec.log(step, 0.5)
+
+        loop(0, 4000)  # 4 s: 2 s dense, then sparse
+        rec._try_drain()
+        assert rec.comm_every == 50
+        dense = [s for s in timed if 100 <= s < 1900]
+        sparse = [s for s in timed if 2200 <= s < 4000]
+        assert all(s % 8 == 0 for s in dense) and len(dense) == len(range(104, 1900, 8))
+        assert all(s % 50 == 0 for s in sparse) and len(sparse) == len(range(2200, 4000, 50))
+        rec.new_loop()  # the next cell's loop: its first seconds are dense again
+        clock[0] += 5.0
+        timed.clear()
+        loop(0, 600)
+        rec._try_drain()
+        assert rec.comm_every == 8
+        assert [s for s in timed if s >= 100] == list(range(104, 600, 8))
+    finally:
+        recmod._perf_counter = real
+
+
 def _rows(rec: Recorder) -> list[tuple[int, str, float]]:
     n = rec._w
     return [(rec._steps[i], rec._name_list[rec._names[i]], rec._vals[i])
