@@ -63,9 +63,9 @@ def line_chart(
 
     ``clip_spikes``: a few values far above the rest (the first allreduce of a loop, which
     sets up connections, took 319 ms where the steady ones took 0.13) would squash every
-    other point onto the axis. With 20 or more points, the y axis then ends at
-    ``SPIKE_FACTOR`` x the 95th percentile; values above it are drawn on the top edge and
-    the chart says how many there are and the largest."""
+    other point onto the axis. With 20 or more points and a largest value over twice
+    ``SPIKE_FACTOR`` x the 95th percentile, the y axis ends at that product; values above
+    it are drawn on the top edge and the chart says how many there are and the largest."""
     pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys) if y == y]
     if band is not None:
         pts += [(x, y) for x, lo, hi, _ in zip(*band) for y in (lo, hi) if y == y]
@@ -87,7 +87,7 @@ def line_chart(
     clipped, y_max = 0, y1
     if clip_spikes and not log_y and len(ys_all) >= 20:
         cap = SPIKE_FACTOR * float(np.percentile(ys_all, 95))
-        if y0 < cap < y1:
+        if y0 < cap and y1 > 2 * cap:  # a mild outlier keeps the full axis
             clipped = sum(1 for y in ys_all if y > cap)
             y1 = cap
     if x1 == x0:

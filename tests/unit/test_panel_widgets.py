@@ -241,5 +241,8 @@ def test_allreduce_chart_keeps_the_steady_timings_readable_under_a_first_call_sp
     assert "above the axis" not in plain
     assert max(float(v) for v in re.findall(
         r"text-anchor='end' fill='#555'>([0-9.e+-]+)<", plain)) == 319.2
+    # a mild outlier (under twice the cap) keeps the full axis
+    mild = [0.13] * 57 + [0.6, 0.7, 0.75]
+    assert "above the axis" not in line_chart("a", [("c", xs, mild)], clip_spikes=True)
     # few points: nothing is clipped (too little to tell a spike from a trend)
     assert "above the axis" not in line_chart("a", [("c", xs[:10], ys[:10])], clip_spikes=True)
