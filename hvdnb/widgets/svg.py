@@ -63,8 +63,8 @@ def line_chart(
 
     ``clip_spikes``: a few values far above the rest (the first allreduce of a loop, which
     sets up connections, took 319 ms where the steady ones took 0.13) would squash every
-    other point onto the axis. With 20 or more points and a largest value over twice
-    ``SPIKE_FACTOR`` x the 95th percentile, the y axis ends at that product; values above
+    other point onto the axis. With 20 or more points and a largest value over twice the
+    cap (``SPIKE_FACTOR`` x the 95th percentile), the y axis ends at the cap; values above
     it are drawn on the top edge and the chart says how many there are and the largest."""
     pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys) if y == y]
     if band is not None:
