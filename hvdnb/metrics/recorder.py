@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -56,6 +57,54 @@ COMM_EVERY_MAX = 64
 _NUMBER = (int, float)
 #: kinds of the training thread's queued entries (see Recorder._drain)
 _LOG, _COMM, _RECORD = 0, 1, 2
+_KIND = itemgetter(0)
+_METRICS = itemgetter(4)
+_NOT_LOG = re.compile(rb"[^\x00]")  # entries other than log() in the drained kinds
+#: more log entries than this in one drain are written with numpy (Recorder._drain_run)
+_RUN_MIN = 8
+_PLAIN = {int, float, bool}
+#: rows from which a message's columns are grouped with numpy (see _columns)
+_GROUP_NP = 256
+_NP: Any = None
+
+
+def _numpy() -> Any:
+    global _NP
+    if _NP is None:
+        import numpy
+
+        _NP = numpy
+    return _NP
+
+
+class _At:
+    """``a[ix]`` as an assignable (n, p) block: ``_At(a, ix)[:, j] = v`` writes ``a``."""
+
+    __slots__ = ("a", "ix")
+
+    def __init__(self, a: Any, ix: Any) -> None:
+        self.a, self.ix = a, ix
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.a[self.ix[key]] = value
+
+
+def _segments(logs: list[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+    """``logs[1:]`` cut where the number of keywords changes (a loop that logs an accuracy
+    every 100 steps): runs of alike entries for ``Recorder._drain_run``."""
+    if len(logs) <= _RUN_MIN + 1:
+        return [logs[1:]]
+    np = _numpy()
+    lens = np.fromiter(map(len, map(_METRICS, logs)), np.int64, len(logs))
+    cuts = (np.flatnonzero(lens[2:] != lens[1:-1]) + 2).tolist()
+    return [logs[a:b] for a, b in zip([1] + cuts, cuts + [len(logs)])]
+
+
+def _pow2(x: float) -> int:
+    """The power of two nearest to ``x`` on a log scale (at least 1): ranks whose
+    estimates differ a little still agree, and when they do not, one's grid holds the
+    other's."""
+    return 1 << round(math.log2(x)) if x > 1.0 else 1
 _perf_counter = time.perf_counter
 _get_ident = threading.get_ident
 
@@ -152,6 +201,15 @@ class Recorder:
         self._last_sent_pc = 0.0
         #: perf_counter time at which log() sends the next message itself (see _run)
         self._due = 0.0
+        #: once a message is due, log() sends it at the first step of the next cell of
+        #: ``_grid`` steps (set by _drain: ~1/16 of an interval, a power of two), so that
+        #: ranks in lockstep pack on the same step and a peer never waits for each in turn;
+        #: ``_due_cell``: the cell the first log() past ``_due`` was in (None: none yet);
+        #: past ``_due_late`` it sends at once
+        self._grid = 1
+        self._due_cell: int | None = None
+        self._due_late = 0.0
+        self._npv: Any = None  # numpy views of the ring's columns (see _drain_run)
         #: send from the training thread at log() when a message is due (see _run)
         self.flush_in_loop = True
         self.comm_interval = float(comm_interval)
@@ -228,6 +286,13 @@ class Recorder:
         if knobs is not None:
             knobs._advance(nxt)
         if now >= self._due:
+            g = self._grid
+            if g > 1 and now < self._due_late:
+                cell = step // g
+                if self._due_cell is None:
+                    self._due_cell = cell
+                if cell == self._due_cell:  # send at the first step of the next cell
+                    return
             self._flush_from_loop(now)
 
     def _drain(self) -> None:
@@ -237,10 +302,18 @@ class Recorder:
         loss and the keyword rows; the step-time estimate and the loop start follow them.
         A value that is not a number (a tensor) is read here: a CPU tensor with
         ``.item()``; a CUDA tensor (or an NCCL timing) is kept for the flusher thread.
+        A run of log entries alike (the same keywords, plain numbers, steps going up) is
+        written by ``_drain_run`` with numpy; the rest one entry at a time.
         """
         q = self._pend
         if not q:
             return
+        if _get_ident() == self._owner:  # nothing appends while we take the queue
+            self._pend = deque()
+            entries = list(q)
+        else:  # the loop may append meanwhile: what it adds stays for the next drain
+            pop = q.popleft
+            entries = [pop() for _ in range(len(q))]
         steps, times, names, vals = self._steps, self._times, self._names, self._vals
         mask = self._mask
         w = self._w
@@ -263,9 +336,10 @@ class Recorder:
         id_step, id_loss, ids = self._id_step, self._id_loss, self._metric_ids
         prev, last = self._prev_step, self.last_log
         st = self.step_time
-        pop = q.popleft
-        while q:
-            e = pop()
+        first: tuple[float, int] | None = None  # (time, step) of the first log drained
+
+        def one(e: tuple[Any, ...]) -> None:
+            nonlocal prev, last, st
             kind = e[0]
             if kind == _LOG:
                 _, now, step, loss, metrics = e
@@ -304,16 +378,136 @@ class Recorder:
                 _, t, step, name, value = e
                 nid = self._name_ids.get(name)
                 put(step, t, nid if nid is not None else self._nid(name), value)
+
+        # log entries first, then the rest (collectives, phases): each name's rows stay in
+        # order, and the log entries of a loop, alike, are written in one go with numpy
+        kinds = bytes(map(_KIND, entries))
+        if kinds.count(0) == len(kinds):
+            logs, rest = entries, []
+        else:
+            cut = [m.start() for m in _NOT_LOG.finditer(kinds)]
+            rest = [entries[i] for i in cut]
+            logs, a = [], 0
+            for i in cut:
+                logs += entries[a:i]
+                a = i + 1
+            logs += entries[a:]
+        if logs:
+            one(logs[0])  # it may start a loop (no step time before it)
+            first = (last, prev)
+            for seg in _segments(logs):
+                got = (self._drain_run(seg, w, off, prev, last, st)
+                       if len(seg) > _RUN_MIN else None)
+                if got is not None:
+                    w, prev, last, st = got
+                else:
+                    for e in seg:
+                        one(e)
+        for e in rest:
+            one(e)
         self._prev_step, self.last_log, self.step_time = prev, last, st
-        if st > 0.0 and self.comm_interval > 0.0:
+        # the step time over this drain's span (every rank in lockstep sees the same), for
+        # the two step grids below: the sampled collectives and the sending step
+        if first is not None and prev > first[1] and last > first[0]:
+            per = (last - first[0]) / (prev - first[1])
+        else:
+            per = st
+        if per > 0.0 and self.comm_interval > 0.0:
             ci = self.comm_interval
             t0 = self._loop_t0
             if t0 and last - t0 >= self.warm:  # past the loop's first seconds: sparser
                 ci = max(ci, self.comm_interval_steady)
-            self.comm_every = max(1, min(COMM_EVERY_MAX, round(ci / st)))
+            self.comm_every = min(COMM_EVERY_MAX, _pow2(ci / per))
         else:
             self.comm_every = 1
+        self._grid = _pow2(self.interval(last) / (16 * per)) if per > 0.0 else 1
         self._w = w  # published last: a pack reads rows below _w only
+
+    def _drain_run(self, run: list[tuple[Any, ...]], w: int, off: float, prev: int,
+                   last: float, st: float) -> tuple[int, int, float, float] | None:
+        """Write log entries that follow a drained one (``prev``/``last``: its step and
+        time) with numpy. None when they are not alike (other keywords, a value that is not
+        a plain number, a step that does not go up, a pause that starts a loop): the
+        caller writes them one by one."""
+        np = _numpy()
+        _, nows, steps, losses, mets = zip(*run)
+        keys = list(mets[0])
+        # the same keys everywhere: as many in each dict, and each key in every one (below)
+        if len(set(map(len, mets))) != 1:
+            return None
+        ltypes = set(map(type, losses))
+        has_loss = ltypes == {float}
+        if not has_loss and ltypes != {type(None)}:
+            return None
+        cols: list[tuple[int, Any]] = []
+        ids = self._metric_ids
+        total = None
+        for k in keys:
+            try:
+                col = list(map(itemgetter(k), mets))
+            except KeyError:
+                return None
+            if not set(map(type, col)) <= _PLAIN:
+                return None
+            if k == "total_steps":
+                total = int(col[-1])
+                continue
+            nid = ids.get(k)
+            if nid is None:
+                nid = ids[k] = self._nid(_PHASE_ALIASES.get(k, k))
+            cols.append((nid, col))
+        try:
+            return self._write_run(np, nows, steps, losses if has_loss else None, cols, w,
+                                   off, prev, last, st, total)
+        except (OverflowError, ValueError, TypeError):  # an int too large for its column
+            return None
+
+    def _write_run(self, np: Any, nows: tuple[float, ...], steps: tuple[int, ...],
+                   losses: tuple[float, ...] | None, cols: list[tuple[int, list[Any]]],
+                   w: int, off: float, prev: int, last: float, st: float,
+                   total: int | None) -> tuple[int, int, float, float] | None:
+        has_loss = losses is not None
+        S = np.array(steps, dtype=np.int64)
+        N = np.array(nows, dtype=np.float64)
+        dS = np.diff(S, prepend=prev)
+        dN = np.diff(N, prepend=last)
+        if (dS <= 0).any() or (dN > IDLE_AFTER).any():
+            return None
+        per = dN / dS
+        n = len(S)
+        if not st:
+            st = float(per[0])
+            tail = per[1:]
+        else:
+            tail = per
+        m = len(tail)
+        if m:  # st <- 0.8 st + 0.2 per, m times
+            st = float(0.8**m * st + 0.2 * np.dot(0.8 ** np.arange(m - 1, -1, -1), tail))
+        if self._npv is None:
+            self._npv = (np.frombuffer(self._steps, np.int64), np.frombuffer(self._times),
+                         np.frombuffer(self._names, np.intc), np.frombuffer(self._vals))
+        pattern = [self._id_step] + ([self._id_loss] if has_loss else []) + [c[0] for c in cols]
+        p = len(pattern)
+        i0 = w & self._mask
+        if i0 + n * p <= self.capacity:  # one block of the ring: (n, p) views of it
+            sb, tb, nb, vb = (a[i0 : i0 + n * p].reshape(n, p) for a in self._npv)
+        else:  # around the end of the ring: the same through indices
+            ix = (np.arange(w, w + n * p, dtype=np.int64) & self._mask).reshape(n, p)
+            sb, tb, nb, vb = (_At(a, ix) for a in self._npv)
+        sb[:, :] = S[:, None]
+        tb[:, :] = (N + off)[:, None]
+        nb[:, :] = np.array(pattern, dtype=np.intc)
+        vb[:, 0] = per
+        c = 1
+        if has_loss:
+            vb[:, 1] = losses
+            c = 2
+        for _, col in cols:
+            vb[:, c] = col
+            c += 1
+        if total is not None:
+            self.meta["total_steps"] = total
+        return w + n * p, int(S[-1]), float(N[-1]), st
 
     def _time_comm(self, on: bool) -> None:
         """Register (``on``) or remove this recorder's allreduce listener."""
@@ -442,7 +636,10 @@ class Recorder:
         loop that stopped logging (see ``_run``)."""
         self._try_drain()  # also without a channel: the queue stays one interval long
         first = not self._due  # the first message goes out one interval after the first log
-        self._due = now + self.interval(now)
+        every = self.interval(now)
+        self._due = now + every
+        self._due_late = self._due + 0.25 * every
+        self._due_cell = None
         if self.channel is None:
             return
         if self._thread is None:
@@ -672,6 +869,20 @@ def _columns(
     if p:  # the usual loop: strided slices, no per-row Python work
         for k in range(p):
             cols[names[nids[k]]] = [steps[k::p], times[k::p], vals[k::p]]
+        return cols
+    if len(nids) >= _GROUP_NP:  # a loop's rows with timed collectives among them
+        np = _numpy()
+        nv = np.frombuffer(nids, np.intc)
+        order = np.argsort(nv, kind="stable")  # row order kept within a name
+        ids, starts = np.unique(nv[order], return_index=True)
+        ends = list(starts[1:]) + [len(nv)]
+        sv, tv, vv = (np.frombuffer(steps, np.int64), np.frombuffer(times),
+                      np.frombuffer(vals))
+        groups = sorted(zip(order[starts].tolist(), ids.tolist(), starts.tolist(), ends))
+        for _, i, a, b in groups:  # names in the order they first appear, as below
+            ix = order[a:b]
+            cols[names[i]] = [array("q", sv[ix].tobytes()), array("d", tv[ix].tobytes()),
+                              array("d", vv[ix].tobytes())]
         return cols
     rows: dict[int, list[int]] = {}
     for k, i in enumerate(nids):

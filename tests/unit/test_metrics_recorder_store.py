@@ -739,7 +739,7 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
 def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds():
     """``comm_interval`` (8 ms) holds for the loop's first ``warm`` seconds, then the
     larger ``comm_interval_steady`` (50 ms): 1 ms steps are timed one in 8, then one in
-    50; a new loop starts dense again."""
+    64 (the nearest power of two, so that ranks agree); a new loop starts dense again."""
     rec = Recorder(0, None, flush_interval=0.01, capacity=1 << 14, warm=2.0,
                    comm_interval=0.008, comm_interval_steady=0.05)
     listeners: list = []
@@ -762,11 +762,11 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
 
         loop(0, 4000)  # 4 s: 2 s dense, then sparse
         rec._try_drain()
-        assert rec.comm_every == 50
+        assert rec.comm_every == 64
         dense = [s for s in timed if 100 <= s < 1900]
         sparse = [s for s in timed if 2200 <= s < 4000]
         assert all(s % 8 == 0 for s in dense) and len(dense) == len(range(104, 1900, 8))
-        assert all(s % 50 == 0 for s in sparse) and len(sparse) == len(range(2200, 4000, 50))
+        assert all(s % 64 == 0 for s in sparse) and len(sparse) == len(range(2240, 4000, 64))
         rec.new_loop()  # the next cell's loop: its first seconds are dense again
         clock[0] += 5.0
         timed.clear()
@@ -807,3 +807,144 @@ def test_breakdown_pairs_each_timed_step_with_its_own_step_time():
         "time/data": [steps, t, [0.0005] * len(steps)]}})
     b2 = st2.breakdown()[0]
     assert b2["comm"] == 0.0 and b2["compute"] == pytest.approx(0.0005)
+
+
+def _feed(rec: Recorder, clock: list[float], drain_every: int) -> None:
+    """One script of training-thread calls: a loop that logs loss, samples and
+    total_steps, a timed collective on one step in 5 and a phase on one in 7, a step that
+    repeats, a value read at pack (an object), a pause that starts a new loop, steps
+    without a loss, a keyword on one step in 100, and keywords that change; drained every
+    ``drain_every`` steps."""
+
+    class Span:
+        def item(self) -> float:
+            return 0.25
+
+    step = 0
+    for k in range(900):
+        clock[0] += 0.0013 + 1e-5 * (k % 3)
+        if k == 400:
+            clock[0] += 1.5  # a pause longer than IDLE_AFTER: a loop starts again
+        if k == 300:
+            step -= 1  # a step logged twice
+        if k < 500 and k % 100 == 50:
+            rec.log(step, 1.0 / (1 + k), samples=64, total_steps=900, acc=0.5)  # one more
+        elif k < 500:
+            rec.log(step, 1.0 / (1 + k), samples=64, total_steps=900)
+        elif k < 600:
+            rec.log(step, samples=True)  # no loss; a bool
+        elif k < 700:
+            rec.log(step, 0.5, samples=64, data_time=0.0002)  # a keyword more
+        elif k == 750:
+            rec.log(step, Span(), samples=64, data_time=0.0002)  # read at pack
+        else:
+            rec.log(step, 0.5, samples=64, data_time=0.0002)
+        if k % 5 == 0:
+            rec.on_comm("DistributedOptimizer.bucket.0", 4096, 0.002, "mpi", 0.0005)
+        if k % 7 == 0:
+            rec.record(step, "time/data", 0.0003, t=1.0 + k)
+        step += 1
+        if k % drain_every == drain_every - 1:
+            rec._try_drain()
+    rec._try_drain()
+
+
+@pytest.mark.parametrize("drain_every", [1, 37, 250, 1000])
+def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, drain_every):
+    """``_drain`` writes a run of alike log entries with numpy (``_drain_run``): the rows,
+    the step-time estimate, the loop start, the sampling grid and what the message
+    carries are those of writing them one by one."""
+    import hvdnb.metrics.recorder as recmod
+
+    got = []
+    runs: list[bool] = []
+    real_run = Recorder._drain_run
+
+    def spy(self, *a):
+        r = real_run(self, *a)
+        runs.append(r is not None)
+        return r
+
+    monkeypatch.setattr(Recorder, "_drain_run", spy)
+    run_min0 = recmod._RUN_MIN
+    for run_min in (run_min0, 10**9):  # numpy, then one by one
+        monkeypatch.setattr(recmod, "_RUN_MIN", run_min)
+        clock = [100.0]
+        monkeypatch.setattr(recmod, "_perf_counter", lambda: clock[0])
+        monkeypatch.setattr(recmod.time, "time", lambda: clock[0] + 1e9)
+        rec = Recorder(0, None, flush_interval=0.25, capacity=1 << 12, comm_interval=0.008)
+        _feed(rec, clock, drain_every)
+        msg = rec.pack()
+        got.append((rec, _rows(rec), msg["cols"]))
+    (fast, fast_rows, fast_cols), (slow, slow_rows, slow_cols) = got
+    # the numpy path wrote most of them (not the first log of a drain, nor a drain
+    # holding a pause or the object)
+    assert (sum(runs) >= 3) if drain_every > run_min0 else not any(runs)
+    assert len(fast_rows) == len(slow_rows) > 3000
+    for (s1, n1, v1), (s2, n2, v2) in zip(fast_rows, slow_rows):
+        assert (s1, n1) == (s2, n2) and v1 == pytest.approx(v2, rel=1e-12, nan_ok=True)
+    for name in ("time/step", "loss", "samples", "acc", "time/data", "comm/bucket.0/time"):
+        assert list(fast_cols[name][0]) == list(slow_cols[name][0]), name
+        assert list(fast_cols[name][1]) == pytest.approx(list(slow_cols[name][1]), abs=1e-6)
+    assert list(fast_cols["loss"][2]) == pytest.approx(list(slow_cols["loss"][2]), nan_ok=True)
+    assert 0.25 in list(fast_cols["loss"][2])  # the object, read at pack
+    assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
+    assert (fast._loop_t0, fast._prev_step, fast.last_log) == (
+        slow._loop_t0, slow._prev_step, slow.last_log)
+    assert fast.meta == slow.meta == {"total_steps": 900}
+    assert (fast.comm_every, fast._grid) == (slow.comm_every, slow._grid)
+
+
+def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
+    """Two ranks in lockstep reach a message's due time one or two steps apart; each
+    message stalls the rank that packs it, and its peer waits at the next allreduce, so
+    messages on different steps stall the pair twice. Sends are put on a grid of steps
+    (a power of two, ~1/16 of an interval): both ranks send on the same step."""
+    import hvdnb.metrics.recorder as recmod
+
+    clock = [0.0]
+    monkeypatch.setattr(recmod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(recmod.time, "perf_counter", lambda: clock[0])
+    sent: dict[int, list[int]] = {0: [], 1: []}
+    recs = []
+    for r in (0, 1):
+        class Ch:
+            def send(self, kind: str, r: int = r, **payload) -> None:
+                sent[r].append(payload["step"])
+
+        rec = Recorder(r, Ch(), flush_interval=0.25, steady_interval=1.0, warm=2.0,
+                       capacity=1 << 16)
+        rec._ensure_flusher = lambda: None  # messages from log() only, as in a busy loop
+        recs.append(rec)
+    base = 100.0
+    for step in range(8000):  # 1.4 ms steps; rank 1 a little behind, by a varying amount
+        base += 0.0014
+        for r, rec in enumerate(recs):
+            clock[0] = base + r * (0.0002 + 0.0012 * ((step // 500) % 2))
+            rec.log(step, 0.5)
+    assert len(sent[0]) >= 15  # 4 a second, then 1 a second, over ~11 s
+    assert sent[0] == sent[1]
+    steps = sent[0][1:]
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert all(100 <= g <= 1000 for g in gaps), gaps  # ~0.25 s, then ~1 s of steps
+
+
+def test_columns_grouped_with_numpy_equal_columns_grouped_row_by_row(monkeypatch):
+    import hvdnb.metrics.recorder as recmod
+    from hvdnb.metrics.recorder import _columns
+
+    names = ["time/step", "loss", "samples", "comm/b/time", "comm/b/exposed", "comm/b/bytes"]
+    ids: list[int] = []
+    for s in range(400):  # a loop's rows and, on one step in 9, a collective's
+        ids += [0, 1, 2] + ([3, 4, 5] if s % 9 == 0 else [])
+    nids = array("i", ids)
+    steps = array("q", range(len(ids)))
+    times = array("d", [0.5 * s for s in steps])
+    vals = array("d", [s * 0.25 for s in steps])
+    fast = _columns(steps, times, nids, vals, names)
+    monkeypatch.setattr(recmod, "_GROUP_NP", 10**9)
+    slow = _columns(steps, times, nids, vals, names)
+    assert list(fast) == list(slow) == names  # in the order names first appear
+    for name in names:
+        assert [c.typecode for c in fast[name]] == ["q", "d", "d"]
+        assert [list(c) for c in fast[name]] == [list(c) for c in slow[name]]
