@@ -1,29 +1,31 @@
 """Live panel costs: training overhead, log-to-widget latency, and 64 simulated ranks.
 
-Run: ``python bench/bench_panel.py [--blocks 16] [--fine-pairs 200] [--models small,mlp]
-[--skip-scale]``.
+Run: ``python bench/bench_panel.py [--blocks 60] [--block-seconds 1] [--slice-seconds 0.1]
+[--models mid,mlp,small] [--skip-scale]``.
 Three parts:
 
 1. overhead, at three step sizes: a real 2-rank cluster (1 torch thread per rank, hvdnb
-   DistributedOptimizer) trains the teaching notebooks' size (``small``: 64-32-10, batch
-   32, 0.2-0.3 ms per step on the 2-core box), a ~1 ms step (``mid``: 256-256-256-10,
-   batch 64) and the MLP of ``bench_mlp.py`` (``mlp``: 784-512-512-10, batch 64, 4-8 ms),
-   one cell each. Blocks of ~2 s (several flush intervals each, steady ones included)
-   alternate panel streaming on (``hvdnb.log`` every step, the allreduce listener, the
-   messages, the notebook's store and a headless panel redrawing from the cell's wait
-   hook; the block ends with its own last flush) and off (the loop does not call
-   ``hvdnb.log`` and ``hvdnb.metrics.set_enabled(False)`` unregisters the allreduce
-   listener: a loop that never logs); the block time is the max over ranks, the overhead
-   the median of the ratios of adjacent on/off blocks, with a 95 % bootstrap interval.
-   Then ``--fine-pairs`` pairs of short blocks (~0.25 s, on and off alternating, no
-   flush at a block's end): this box's speed drifts by ±20 % over seconds, and blocks
-   this close see the same speed; the estimate is total time on / total time off - 1 (a
-   mean, so each message's cost counts in the block where it falls), with a bootstrap
-   interval over pairs. Then 4 more steady blocks time, inside the loop, each
-   ``hvdnb.log`` call and each collective's report (``in loop us/step``: the ranks'
-   direct cost, free of the machine's noise). CPU accounting for the rest: each rank's
-   threads other than the training thread (side channel, flusher, MPI) and the
-   notebook process, on vs off blocks: CPU they take on a 2-core box delays a rank.
+   DistributedOptimizer) trains a ~1 ms step (``mid``: 256-256-128-10, batch 64), the MLP
+   of ``bench_mlp.py`` (``mlp``: 784-512-512-10, batch 64, 6-8.5 ms) and the teaching
+   notebooks' size (``small``: 64-32-10, batch 32, ~0.5 ms), one cell each, in three
+   modes: ``steady`` (``hvdnb.log`` every step, the allreduce listener, messages every
+   ``flush_interval_steady``, as in a loop past its first seconds), ``warm`` (messages
+   every ``flush_interval``, collectives sampled densely: a loop's first seconds) and
+   ``off`` (the loop does not call ``hvdnb.log`` and ``hvdnb.metrics.set_enabled(False)``
+   unregisters the listener: a loop that never logs). A block is ``--block-seconds`` of
+   training in each mode, cut into slices of ``--slice-seconds`` interleaved with the
+   other two modes' slices (the order turning through all six permutations): this box's
+   speed drifts by +-20 % over seconds, and slices this close see the same speed (per
+   block on/off ratios scatter by ~5 %, against ~12 % for adjacent 0.25 s blocks); 0.1 s
+   slices hold most of the work a message sets off (the notebook's redraw follows it
+   within ~50 ms). Each mode's message clock, sampling grids and listener state carry
+   over from its previous slice, so it sends and times collectives as often per step as a
+   loop in that mode would. Block time: max over ranks. Overhead of a mode = median over
+   blocks of (its block / the off block) - 1 (the issue's statistic) with a 95 %
+   bootstrap interval, and the mean (total on / total off - 1). Then 4 steady blocks of
+   ~1 s time, inside the loop, each ``hvdnb.log`` call and each collective's report (``in
+   loop us/step``: the ranks' direct cost, free of the machine's noise), and the CPU of
+   each rank's threads other than the training thread (side channel, MPI) by mode.
 2. latency: from a rank's ``hvdnb.log`` call (its timestamp) to the panel's widget model
    holding that point, for every loss point of the "on" blocks.
 3. scale: one process stands in for 64 ranks (64 real ``EngineChannel`` sockets and 64
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import statistics
 import subprocess
@@ -49,16 +52,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-#: the step sizes measured: the MLP of bench_mlp.py, a ~1 ms step and the teaching
-#: notebooks' size; steps per block make blocks of ~2 s on the 2-core box
+#: the step sizes measured (off-step times on this 2-core box in brackets)
 MODELS = {
-    "mlp": {"layers": [784, 512, 512, 10], "batch": 64, "steps": 500},
-    "mid": {"layers": [256, 256, 256, 10], "batch": 64, "steps": 2000},
-    "small": {"layers": [64, 32, 10], "batch": 32, "steps": 8000},
+    "mid": {"layers": [256, 256, 128, 10], "batch": 64},  # ~1.0-1.1 ms
+    "mlp": {"layers": [784, 512, 512, 10], "batch": 64},  # ~6-7 ms (bench_mlp.py's MLP)
+    "small": {"layers": [64, 32, 10], "batch": 32},  # ~0.5 ms (teaching notebooks)
 }
 
 CELL = r"""
-import time, torch, hvdnb
+import itertools, time, torch, hvdnb
 import hvdnb.torch as hvd
 from mpi4py import MPI
 hvd.init()
@@ -78,17 +80,29 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
 step = 0
 warm = rec.warm
-def run(n, mode, flush=True):
+# each "on" mode is a loop of its own that pauses while the other modes run: its message
+# clock (time left to the next message), sampling grids and listener state are put back at
+# the start of each of its slices, so it sends and times collectives as often per step as
+# a loop in that mode would
+saved = {}
+def run(n, mode, cpu=None):
     global step
     on = mode != "off"
     hvdnb.metrics.set_enabled(on)
     # "steady": messages every flush_interval_steady, as in a loop past its first seconds;
     # "warm": every flush_interval, as in a loop's first flush_warm seconds
     rec.warm = 0.0 if mode == "steady" else float("inf")
+    if on:
+        sv = saved.get(mode)
+        if sv is not None:
+            rec.comm_every, rec._grid, rec._due_cell = sv[2], sv[3], sv[4]
+        rec._time_comm(step % rec.comm_every == 0)  # as log() of the previous step would
     comm.Barrier()
-    w0, c0, th0 = time.time(), time.process_time(), time.thread_time()
+    c0, th0 = time.process_time(), time.thread_time()
     t0 = time.perf_counter()
     if on:
+        if sv is not None and rec._due:
+            rec._due, rec._due_late = t0 + sv[0], t0 + sv[1]
         for _ in range(n):
             opt.zero_grad()
             loss = loss_fn(model(X), Y)
@@ -96,6 +110,9 @@ def run(n, mode, flush=True):
             opt.step()
             hvdnb.log(step, loss, samples=__BATCH__)
             step += 1
+        now = time.perf_counter()
+        saved[mode] = (rec._due - now, rec._due_late - now, rec.comm_every, rec._grid,
+                       rec._due_cell)
     else:  # a loop that never logs
         for _ in range(n):
             opt.zero_grad()
@@ -103,34 +120,40 @@ def run(n, mode, flush=True):
             loss.backward()
             opt.step()
             step += 1
-    if on and flush:  # what is still unsent is this block's cost (a cell's end flushes too)
-        rec.flush()
     wall = time.perf_counter() - t0
-    # CPU accounting: the training thread's own CPU, and the process's other threads
-    # (side channel, flusher, MPI), per step; the notebook's is read over [w0, w1]
-    th = time.thread_time() - th0
-    if flush:  # the long blocks only
-        cpu_log.append((mode, w0, time.time(), th / n, (time.process_time() - c0 - th) / n))
-    return comm.allreduce(wall, op=MPI.MAX) / n
-cpu_log = []
+    if cpu is not None:  # the training thread's CPU and the process's other threads'
+        th = time.thread_time() - th0
+        c = cpu[mode]
+        c[0] += th
+        c[1] += time.process_time() - c0 - th
+        c[2] += n
+    return comm.allreduce(wall, op=MPI.MAX)
 MODES = ("steady", "warm", "off")
-for m in MODES:
-    run(__STEPS__ // 4, m)
-cpu_log.clear()  # the warm-up blocks are not measured
+per = run(200, "off") / 200  # the same on every rank (a max over ranks)
+# a block: ~__BLOCK_S__ s of each mode, in slices of ~__SLICE_S__ s interleaved with the
+# other modes' (the order turning through the six permutations): the three see the same
+# machine speed, which drifts by +-20 % over seconds here
+slice_steps = max(4, round(__SLICE_S__ / per))
+slices = max(1, round(__BLOCK_S__ / (slice_steps * per)))
+for m in MODES * 3:
+    run(slice_steps, m)
+PERMS = list(itertools.permutations(MODES))
 res = {m: [] for m in MODES}
-for b in range(__BLOCKS__):  # every order of the three modes, in turn
-    for m in ([MODES[(b + k) % 3] for k in range(3)] if b % 2 else
-              [MODES[(b - k) % 3] for k in range(3)]):
-        res[m].append(run(__STEPS__, m))
-# short blocks (~0.25 s), on and off alternating: the machine's speed drifts over
-# seconds, and neighbours this close see the same speed; no flush at a block's end (the
-# rows go out with a later block's message, as in a loop), so the mean counts each
-# message's cost where it falls
-fine = {"on": [], "off": []}
-for b in range(__FINE__):
-    for m in (("steady", "off") if b % 2 == 0 else ("off", "steady")):
-        fine["on" if m == "steady" else "off"].append(run(max(1, __STEPS__ // 14), m, False))
-res["fine"] = fine
+cpu_log = []
+k = 0
+for b in range(__BLOCKS__):
+    tot = dict.fromkeys(MODES, 0.0)
+    cpu = {m: [0.0, 0.0, 0] for m in MODES}
+    for _ in range(slices):
+        for m in PERMS[k % 6]:
+            tot[m] += run(slice_steps, m, cpu)
+        k += 1
+    for m in MODES:
+        res[m].append(tot[m] / (slices * slice_steps))
+        cpu_log.append((m, cpu[m][0] / cpu[m][2], cpu[m][1] / cpu[m][2]))
+res["steps"] = slice_steps
+res["slices"] = slices
+steps = slice_steps * slices // 8 + 1
 # in the loop, precisely: seconds per step inside hvdnb.log (its share of each message's
 # drain, pack and send included) and inside the report of each timed collective (listener
 # and queueing), perf_counter around each call, steady mode
@@ -145,11 +168,12 @@ def timed_report(self):
 hvdnb.metrics.set_enabled(True)
 rec.warm = 0.0
 probe = []
+n_probe = 8 * steps  # ~1 s
 for b in range(4):
     rounds.Handle.report = timed_report
     acc[:] = [0.0, 0.0]
     comm.Barrier()
-    for _ in range(__STEPS__):
+    for _ in range(n_probe):
         opt.zero_grad()
         loss = loss_fn(model(X), Y)
         loss.backward()
@@ -159,7 +183,7 @@ for b in range(4):
         acc[0] += pc() - t
         step += 1
     rounds.Handle.report = report
-    probe.append([a / __STEPS__ for a in acc])
+    probe.append([a / n_probe for a in acc])
 res["in_loop"] = probe
 res["cpu"] = cpu_log
 rec.warm = warm
@@ -168,55 +192,38 @@ res
 """
 
 
-def paired_overhead(samples: dict, on: str = "on") -> dict:
-    """Median of the ratios of adjacent on/off blocks and its 95 % bootstrap interval:
-    adjacent blocks see the same machine load, so this is the estimate least disturbed
-    by other work on a shared machine."""
-    import random
-
-    samples = {"on": samples[on], "off": samples["off"]}
-    ratios = [a / b for a, b in zip(samples["on"], samples["off"])]
-    rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-    on = statistics.median(samples["on"]) * 1e3
-    off = statistics.median(samples["off"]) * 1e3
-    return {
-        "step_ms_on": on, "step_ms_off": off,
-        "overhead_pct": 100 * (statistics.median(ratios) - 1),
-        "overhead_pct_of_medians": 100 * (on / off - 1),
-        "overhead_pct_ci95": (100 * (boot[50] - 1), 100 * (boot[1949] - 1)),
-        "blocks": len(ratios),
-        "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
-    }
-
-
-def cell_code(model: str, blocks: int, steps: int | None = None, fine: int = 200) -> str:
+def cell_code(model: str, blocks: int, block_s: float, slice_s: float) -> str:
     m = MODELS[model]
     return (CELL.replace("__LAYERS__", repr(m["layers"])).replace("__BATCH__", str(m["batch"]))
-            .replace("__STEPS__", str(steps or m["steps"])).replace("__BLOCKS__", str(blocks))
-            .replace("__FINE__", str(fine)))
+            .replace("__BLOCKS__", str(blocks)).replace("__BLOCK_S__", repr(block_s))
+            .replace("__SLICE_S__", repr(slice_s)))
 
 
-def fine_overhead(fine: dict) -> dict:
-    """Short alternating blocks: total time on / total time off - 1 (a mean: a message
-    and its cost fall in one block of several), with a 95 % bootstrap interval over the
-    on/off pairs."""
-    import random
-
-    pairs = list(zip(fine["on"], fine["off"]))
+def interleaved_overhead(on: list[float], off: list[float]) -> dict:
+    """Overhead of a mode's blocks against the ``off`` blocks they are interleaved with:
+    the median of the per-block ratios and the mean (total on / total off), each - 1, in
+    %, with 95 % bootstrap intervals over blocks."""
+    pairs = list(zip(on, off))
     rng = random.Random(0)
 
-    def est(ps: list) -> float:
+    def median(ps: list) -> float:
+        return 100 * (statistics.median(a / b for a, b in ps) - 1)
+
+    def mean(ps: list) -> float:
         return 100 * (sum(a for a, _ in ps) / sum(b for _, b in ps) - 1)
 
-    boot = sorted(est(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
-    return {"overhead_pct": est(pairs), "overhead_pct_ci95": (boot[50], boot[1949]),
-            "pairs": len(pairs), "step_ms_on": 1e3 * statistics.mean(fine["on"]),
-            "step_ms_off": 1e3 * statistics.mean(fine["off"])}
+    out: dict = {"blocks": len(pairs), "step_ms_on": 1e3 * statistics.median(on),
+                 "step_ms_off": 1e3 * statistics.median(off),
+                 "samples_ms": {"on": [1e3 * x for x in on], "off": [1e3 * x for x in off]}}
+    for name, est in (("median", median), ("mean", mean)):
+        boot = sorted(est(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
+        out[f"{name}_pct"] = est(pairs)
+        out[f"{name}_pct_ci95"] = (boot[50], boot[1949])
+    return out
 
 
-def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int],
-                         fine: int = 200) -> dict:
+def overhead_and_latency(blocks: int, models: list[str], block_s: float,
+                         slice_s: float) -> dict:
     import hvdnb
     from hvdnb import cells
     from hvdnb.metrics.store import MetricsStore
@@ -229,34 +236,27 @@ def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int],
         panel = Panel(store)
         panel.measure_latency = True
         cells.add_wait_hook(panel.tick)
-        nb_cpu: list[tuple[float, float]] = []  # (wall, notebook CPU so far), ~20 per s
-
-        def sample_cpu(final: bool) -> None:
-            t = os.times()
-            nb_cpu.append((time.time(), t.user + t.system))
-
-        cells.add_wait_hook(sample_cpu)
         cpu0, t0 = os.times(), time.perf_counter()
         try:
             for model in models:
-                res = cells.run_cell(cluster, cell_code(model, blocks, steps.get(model), fine),
+                t_model = time.time()
+                res = cells.run_cell(cluster, cell_code(model, blocks, block_s, slice_s),
                                      quiet=True, stream=False)
-                r = paired_overhead(res.values[0], "steady")
-                r["warm"] = paired_overhead(res.values[0], "warm")
-                r["fine"] = fine_overhead(res.values[0]["fine"])
-                per_rank = [v["in_loop"] for v in res.values.values()]
+                v = res.values[0]
+                r = {mode: interleaved_overhead(v[mode], v["off"]) for mode in ("steady", "warm")}
+                per_rank = [x["in_loop"] for x in res.values.values()]
                 r["in_loop_us"] = {  # median over blocks, max over ranks
                     "log": 1e6 * max(statistics.median(b[0] for b in p) for p in per_rank),
                     "comm_report": 1e6 * max(statistics.median(b[1] for b in p)
                                              for p in per_rank)}
-                r["steps_per_block"] = steps.get(model) or MODELS[model]["steps"]
+                r["steps_per_slice"], r["slices_per_block"] = v["steps"], v["slices"]
                 r["layers"], r["batch"] = MODELS[model]["layers"], MODELS[model]["batch"]
                 r["hot_path_us_per_step"] = hot_path_cost()
-                r["cpu_us_per_step"] = cpu_accounting(res.values, nb_cpu)
+                r["cpu_us_per_step"] = cpu_accounting(res.values)
+                r["minutes"] = (time.time() - t_model) / 60
                 out[model] = r
         finally:
             cells.remove_wait_hook(panel.tick)
-            cells.remove_wait_hook(sample_cpu)
         wall = time.perf_counter() - t0
         cpu1 = os.times()
         panel.close()
@@ -273,39 +273,21 @@ def overhead_and_latency(blocks: int, models: list[str], steps: dict[str, int],
     return out
 
 
-def cpu_accounting(values: dict, nb_cpu: list[tuple[float, float]]) -> dict:
-    """CPU by mode (median over blocks): each rank's training thread (``thread_time``;
-    it includes MPI's busy wait for a late peer, so it moves with the machine's noise),
-    each rank's other threads (``process_time`` minus it: side channel, flusher, MPI's
-    own), and the notebook process (its ``os.times`` sampled by the cell's wait hook,
-    read over each block's wall-clock span on rank 0), as a share of one core. On a
-    2-core box where 2 ranks in lockstep keep both cores busy, CPU that the notebook or a
-    side thread takes delays one rank and its peer waits for it: the extra CPU "on"
-    beside the training threads is the part of the overhead the in-loop figure omits."""
-    import bisect
-
-    walls = [w for w, _ in nb_cpu]
-
-    def nb_at(t: float) -> float:
-        i = min(max(bisect.bisect_left(walls, t), 1), len(walls) - 1)
-        (wa, ca), (wb, cb) = nb_cpu[i - 1], nb_cpu[i]
-        return ca + (cb - ca) * ((t - wa) / (wb - wa) if wb > wa else 0.0)
-
-    rank0 = values[min(values)]["cpu"]
+def cpu_accounting(values: dict) -> dict:
+    """CPU per step by mode (median over blocks, mean over ranks): each rank's training
+    thread (``thread_time``; it includes MPI's busy wait for a late peer, so it moves with
+    the machine's noise) and its other threads (``process_time`` minus it: side channel,
+    MPI's own). On a 2-core box where 2 ranks in lockstep keep both cores busy, CPU that a
+    side thread (or the notebook) takes delays one rank and its peer waits for it."""
     out: dict = {}
-    for mode in dict.fromkeys(b[0] for b in rank0):
-        def per_rank(col: int, mode: str = mode) -> float:  # mean over ranks of medians
+    modes = dict.fromkeys(b[0] for v in values.values() for b in v["cpu"])
+    for mode in modes:
+        def per_rank(col: int, mode: str = mode) -> float:
             meds = [statistics.median(b[col] for b in v["cpu"] if b[0] == mode)
                     for v in values.values()]
             return sum(meds) / len(meds)
 
-        nb = [(nb_at(w1) - nb_at(w0)) / (w1 - w0) for m, w0, w1, _, _ in rank0
-              if m == mode and len(nb_cpu) > 1 and walls[0] <= w0 and w1 <= walls[-1]]
-        out[mode] = {
-            "train_thread_us": 1e6 * per_rank(3),
-            "other_threads_us": 1e6 * per_rank(4),
-            "notebook_core_pct": 100 * statistics.median(nb) if nb else None,
-        }
+        out[mode] = {"train_thread_us": 1e6 * per_rank(1), "other_threads_us": 1e6 * per_rank(2)}
     return out
 
 
@@ -420,30 +402,33 @@ def main() -> None:
     ap.add_argument("--scale-seconds", type=float, default=60.0,
                     help="length of the 64-rank run (default 60 s)")
     ap.add_argument("--ranks", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=16, help="on/off block pairs per model")
-    ap.add_argument("--models", default="small,mid,mlp",
-                    help="step sizes to measure: small (~0.25 ms), mid (~1 ms), mlp (~4-8 ms)")
-    ap.add_argument("--steps-small", type=int, default=MODELS["small"]["steps"],
-                    help="steps per block, small model")
-    ap.add_argument("--steps-mid", type=int, default=MODELS["mid"]["steps"],
-                    help="steps per block, ~1 ms model")
-    ap.add_argument("--steps-mlp", type=int, default=MODELS["mlp"]["steps"],
-                    help="steps per block, MLP")
-    ap.add_argument("--fine-pairs", type=int, default=200,
-                    help="short (~0.25 s) on/off block pairs per model")
+    ap.add_argument("--blocks", type=int, default=60,
+                    help="blocks per mode and model (each mode's block interleaved with the "
+                         "other two modes' blocks)")
+    ap.add_argument("--block-seconds", type=float, default=1.0,
+                    help="training time of one block")
+    ap.add_argument("--slice-seconds", type=float, default=0.1,
+                    help="blocks are interleaved in slices of this length")
+    ap.add_argument("--models", default="mid,mlp,small",
+                    help="step sizes to measure: mid (~1 ms), mlp (~6-8.5 ms), small (~0.5 ms)")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "panel.json"))
     args = ap.parse_args()
+    if args.blocks < 10:
+        ap.error(f"--blocks {args.blocks}: at least 10 blocks are needed for a median worth "
+                 "reading")
     out: dict = {"machine": f"{os.cpu_count()} cores, shared with other engineers' work",
                  "command": " ".join(["python"] + sys.argv),
+                 "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                  "load_avg_start": os.getloadavg()}
     models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     if not args.skip_overhead:
-        out["overhead"] = overhead_and_latency(
-            args.blocks, models,
-            {"small": args.steps_small, "mid": args.steps_mid, "mlp": args.steps_mlp},
-            args.fine_pairs)
+        out["overhead"] = overhead_and_latency(args.blocks, models, args.block_seconds,
+                                               args.slice_seconds)
     if not args.skip_scale:
         out["scale"] = scale(args.ranks, args.scale_seconds)
     out["load_avg_end"] = os.getloadavg()
@@ -451,38 +436,33 @@ def main() -> None:
     print("live panel benchmark (2 cores shared with other work; load avg "
           f"{out['load_avg_start'][0]:.2f} -> {out['load_avg_end'][0]:.2f})")
     if o:
-        print("overhead = median over blocks of (block time on / adjacent block off) - 1; "
-              "steady: a loop past its first flush_warm s, warm: its first seconds")
-        print(f"{'step size':<10} | {'blocks x steps':>14} | {'off ms':>7} | {'on ms':>7} | "
-              f"{'steady':>7} | {'95% CI':>13} | {'warm':>7} | {'95% CI':>13} | "
-              f"{'in loop us/step':>15} | target (steady)")
+        print("overhead of watching = (block with hvdnb.log + panel) / (off block interleaved "
+              "with it) - 1; median over blocks, and mean (total on / total off); 95 % bootstrap "
+              "intervals. steady: a loop past its first 2 s; warm: its first 2 s")
+        print(f"{'step size':<9} | {'off ms':>6} | {'blocks x steps':>14} | "
+              f"{'steady median':>22} | {'steady mean':>22} | {'warm median':>22} | "
+              f"{'in loop us/step':>15} | target")
         for m in models:
-            r, wr = o[m], o[m]["warm"]
-            lo, hi = r["overhead_pct_ci95"]
-            wlo, whi = wr["overhead_pct_ci95"]
+            r = o[m]
+            st, wa = r["steady"], r["warm"]
             il = r["in_loop_us"]
             hp = il["log"] + il["comm_report"]
-            print(f"{m:<10} | {r['blocks']:>5} x {r['steps_per_block']:<6} | "
-                  f"{r['step_ms_off']:7.3f} | {r['step_ms_on']:7.3f} | {r['overhead_pct']:6.2f}% | "
-                  f"{lo:+5.1f}..{hi:+5.1f}% | {wr['overhead_pct']:6.2f}% | {wlo:+5.1f}..{whi:+5.1f}% | "
-                  f"{hp:9.1f} {100 * hp / (1e3 * r['step_ms_off']):4.1f}% | <= 2 %")
-        print("short blocks: ~0.25 s on and off alternating; overhead = total time on / "
-              "total time off - 1 (messages counted where they fall)")
-        for m in models:
-            f = o[m]["fine"]
-            flo, fhi = f["overhead_pct_ci95"]
-            print(f"{m:<10} | {f['pairs']:>5} pairs | off {f['step_ms_off']:7.3f} ms | "
-                  f"on {f['step_ms_on']:7.3f} ms | {f['overhead_pct']:+6.2f}% | "
-                  f"95% CI {flo:+5.2f}..{fhi:+5.2f}% | target <= 2 %")
-        print("CPU beside the training thread, on / off (median over blocks; other threads: "
-              "side channel, flusher, MPI, per step, mean over ranks)")
+
+            def fmt(x: dict, k: str) -> str:
+                lo, hi = x[f"{k}_pct_ci95"]
+                return f"{x[f'{k}_pct']:+5.2f}% ({lo:+5.2f}..{hi:+5.2f})"
+
+            spb = r["steps_per_slice"] * r["slices_per_block"]
+            print(f"{m:<9} | {st['step_ms_off']:6.3f} | {st['blocks']:>5} x {spb:<6} | "
+                  f"{fmt(st, 'median'):>22} | {fmt(st, 'mean'):>22} | {fmt(wa, 'median'):>22} | "
+                  f"{hp:7.1f} {100 * hp / (1e3 * st['step_ms_off']):5.2f}% | <= 2 %")
+        print("CPU per step beside the training thread, steady / off (side channel, MPI; "
+              "median over blocks, mean over ranks)")
         for m in models:
             c = o[m]["cpu_us_per_step"]
             on, off = c["steady"], c["off"]
-            nb = ("n/a" if on["notebook_core_pct"] is None or off["notebook_core_pct"] is None
-                  else f"{on['notebook_core_pct']:.2f} / {off['notebook_core_pct']:.2f} % of a core")
-            print(f"{m:<10} | rank's other threads {on['other_threads_us']:5.1f} / "
-                  f"{off['other_threads_us']:5.1f} us | notebook {nb}")
+            print(f"{m:<9} | rank's other threads {on['other_threads_us']:5.1f} / "
+                  f"{off['other_threads_us']:5.1f} us")
         print(f"{'measure':<44} | {'value':>12} | target")
         print(f"{'log() -> widget model latency p50 (ms)':<44} | {o['latency_ms_p50']:12.0f} |")
         print(f"{'log() -> widget model latency p95 (ms)':<44} | {o['latency_ms_p95']:12.0f} | <= 1.5 x steady interval")

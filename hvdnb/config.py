@@ -52,7 +52,8 @@ class Config:
     #: seconds of logging after which a loop flushes every ``flush_interval_steady``
     flush_warm: float = 2.0
     #: while a loop logs, its collectives are timed (panel, ``hvdnb.metrics()``) on one step
-    #: in k, k = this many seconds / the step time (1 to 64): on 2 ranks of 1.4 ms steps,
+    #: in k, k = this many seconds / the step time, to the nearest power of two so that
+    #: ranks in lockstep time the same steps (1 to 64): on 2 ranks of 1.4 ms steps,
     #: reporting each timed collective cost ~8 us per step (0.6 %). 0: time every step
     comm_sample_interval: float = 0.008
     #: the same, once a loop has logged for ``flush_warm`` seconds (its first seconds are

@@ -237,12 +237,18 @@ class Knobs:
             if plan["id"] in self.pending or plan["id"] in self._done:
                 return
             self.pending[plan["id"]] = plan
+        from .recorder import get_recorder
+
+        rec = get_recorder()
+        # after the plan is pending: the loop's next log() looks at the knobs (log() sets
+        # its next event step before it reads ``pending``, so neither order misses it)
+        rec._next_event = -1
         # rank 0 decides: None means its loop was idle, so apply now (the next loop starts
         # with the new values); a step means wait for it, even if this rank looks idle
         if plan["apply_at"] is None:
             with self._lock:
                 self.pending.pop(plan["id"], None)
-            self._apply(plan, self._cur, late=False)
+            self._apply(plan, max(self._cur, rec.cur_step), late=False)
 
 
 def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -> Knobs:

@@ -15,9 +15,12 @@ progress". Allreduce timings and ``phase`` blocks are recorded against the step 
 progress. While a loop logs, the allreduce listener is registered for one step in ``k``
 only (``Recorder.comm_every``: timed steps ``comm_interval`` seconds apart, 8 ms by
 default, for the loop's first ``warm`` seconds, then ``comm_interval_steady`` apart, 50 ms
-by default; every step when steps are longer): reporting a timed collective costs the
-training thread ~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are
-drained, packed and sent with the step's. Ints and CPU tensors become floats in ``log``
+by default; every step when steps are longer; ``k`` a power of two, so that ranks in
+lockstep time the same steps): reporting a timed collective costs the training thread
+~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are drained, packed and
+sent with the step's. Messages go out on a grid of steps too (the first step of a cell of
+~1/16 interval once one is due), so ranks in lockstep pack on the same step and neither
+waits for the other's in turn. Ints and CPU tensors become floats in ``log``
 (``.item()`` on a CPU tensor never waits); other objects (a CUDA loss, an NCCL timing)
 are kept as references and turned into floats on the flusher thread, so the training
 thread never waits for the device.
@@ -55,6 +58,7 @@ IDLE_AFTER = 1.0
 COMM_EVERY_MAX = 64
 
 _NUMBER = (int, float)
+_NEVER = 1 << 62  # a step no loop reaches
 #: kinds of the training thread's queued entries (see Recorder._drain)
 _LOG, _COMM, _RECORD = 0, 1, 2
 _KIND = itemgetter(0)
@@ -126,6 +130,12 @@ class Recorder:
     comm_interval_steady : the same once the loop has logged for ``warm`` seconds (the
         larger of the two applies; default: ``comm_interval``)
     """
+
+    # what log() reads and writes on every step sits in slots, at fixed offsets in the
+    # object (one or two cache lines); the other ~50 attributes are in its __dict__, too
+    # many for CPython's compact instance layout, which a cold lookup pays for
+    __slots__ = ("enabled", "_owner", "_pend", "cur_step", "last_activity", "_next_event",
+                 "_due", "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -208,6 +218,8 @@ class Recorder:
         #: past ``_due_late`` it sends at once
         self._grid = 1
         self._due_cell: int | None = None
+        #: the step at which log() next calls _events (-1: at the next log)
+        self._next_event = -1
         self._due_late = 0.0
         self._npv: Any = None  # numpy views of the ring's columns (see _drain_run)
         #: send from the training thread at log() when a message is due (see _run)
@@ -215,13 +227,23 @@ class Recorder:
         self.comm_interval = float(comm_interval)
         self.comm_interval_steady = float(comm_interval if comm_interval_steady is None
                                           else comm_interval_steady)
-        #: the collectives of step s are timed when s % comm_every == 0 (set by _drain)
-        self.comm_every = 1
+        self._comm_every = 1
         # hvdnb.torch's listener list while this recorder times collectives (None: it
         # does not: hvdnb.torch is not loaded, or recording is off); _comm_on: registered
         self._comm_list: list[Any] | None = None
         self._comm_on = False
         self._on_comm = self.on_comm  # one bound method: registered and removed by identity
+
+    @property
+    def comm_every(self) -> int:
+        """The collectives of step s are timed when s % comm_every == 0 (set by _drain
+        from the step time; setting it takes effect at the next ``log``)."""
+        return self._comm_every
+
+    @comm_every.setter
+    def comm_every(self, k: int) -> None:
+        self._comm_every = int(k)
+        self._next_event = -1
 
     # ------------------------------------------------------------------ hot path
     def _nid(self, name: str) -> int:
@@ -257,10 +279,14 @@ class Recorder:
 
     def _log(self, step: int, loss: Any, metrics: dict[str, Any]) -> None:
         # ``metrics`` is the caller's fresh ``**kwargs`` dict: tensors in it are replaced.
-        # The hot path appends what it was given and returns: measured inside a 2-rank
-        # training loop (caches cold after forward/backward/allreduce), writing the rows
-        # here cost ~23 us per call, ~1.5 % of a 1.5 ms step; the append costs ~6 us.
-        # The rows are written by _drain, once per message, on warm caches.
+        # The hot path appends what it was given and returns: after forward, backward and
+        # the allreduce every cache line it touches is cold, so each attribute read counts
+        # (~0.1-0.3 us). Measured inside a 2-rank loop of ~1.2 ms steps: writing the rows
+        # here cost ~23 us per call; this path ~2 us plus ~3 us to read a CPU loss. What
+        # happens on some steps only (registering the allreduce listener on the sampled
+        # steps, a planned knob change, the next message) waits for ``_next_event`` (a
+        # step) or ``_due`` (a time) and is done by ``_events``; rows are written by
+        # ``_drain``, once per message, on warm caches.
         if not self.enabled:
             return
         now = _perf_counter()
@@ -270,21 +296,45 @@ class Recorder:
         if type(step) is not int:
             step = int(step)
         if type(loss) is not float and loss is not None:
-            # a CPU tensor is read now (~5 us here): read later it could have changed in
-            # place, and keeping it would keep its autograd graph alive until the drain
+            # a CPU tensor is read now: read later it could have changed in place, and
+            # keeping it would keep its autograd graph alive until the drain
             loss = _scalar(loss)
         if metrics:  # tensors in it are read now too
-            for k, v in metrics.items():
+            for v in metrics.values():
                 if type(v) is not float and type(v) is not int:
-                    metrics[k] = _scalar(v)
+                    for k, v in metrics.items():
+                        metrics[k] = _scalar(v)
+                    break
         self._pend.append((_LOG, now, step, loss, metrics))
-        self.cur_step = nxt = step + 1
+        self.cur_step = step + 1
         self.last_activity = now
-        if self._comm_list is not None and (nxt % self.comm_every == 0) is not self._comm_on:
-            self._time_comm(not self._comm_on)
+        if step >= self._next_event or now >= self._due:
+            self._events(step, now)
+
+    def _events(self, step: int, now: float) -> None:
+        """What ``log(step)`` does on some steps only: register or remove the allreduce
+        listener for the next step (timed steps: ``s % comm_every == 0``), advance the
+        knobs (a planned change applies at its step), send a message when one is due; then
+        set the step of the next such event. ``_drain``, ``_time_comm`` and a knob plan
+        arriving set ``_next_event`` to -1 (an event at the next log)."""
+        nxt = step + 1
+        k = self._comm_every
+        if self._comm_list is None or k <= 1:
+            ne = _NEVER  # not timing, or timing every step: nothing to switch
+            if self._comm_list is not None and not self._comm_on:
+                self._time_comm(True)
+        else:
+            on = nxt % k == 0
+            if on is not self._comm_on:
+                self._time_comm(on)
+            # timed: remove the listener after it; else add it before the next timed step
+            ne = nxt if on else nxt + (k - nxt % k) - 1
+        self._next_event = ne  # before the knobs' pending plans are read (see on_plan)
         knobs = _KNOBSET.CURRENT if _KNOBSET is not None else _knobs_mod().CURRENT
         if knobs is not None:
             knobs._advance(nxt)
+            if knobs.pending:  # a change planned for a later step: look at every step
+                self._next_event = nxt
         if now >= self._due:
             g = self._grid
             if g > 1 and now < self._due_late:
@@ -421,6 +471,7 @@ class Recorder:
         else:
             self.comm_every = 1
         self._grid = _pow2(self.interval(last) / (16 * per)) if per > 0.0 else 1
+        self._next_event = -1  # comm_every may have changed, or a new loop begun
         self._w = w  # published last: a pack reads rows below _w only
 
     def _drain_run(self, run: list[tuple[Any, ...]], w: int, off: float, prev: int,
@@ -524,6 +575,7 @@ class Recorder:
             except ValueError:
                 pass
         self._comm_on = on
+        self._next_event = -1
 
     def _try_drain(self) -> None:
         """Drain on the training thread unless a pack holds the lock: that pack drains the
@@ -817,13 +869,13 @@ _PHASE_ALIASES = {
 
 def _scalar(v: Any) -> Any:
     """``v`` as a float when that is cheap and never waits for a device: an int, or a CPU
-    tensor (``.item()``, ~0.2 us); anything else as it is, read by ``_as_float`` at the
+    tensor of one element (~0.2 us warm, ~2.5 us in a loop); anything else as it is, read by ``_as_float`` at the
     next pack, on whichever thread sends (a CUDA tensor must not be read in the step)."""
     try:
+        if getattr(v, "is_cpu", False):  # ``tolist`` reads a 0-d tensor ~20 % quicker
+            return float(v.tolist() if v.ndim == 0 else v.item())  # than ``item`` (in a loop)
         if isinstance(v, _NUMBER):  # int, bool, numpy's float64
             return float(v)
-        if getattr(v, "is_cpu", False):
-            return float(v.item())
         if type(v).__module__ == "numpy":  # numpy's other scalars
             return float(v)
     except Exception:  # an int too large for a float, a tensor of many elements: NaN later
@@ -1047,12 +1099,13 @@ def log(step: int, loss: Any = None, **metrics: Any) -> None:
     """Record this step's loss and other scalars for the live panel and ``hvdnb.metrics()``.
 
     Call it once per step, at the end of the step, on every rank. It reads a CPU
-    tensor (``.item()``, ~5 us of it here) and queues the values: ~14 us per call inside a
-    2-rank training loop of 1.4 ms steps (caches are cold after a step; ~2 us when warm).
-    Once per flush interval it writes the queue into a preallocated ring and hands one
-    message to the side channel (~1.6 ms for a second of such steps, ~2 us per step; a
-    CUDA loss is read by a background thread). The interval is ``hvdnb.config``
-    ``flush_interval`` (250 ms) for the loop's first ``flush_warm`` seconds (2 s), then
+    tensor (~2.5 us of it here) and queues the values: ~6-10 us per call inside a 2-rank
+    training loop of ~1.2 ms steps (caches are cold after a step; ~1.5 us when warm).
+    Once per flush interval it writes the queue into a preallocated ring (numpy, for a
+    loop's alike entries) and hands one message to the side channel (~1.5-2 ms for a
+    second of such steps, ~2 us per step, on the same step on every rank; a CUDA loss is
+    read by a background thread). The interval is ``hvdnb.config`` ``flush_interval``
+    (250 ms) for the loop's first ``flush_warm`` seconds (2 s), then
     ``flush_interval_steady`` (1 s): each message costs the ranks CPU.
 
     Parameters

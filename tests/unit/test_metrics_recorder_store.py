@@ -948,3 +948,32 @@ def test_columns_grouped_with_numpy_equal_columns_grouped_row_by_row(monkeypatch
     for name in names:
         assert [c.typecode for c in fast[name]] == ["q", "d", "d"]
         assert [list(c) for c in fast[name]] == [list(c) for c in slow[name]]
+
+
+def test_a_plan_heard_between_log_events_applies_at_its_step():
+    """``log`` looks at the knobs only on some steps (``_events``); a plan heard between
+    them (the I/O thread calls ``on_plan``) makes the next ``log`` look, and the change is
+    in force from its planned step on."""
+    from hvdnb.metrics import recorder as R
+
+    rec = R.get_recorder()
+    saved, old = rec._comm_list, kn.CURRENT
+    try:
+        R.set_enabled(True)
+        rec._time_comm(False)
+        rec._comm_list = None  # no sampled collectives: no step-driven events at all
+        rec.new_loop()
+        k = kn.knobs(warmup_steps=10)
+        seen = {}
+        for step in range(100):
+            seen[step] = k.warmup_steps
+            if step == 40:
+                k.on_plan({"id": "between-events", "apply_at": 60,
+                           "values": {"warmup_steps": 7}})
+            R.log(step, 0.5)
+        assert seen[59] == 10 and seen[60] == 7 and seen[99] == 7
+        assert k.history == [(60, {"warmup_steps": 7}, False)]
+    finally:
+        kn.CURRENT = old
+        rec._comm_list = saved
+        R.set_enabled(True)
