@@ -68,7 +68,8 @@ alone_s = statistics.median(alone)
 hvd.add_comm_listener(listener)
 per_bucket: dict[str, list[float]] = {}
 lag: dict[str, list[float]] = {}
-for step in range(8):
+for step in range(20):  # medians over 18 steps: one rank descheduled for a few ms on a
+    # loaded 2-core box inflates a few readings (a median of 6 once read 4.96 ms vs 0.27)
     reports.clear()
     launched.clear()
     opt.zero_grad()
