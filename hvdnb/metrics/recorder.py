@@ -282,7 +282,7 @@ class Recorder:
         # The hot path appends what it was given and returns: after forward, backward and
         # the allreduce every cache line it touches is cold, so each attribute read counts
         # (~0.1-0.3 us). Measured inside a 2-rank loop of ~1.2 ms steps: writing the rows
-        # here cost ~23 us per call; this path ~2 us plus ~3 us to read a CPU loss. What
+        # here cost ~23 us per call; this path ~3.5-5 us, ~2.5 us more for a CPU loss. What
         # happens on some steps only (registering the allreduce listener on the sampled
         # steps, a planned knob change, the next message) waits for ``_next_event`` (a
         # step) or ``_due`` (a time) and is done by ``_events``; rows are written by

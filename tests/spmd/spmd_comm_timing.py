@@ -1,13 +1,14 @@
 """Comm listeners report a collective's own time and the time the step was blocked by it.
 
 A DistributedOptimizer over 6 x Linear(256, 256), one layer per bucket, so buckets start
-mid-backward. For every bucket the listener's ``seconds`` must be within 2x (+ slack: 2 ms
-over MPI, 5 ms over gloo, whose worker threads share the 2 cores with backward) of the
-same-size allreduce timed alone in this script, while the time from the bucket's launch
-to its report is much larger (it includes the rest of backward); ``exposed`` summed over
-a step's buckets is above 0 and at most the wall time of backward + ``step()`` (it counts
-the blocking header swap inside the gradient hook, which runs during backward). Runs under mpiexec
-(MPI) and with torchrun's variables (gloo). Prints ``OK spmd_comm_timing`` on each rank.
+mid-backward. For every bucket the listener's ``seconds`` (per step the smallest over
+ranks, as the panel reports it) must be within 2x (+ slack: 2 ms over MPI, 5 ms over gloo,
+whose worker threads share the 2 cores with backward) of the same-size allreduce timed
+alone in this script, while the time from the bucket's launch to its report is much larger
+(it includes the rest of backward); ``exposed`` summed over a step's buckets is above 0 and
+at most the wall time of backward + ``step()`` (it counts the blocking header swap inside
+the gradient hook, which runs during backward). Runs under mpiexec (MPI) and with
+torchrun's variables (gloo). Prints ``OK spmd_comm_timing`` on each rank.
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ alone_s = statistics.median(alone)
 hvd.add_comm_listener(listener)
 per_bucket: dict[str, list[float]] = {}
 lag: dict[str, list[float]] = {}
-for step in range(20):  # medians over 18 steps: one rank descheduled for a few ms on a
-    # loaded 2-core box inflates a few readings (a median of 6 once read 4.96 ms vs 0.27)
+for step in range(20):  # medians over 18 steps
     reports.clear()
     launched.clear()
     opt.zero_grad()
@@ -94,9 +94,14 @@ for step in range(20):  # medians over 18 steps: one rank descheduled for a few 
 hvd.remove_comm_listener(listener)
 
 for name, secs in sorted(per_bucket.items()):
-    s = statistics.median(secs)
+    # a collective runs from the last rank's arrival: a rank that arrived first also reads
+    # its wait for the others, so the figure per step is the smallest over ranks (as the
+    # panel shows it); one rank slowed by other work on the box no longer inflates it
+    every = hvd.allgather(torch.tensor(secs, dtype=torch.float64)).view(n, -1)
+    s = statistics.median(every.min(dim=0).values.tolist())
     assert s == s and s <= 2 * alone_s + SLACK, (
-        f"{name}: reported {s * 1e3:.2f} ms vs {alone_s * 1e3:.2f} ms alone ({backend})")
+        f"{name}: reported {s * 1e3:.2f} ms (smallest over ranks) vs {alone_s * 1e3:.2f} ms "
+        f"alone ({backend}); this rank: {statistics.median(secs) * 1e3:.2f} ms")
 # the first bucket starts earliest in backward: its launch-to-report time is what the
 # old contract reported; it must be far above the collective's own time
 first = "DistributedOptimizer.bucket.0"
