@@ -153,7 +153,6 @@ for b in range(__BLOCKS__):
         cpu_log.append((m, cpu[m][0] / cpu[m][2], cpu[m][1] / cpu[m][2]))
 res["steps"] = slice_steps
 res["slices"] = slices
-steps = slice_steps * slices // 8 + 1
 # in the loop, precisely: seconds per step inside hvdnb.log (its share of each message's
 # drain, pack and send included) and inside the report of each timed collective (listener
 # and queueing), perf_counter around each call, steady mode
@@ -168,7 +167,7 @@ def timed_report(self):
 hvdnb.metrics.set_enabled(True)
 rec.warm = 0.0
 probe = []
-n_probe = 8 * steps  # ~1 s
+n_probe = slice_steps * slices  # a block's steps, ~1 s
 for b in range(4):
     rounds.Handle.report = timed_report
     acc[:] = [0.0, 0.0]

@@ -81,18 +81,6 @@ def _numpy() -> Any:
     return _NP
 
 
-class _At:
-    """``a[ix]`` as an assignable (n, p) block: ``_At(a, ix)[:, j] = v`` writes ``a``."""
-
-    __slots__ = ("a", "ix")
-
-    def __init__(self, a: Any, ix: Any) -> None:
-        self.a, self.ix = a, ix
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.a[self.ix[key]] = value
-
-
 def _segments(logs: list[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
     """``logs[1:]`` cut where the number of keywords changes (a loop that logs an accuracy
     every 100 steps): runs of alike entries for ``Recorder._drain_run``."""
@@ -508,24 +496,17 @@ class Recorder:
                 nid = ids[k] = self._nid(_PHASE_ALIASES.get(k, k))
             cols.append((nid, col))
         try:
-            return self._write_run(np, nows, steps, losses if has_loss else None, cols, w,
-                                   off, prev, last, st, total)
-        except (OverflowError, ValueError, TypeError):  # an int too large for its column
+            S = np.array(steps, dtype=np.int64)
+        except OverflowError:  # a step beyond int64
             return None
-
-    def _write_run(self, np: Any, nows: tuple[float, ...], steps: tuple[int, ...],
-                   losses: tuple[float, ...] | None, cols: list[tuple[int, list[Any]]],
-                   w: int, off: float, prev: int, last: float, st: float,
-                   total: int | None) -> tuple[int, int, float, float] | None:
-        has_loss = losses is not None
-        S = np.array(steps, dtype=np.int64)
         N = np.array(nows, dtype=np.float64)
         dS = np.diff(S, prepend=prev)
         dN = np.diff(N, prepend=last)
-        if (dS <= 0).any() or (dN > IDLE_AFTER).any():
-            return None
+        n, p = len(S), 1 + has_loss + len(cols)  # rows per entry: time/step, loss, keywords
+        i0 = w & self._mask
+        if (dS <= 0).any() or (dN > IDLE_AFTER).any() or i0 + n * p > self.capacity:
+            return None  # (the last: the rows would wrap around the ring's end)
         per = dN / dS
-        n = len(S)
         if not st:
             st = float(per[0])
             tail = per[1:]
@@ -537,25 +518,21 @@ class Recorder:
         if self._npv is None:
             self._npv = (np.frombuffer(self._steps, np.int64), np.frombuffer(self._times),
                          np.frombuffer(self._names, np.intc), np.frombuffer(self._vals))
-        pattern = [self._id_step] + ([self._id_loss] if has_loss else []) + [c[0] for c in cols]
-        p = len(pattern)
-        i0 = w & self._mask
-        if i0 + n * p <= self.capacity:  # one block of the ring: (n, p) views of it
-            sb, tb, nb, vb = (a[i0 : i0 + n * p].reshape(n, p) for a in self._npv)
-        else:  # around the end of the ring: the same through indices
-            ix = (np.arange(w, w + n * p, dtype=np.int64) & self._mask).reshape(n, p)
-            sb, tb, nb, vb = (_At(a, ix) for a in self._npv)
-        sb[:, :] = S[:, None]
-        tb[:, :] = (N + off)[:, None]
-        nb[:, :] = np.array(pattern, dtype=np.intc)
-        vb[:, 0] = per
-        c = 1
-        if has_loss:
-            vb[:, 1] = losses
-            c = 2
-        for _, col in cols:
-            vb[:, c] = col
-            c += 1
+        # the block of the ring these rows fill, as (n, p) views: row k * p + j of it is
+        # entry k's j-th name
+        sb, tb, nb, vb = (a[i0 : i0 + n * p].reshape(n, p) for a in self._npv)
+        try:
+            sb[:, :] = S[:, None]
+            tb[:, :] = (N + off)[:, None]
+            nb[:, :] = np.array([self._id_step] + [self._id_loss] * has_loss
+                                + [c[0] for c in cols], dtype=np.intc)
+            vb[:, 0] = per
+            if has_loss:
+                vb[:, 1] = losses
+            for j, (_, col) in enumerate(cols, 1 + has_loss):
+                vb[:, j] = col
+        except (OverflowError, ValueError, TypeError):  # an int too large for a float
+            return None  # nothing published: the caller writes the same rows one by one
         if total is not None:
             self.meta["total_steps"] = total
         return w + n * p, int(S[-1]), float(N[-1]), st
@@ -869,8 +846,9 @@ _PHASE_ALIASES = {
 
 def _scalar(v: Any) -> Any:
     """``v`` as a float when that is cheap and never waits for a device: an int, or a CPU
-    tensor of one element (~0.2 us warm, ~2.5 us in a loop); anything else as it is, read by ``_as_float`` at the
-    next pack, on whichever thread sends (a CUDA tensor must not be read in the step)."""
+    tensor of one element (~0.2 us warm, ~2.5 us in a loop); anything else as it is, read
+    by ``_as_float`` at the next pack, on whichever thread sends (a CUDA tensor must not be
+    read in the step)."""
     try:
         if getattr(v, "is_cpu", False):  # ``tolist`` reads a 0-d tensor ~20 % quicker
             return float(v.tolist() if v.ndim == 0 else v.item())  # than ``item`` (in a loop)
