@@ -280,3 +280,8 @@ def test_short_steps_time_their_collectives_on_one_step_in_k(dist2):
         assert all(exposed[s] <= steps[s] for s in steps)
         b = store.breakdown()[rank]
         assert 0 < b["comm"] <= b["step"] and b["compute"] >= 0
+    # k is a power of two from the same step time: the ranks time (nearly) the same steps
+    timed = [{s for s in store.per_step("comm/", r, 10_000, suffix="/exposed") if s < 3000}
+             for r in sorted(res.values)]
+    shared = len(timed[0] & timed[1]) / max(len(timed[0] | timed[1]), 1)
+    assert shared >= 0.8, f"ranks timed different steps: {shared:.0%} in common"
