@@ -11,7 +11,7 @@ in one run (medians of ``--reps``):
 - ``base64 columns``: int64/float64 columns as base64 strings inside the JSON (the
   second);
 - ``binary blob``: the columns as raw bytes in a third frame, equal columns sent once
-  (``hvdnb.channel.encode`` now).
+  (``hvdnb.protocol.wire.encode`` now).
 
 Prints a table and writes ``bench/results/channel.json``.
 Usage: ``python bench/bench_channel.py [--reps 200] [--steps 1000]``
@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hvdnb import channel  # noqa: E402
-from hvdnb.metrics.recorder import Recorder  # noqa: E402
+from hvdnb.protocol import wire as channel  # noqa: E402
+from hvdnb.rank.metrics.recorder import Recorder  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "channel.json"
 KEY = b"k" * 32

@@ -224,9 +224,9 @@ def interleaved_overhead(on: list[float], off: list[float]) -> dict:
 def overhead_and_latency(blocks: int, models: list[str], block_s: float,
                          slice_s: float) -> dict:
     import hvdnb
-    from hvdnb import cells
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.notebook import cells
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     store = MetricsStore()
     out: dict = {}
@@ -293,11 +293,11 @@ def cpu_accounting(values: dict) -> dict:
 def hot_path_cost() -> dict:
     """What streaming adds to one MLP step on a rank, measured without machine noise:
     ``log`` + one bucket's allreduce record, and the pack of 20 steps with its encoding
-    for the wire (``hvdnb.channel.encode``: JSON, binary columns, signature)."""
+    for the wire (``hvdnb.protocol.wire.encode``: JSON, binary columns, signature)."""
     import timeit
 
-    from hvdnb.channel import encode
-    from hvdnb.metrics.recorder import Recorder
+    from hvdnb.protocol.wire import encode
+    from hvdnb.rank.metrics.recorder import Recorder
 
     class Sink:
         def send(self, kind: str, **payload: object) -> None:
@@ -328,8 +328,8 @@ def hot_path_cost() -> dict:
 SENDER = r"""
 import json, os, sys, time
 sys.path.insert(0, os.environ["HVDNB_ROOT"])
-from kernels_ext.channel import EngineChannel
-from hvdnb.metrics.recorder import Recorder
+from hvdnb.rank.channel import EngineChannel
+from hvdnb.rank.metrics.recorder import Recorder
 endpoint, key, n, seconds = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3]), float(sys.argv[4])
 recs = [Recorder(r, EngineChannel(endpoint, key, r), flush_interval=0.1, capacity=1024)
         for r in range(n)]
@@ -356,15 +356,16 @@ print(json.dumps({"rows": sent_rows, "messages": msgs, "steps": step,
 
 
 def scale(nranks: int, seconds: float) -> dict:
-    from hvdnb.channel import ClientChannel
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.notebook.channel import ClientChannel
+    from hvdnb.protocol import kinds
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     key = secrets.token_hex(16).encode()
     ch = ClientChannel(key=key)
     store = MetricsStore()
     store._channel = ch
-    ch.on("metrics", store.ingest)
+    ch.on(kinds.METRICS, store.ingest)
     panel = Panel(store)
     env = dict(os.environ, HVDNB_ROOT=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-c", SENDER, ch.endpoint, key.decode(),

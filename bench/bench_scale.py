@@ -34,7 +34,7 @@ SENDER = r"""
 import json, os, random, sys, time
 sys.path.insert(0, os.environ["HVDNB_ROOT"])
 import zmq
-from hvdnb.channel import encode
+from hvdnb.protocol.wire import encode
 endpoint, key, nranks, nhosts, seconds, hz = (sys.argv[1], sys.argv[2].encode(),
     int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
 ctx = zmq.Context.instance()
@@ -90,9 +90,10 @@ print(json.dumps({"rows": rows, "messages": msgs, "steps": step, "late_ticks": l
 def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     import psutil
 
-    from hvdnb.channel import ClientChannel
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.notebook.channel import ClientChannel
+    from hvdnb.protocol import kinds
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     me = psutil.Process()
     rss0 = me.memory_info().rss
@@ -100,8 +101,8 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     ch = ClientChannel(key=key)
     store = MetricsStore()
     store._channel = ch
-    ch.on("metrics", store.ingest)
-    ch.on("rank_info", store.on_rank_info)
+    ch.on(kinds.METRICS, store.ingest)
+    ch.on(kinds.RANK_INFO, store.on_rank_info)
     panel = Panel(store)
     env = dict(os.environ, HVDNB_ROOT=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-c", SENDER, ch.endpoint, key.decode(), str(nranks),

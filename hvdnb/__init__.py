@@ -16,18 +16,28 @@ From Python::
         hvdnb.run_cell(cluster, "import torch.distributed as d; print(d.get_rank())")
 
 ``hvdnb.torch`` speaks Horovod's torch API (``import hvdnb.torch as hvd``).
+
+This module is the public surface of both sides. What a rank's training loop calls (``log``,
+``phase``, ``knobs``, ``State``, ``ddp_comm_hook``) is imported at once; what only the
+notebook kernel uses (``Cluster``, ``run_cell``, ``set_knobs``, the magics) is imported on
+first use, so ``import hvdnb`` on a rank never loads the notebook side.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .cells import CellResult, DistributedCellError, run_cell
-from .cluster import Cluster, ClusterError, current
-from .config import Config, get_config
-from . import metrics  # a callable module: hvdnb.metrics() returns every point as rows
-from .metrics import ddp_comm_hook, knobs, log, phase, set_knobs
-from .state import State
+from hvdnb import metrics  # a callable module: hvdnb.metrics() returns every point as rows
+from hvdnb.config import Config, get_config
+from hvdnb.rank.metrics.knobs import knobs
+from hvdnb.rank.metrics.recorder import ddp_comm_hook, log, phase
+from hvdnb.rank.state import State
+
+if TYPE_CHECKING:
+    from hvdnb.notebook.cells import CellResult, DistributedCellError, run_cell
+    from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError, current
+    from hvdnb.notebook.metrics.store import set_knobs
 
 __version__ = "0.1.0"
 
@@ -39,28 +49,54 @@ __all__ = [
     "DistributedCellError",
     "State",
     "current",
-    "get_config",
-    "load_ipython_extension",
-    "run_cell",
-    "unload_ipython_extension",
     "ddp_comm_hook",
+    "get_config",
     "knobs",
+    "load_ipython_extension",
     "log",
     "metrics",
     "phase",
+    "run_cell",
     "set_knobs",
+    "unload_ipython_extension",
 ]
+
+# Notebook-side names, imported when first asked for (PEP 562).
+_LAZY = {
+    "CellResult": "hvdnb.notebook.cells",
+    "DistributedCellError": "hvdnb.notebook.cells",
+    "run_cell": "hvdnb.notebook.cells",
+    "Cluster": "hvdnb.notebook.cluster.lifecycle",
+    "ClusterError": "hvdnb.notebook.cluster.lifecycle",
+    "current": "hvdnb.notebook.cluster.lifecycle",
+    "set_knobs": "hvdnb.notebook.metrics.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hvdnb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``."""
-    from .magics import DistMagics
+    from hvdnb.notebook.magics import DistMagics
 
     ipython.register_magics(DistMagics)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext hvdnb``: stop the running cluster so nothing is left behind."""
+    from hvdnb.notebook.cluster.lifecycle import current
+
     c = current()
     if c is not None:
         c.stop()

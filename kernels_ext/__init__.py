@@ -1,6 +1,7 @@
-"""hvdnb's Jupyter-side pieces that are not the library itself.
+"""The card's top-level package for the kernel and the engine bootstrap.
 
-- ``kernels_ext.engine``: the engine-side extension (bootstrap + cell runner) that hvdnb
-  starts under mpiexec in place of a bare ``ipengine``.
-- ``kernels_ext.kernelspec``: the "Python 3 (hvdnb)" kernelspec, built by code.
+- ``kernels_ext.kernelspec``: the "Python 3 (hvdnb)" kernelspec, built by code (notebook side).
+- ``kernels_ext.autoload``: loaded by that kernel at start; registers ``%dist`` (notebook side).
+- ``kernels_ext.engine``: ``python -m kernels_ext.engine``, the command every rank runs; it
+  starts ``hvdnb.rank.engine`` (rank side).
 """

@@ -10,33 +10,17 @@ Owns: the public names (explicit ``__all__``); the modules own the behaviour: ``
 
 from __future__ import annotations
 
-from .basics import (
-    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
-    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
-)
-from .collectives import (
-    allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_,
-    broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
-    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-    grouped_reducescatter, grouped_reducescatter_async, join, reducescatter,
-    reducescatter_async, sparse_allreduce_async,
-)
-from .compression import Compression
-from .functions import (
-    allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
-)
-from .listeners import add_comm_listener, remove_comm_listener
-from .ops import (
-    Adasum, Average, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, Max,
-    Min, Product, Sum, allreduce, allreduce_, allreduce_async, allreduce_async_, poll,
-    synchronize,
-)
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .schedule import LARS, LinearWarmup, scale_lr, warmup_lr
-from .sync_batch_norm import SyncBatchNorm
-from .timeline import merge_timelines, start_timeline, stop_timeline
+from hvdnb.torch.basics import ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size
+from hvdnb.torch.collectives import allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async, join, reducescatter, reducescatter_async, sparse_allreduce_async
+from hvdnb.torch.compression import Compression
+from hvdnb.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hvdnb.torch.listeners import add_comm_listener, remove_comm_listener
+from hvdnb.torch.ops import Adasum, Average, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt, Max, Min, Product, Sum, allreduce, allreduce_, allreduce_async, allreduce_async_, poll, synchronize
+from hvdnb.torch.optimizer import DistributedOptimizer
+from hvdnb.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hvdnb.torch.schedule import LARS, LinearWarmup, scale_lr, warmup_lr
+from hvdnb.torch.sync_batch_norm import SyncBatchNorm
+from hvdnb.torch.timeline import merge_timelines, start_timeline, stop_timeline
 
 __all__ = [
     # basics

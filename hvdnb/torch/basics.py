@@ -1,7 +1,7 @@
 """Starting and querying hvdnb.torch: init, shutdown, rank and size (Horovod's basics).
 
 Owns: ``init`` (reuses a default process group that hvdnb or the user already made,
-otherwise makes one through ``hvdnb.rendezvous``), the private MPI communicator, the
+otherwise makes one through ``hvdnb.rank.rendezvous``), the private MPI communicator, the
 global process set, and the rank/size queries. Never: re-initialise an existing group,
 pick a port, or start processes.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import atexit
 from typing import Any, Sequence
 
-from .. import rendezvous
-from ..config import get_config
-from .process_sets import STATE, ProcessSet, _build, add_process_set, global_process_set
+from hvdnb.rank import rendezvous
+from hvdnb.config import get_config
+from hvdnb.torch.process_sets import STATE, ProcessSet, _build, add_process_set, global_process_set
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
@@ -78,7 +78,7 @@ def shutdown() -> None:
     """Forget the transports (the default process group stays: it may not be ours)."""
     if not STATE.initialized:
         return
-    from . import ops
+    from hvdnb.torch import ops
 
     ops._HANDLES.clear()
     for ps in STATE.sets.values():

@@ -16,14 +16,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import listeners as _lst
-from .ops import (
-    Adasum, Average, Sum, _allreduce_launch, _allreduce_op, _async, _auto_name, _dcode, _desc,
-    _done, _nh, _op, _register, _transport, allreduce,
-)
-from .process_sets import ProcessSet, global_process_set
-from .rounds import Handle, Op, blocking, join_round
-from .transport import HDR, Kind
+from hvdnb.torch import listeners as _lst
+from hvdnb.torch.ops import Adasum, Average, Sum, _allreduce_launch, _allreduce_op, _async, _auto_name, _dcode, _desc, _done, _nh, _op, _register, _transport, allreduce
+from hvdnb.torch.process_sets import ProcessSet, global_process_set
+from hvdnb.torch.rounds import Handle, Op, blocking, join_round
+from hvdnb.torch.transport import HDR, Kind
 
 __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
@@ -44,12 +41,12 @@ class _Group:
         self.ids, self.post = ids, post
 
     def done(self) -> bool:
-        from .ops import _HANDLES
+        from hvdnb.torch.ops import _HANDLES
 
         return all(_HANDLES[i].done() for i in self.ids if i in _HANDLES)
 
     def wait(self) -> Any:
-        from .ops import synchronize
+        from hvdnb.torch.ops import synchronize
 
         out = [synchronize(i) for i in self.ids]
         return out if self.post is None else self.post(out)
@@ -265,7 +262,7 @@ class _BroadcastGrad(torch.autograd.Function):
         # every rank's output came from root: root's input gets the (Horovod: averaged)
         # incoming gradient, the others zero
         g = _allreduce_launch(grad.contiguous(), False, None, Average, 1.0, 1.0, ctx.ps).wait()
-        from .basics import rank
+        from hvdnb.torch.basics import rank
 
         if rank() != ctx.root:
             g = g * 0
@@ -505,7 +502,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
     val = allgather_async(t.values().contiguous(), f"{name}.values", process_set)
 
     def wait() -> torch.Tensor:
-        from .ops import synchronize
+        from hvdnb.torch.ops import synchronize
 
         values = synchronize(val)
         indices = synchronize(idx)

@@ -13,9 +13,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .basics import rank
-from .collectives import allgather, broadcast_
-from .process_sets import ProcessSet, global_process_set
+from hvdnb.torch.basics import rank
+from hvdnb.torch.collectives import allgather, broadcast_
+from hvdnb.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = [
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

@@ -25,13 +25,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import listeners as _lst
-from .process_sets import STATE, ProcessSet, global_process_set
-from .rounds import (
-    DTYPES, CollectiveMismatchError, Handle, Op, after_exchange, blocking, defer, rounds,
-    wire_dtype,
-)
-from .transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
+from hvdnb.torch import listeners as _lst
+from hvdnb.torch.process_sets import STATE, ProcessSet, global_process_set
+from hvdnb.torch.rounds import DTYPES, CollectiveMismatchError, Handle, Op, after_exchange, blocking, defer, rounds, wire_dtype
+from hvdnb.torch.transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "CollectiveMismatchError",
@@ -105,7 +102,7 @@ def _desc(kind: int, name: str, t: torch.Tensor, **kw: Any) -> Callable[[], dict
 
 
 def _mismatch(tr: Any, mine: dict[str, Any]) -> None:
-    from .rounds import mismatch_error
+    from hvdnb.torch.rounds import mismatch_error
 
     raise mismatch_error(tr, mine)
 
@@ -286,7 +283,7 @@ def _allreduce_op(
 
     def start(hdrs: list[bytes]) -> Handle:
         if op == Adasum:
-            from .collectives import adasum_tree
+            from hvdnb.torch.collectives import adasum_tree
 
             parts = torch.empty((n, wire.numel()), dtype=wire.dtype)
             tr.allgatherv(wire, parts, [wire.numel() * wire.element_size()] * n)
@@ -330,7 +327,7 @@ def _allreduce_op(
 def _nccl_timed(tr: Any, wire: torch.Tensor, res: torch.Tensor, op: int,
                 finish: Callable[[torch.Tensor], Any], meta: Any) -> Handle:
     """NCCL, its own kernel time read later from the Work (never here)."""
-    from .rounds import _NcclSeconds
+    from hvdnb.torch.rounds import _NcclSeconds
 
     work = tr.allreduce(wire, res, op, True)
     h = Handle(work, lambda: finish(res), None, meta)

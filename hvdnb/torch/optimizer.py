@@ -17,12 +17,12 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .. import _nvtx
-from ..config import get_config
-from . import ops
-from .collectives import sparse_allreduce_async as ops_sparse
-from .compression import Compression
-from .process_sets import ProcessSet, global_process_set
+from hvdnb.rank import nvtx as _nvtx
+from hvdnb.config import get_config
+from hvdnb.torch import ops
+from hvdnb.torch.collectives import sparse_allreduce_async as ops_sparse
+from hvdnb.torch.compression import Compression
+from hvdnb.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 

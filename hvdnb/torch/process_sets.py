@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .transport import MPITransport, TorchTransport
+from hvdnb.torch.transport import MPITransport, TorchTransport
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 

@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import listeners as _lst
-from .transport import HDR, HDR_BYTES, SIG_BYTES, Kind
+from hvdnb.torch import listeners as _lst
+from hvdnb.torch.transport import HDR, HDR_BYTES, SIG_BYTES, Kind
 
 __all__ = ["CollectiveMismatchError", "Handle", "Op", "blocking", "defer", "settle", "rounds",
            "full_round", "mismatch_error", "wire_dtype", "DTYPES"]

@@ -30,7 +30,7 @@ def scale_lr(base_lr: float, size: int | None = None) -> float:
     0.4
     """
     if size is None:
-        from .basics import size as _size
+        from hvdnb.torch.basics import size as _size
 
         size = _size()
     return base_lr * size
@@ -62,7 +62,7 @@ class LinearWarmup(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int,
                  start_factor: float | None = None, last_epoch: int = -1) -> None:
         if start_factor is None:
-            from .basics import is_initialized, size
+            from hvdnb.torch.basics import is_initialized, size
 
             start_factor = 1.0 / size() if is_initialized() else 1.0
         sf = float(start_factor)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import ops
-from .process_sets import ProcessSet, global_process_set
+from hvdnb.torch import ops
+from hvdnb.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["SyncBatchNorm"]
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import get_config
-from . import listeners
+from hvdnb.config import get_config
+from hvdnb.torch import listeners
 
 __all__ = ["start_timeline", "stop_timeline", "merge_timelines", "TimelineWriter"]
 
@@ -169,7 +169,7 @@ def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False)
     pathlib.Path
         This rank's file.
     """
-    from .basics import rank
+    from hvdnb.torch.basics import rank
 
     stop_timeline(merge=False)
     path = Path(file_path)
@@ -200,8 +200,8 @@ def stop_timeline(merge: bool = True) -> Path | None:
     path: Path = _ACTIVE.pop("path")
     if not merge:
         return None
-    from .basics import rank, size
-    from .collectives import barrier
+    from hvdnb.torch.basics import rank, size
+    from hvdnb.torch.collectives import barrier
 
     barrier()
     if rank() != 0:

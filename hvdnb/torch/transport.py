@@ -202,7 +202,7 @@ class TorchTransport:
         self.ops = {0: R.SUM, 1: R.SUM, 3: R.MIN, 4: R.MAX, 5: R.PRODUCT}
         # headers over MPI: one queue of async ops for both transports (one round order)
         self.pending: list[Any] = mpi.pending if mpi is not None else []
-        from .rounds import GlooClock
+        from hvdnb.torch.rounds import GlooClock
 
         self.clock = GlooClock()
 

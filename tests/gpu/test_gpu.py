@@ -14,9 +14,9 @@ import subprocess
 import pytest
 
 import hvdnb
-from hvdnb import cells
-from hvdnb.launch import ClusterError, gpu_count
-from hvdnb.metrics.store import attach
+from hvdnb.notebook import cells
+from hvdnb.notebook.cluster.launch import ClusterError, gpu_count
+from hvdnb.notebook.metrics.store import attach
 from tests.conftest import gpu_visible
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]

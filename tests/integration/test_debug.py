@@ -11,9 +11,9 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from hvdnb import cells
-from hvdnb.cells import DistributedCellError
-from hvdnb.where import format_stacks, rank_stacks
+from hvdnb.notebook import cells
+from hvdnb.notebook.cells import DistributedCellError
+from hvdnb.notebook.where import format_stacks, rank_stacks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -21,8 +21,8 @@ import nbformat
 import pytest
 from IPython.core.error import UsageError
 
-from hvdnb import cells
-from hvdnb.export import from_notebook
+from hvdnb.notebook import cells
+from hvdnb.notebook.export import from_notebook
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -77,7 +77,7 @@ def test_export_runs_under_mpiexec_and_torchrun_with_the_notebooks_result(sessio
     out = capsys.readouterr().out
     assert f"wrote {script}" in out and f"mpiexec -n 2 python {script}" in out, out
     text = script.read_text()
-    assert text.count("# --- cell ") == 4 and "hvdnb.script.init(" in text
+    assert text.count("# --- cell ") == 4 and "hvdnb.rank.script.init(" in text
     for cmd in ([str(BIN / "mpiexec"), "-n", "2", sys.executable, "-c", PROBE, str(script)],
                 [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
                  "--no-python", sys.executable, "-c", PROBE, str(script)]):
@@ -142,7 +142,7 @@ def test_hvdnb_export_reads_a_saved_notebook(tmp_path):
     ]
     path = tmp_path / "saved.ipynb"
     nbformat.write(nb, path)
-    res = subprocess.run([sys.executable, "-m", "hvdnb.cli", "export", str(path)],
+    res = subprocess.run([sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
                          capture_output=True, text=True, env=_env(), timeout=60)
     assert res.returncode == 0, res.stderr
     assert "run it with: mpiexec -n 3 python" in res.stdout
@@ -152,7 +152,7 @@ def test_hvdnb_export_reads_a_saved_notebook(tmp_path):
     run = subprocess.run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script)],
                          capture_output=True, text=True, timeout=120, env=_env())
     assert run.returncode == 0 and run.stdout.count("rank 0 says 0.05") == 1, run
-    bad = subprocess.run([sys.executable, "-m", "hvdnb.cli", "export", str(tmp_path / "no.ipynb")],
+    bad = subprocess.run([sys.executable, "-m", "hvdnb.notebook.cli", "export", str(tmp_path / "no.ipynb")],
                          capture_output=True, text=True, env=_env(), timeout=60)
     assert bad.returncode == 2 and "no such notebook" in bad.stderr
 

@@ -70,7 +70,7 @@ def test_output_of_a_cell_done_before_the_wait_begins(dist2, shell, capsys, monk
     """A cell can finish, output and all, before the notebook starts waiting for it (a
     loaded machine): ipyparallel has dropped its metadata entry by then, and the output
     must still come from the cell's own record (1 cell in ~40 printed nothing under load)."""
-    from hvdnb import cells
+    from hvdnb.notebook import cells
 
     real_submit = cells._submit
 
@@ -201,26 +201,34 @@ def test_bad_input_gets_one_clear_message(dist2, shell):
 
 
 def test_side_channel_answers_while_the_cell_runs(dist2, shell):
+    from hvdnb.protocol import kinds
+
+    # a test's own kinds, registered on both sides as a plugin would
+    ping = kinds.register(kinds.Kind("test_ping", "rank"))
+    pong_kind = kinds.register(kinds.Kind("test_pong", "notebook", ("n",)))
     channel = dist2.channel
     pings: list[dict] = []
 
     def pong(msg):
         pings.append(msg)
-        channel.send(msg["rank"], "pong", n=10 * msg["rank"])
+        channel.send(msg["rank"], pong_kind, n=10 * msg["rank"])
 
-    channel.on("ping", pong)
+    channel.on(ping, pong)
     try:
         shell.run_cell_magic(
             "distributed", "-q -o replies",
-            "import threading\nfrom kernels_ext import channel as _ch\n"
+            "import threading\nfrom hvdnb.rank import channel as _ch\n"
+            "from hvdnb.protocol import kinds\n"
+            "ping = kinds.register(kinds.Kind('test_ping', 'rank'))\n"
+            "pong = kinds.register(kinds.Kind('test_pong', 'notebook', ('n',)))\n"
             "ch = _ch.get(); ev = threading.Event(); box = {}\n"
-            "ch.on('pong', lambda m: (box.update(m), ev.set()))\n"
-            "ch.send('ping')\n"
+            "ch.on(pong, lambda m: (box.update(m), ev.set()))\n"
+            "ch.send(ping)\n"
             "assert ev.wait(10), 'the notebook never answered'\n"
             "box['n']",
         )
     finally:
-        channel.off("ping", pong)
+        channel.off(ping, pong)
     assert shell.user_ns["replies"] == {0: 0, 1: 10}
     assert sorted(m["rank"] for m in pings) == [0, 1]
     assert channel.dropped == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb import cells
-from hvdnb.metrics.store import attach
+from hvdnb.notebook import cells
+from hvdnb.notebook.metrics.store import attach
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -21,7 +21,7 @@ import time
 import pytest
 
 import hvdnb
-from hvdnb.cluster import find_mpiexec
+from hvdnb.notebook.cluster.lifecycle import find_mpiexec
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -100,7 +100,7 @@ def cluster(two_hosts, shell):
     c = hvdnb.Cluster(engine_sets=two_hosts.engine_sets(), ip=f"{NET}.1", timeout=120,
                       engine_env={"HVDNB_COLLECTIVE_TIMEOUT": "6"})
     c.start()
-    hvdnb.cluster._CURRENT = c  # what %dist start does: the magics act on it
+    hvdnb.notebook.cluster.lifecycle._CURRENT = c  # what %dist start does: the magics act on it
     yield c
     c.stop()
 
@@ -158,7 +158,7 @@ def test_allreduce_crosses_the_veth_link(cluster, shell, two_hosts, capsys):
 
 
 def test_cut_link_mid_cell_names_the_ranks(cluster, shell, two_hosts, capsys):
-    from hvdnb.cells import DistributedCellError
+    from hvdnb.notebook.cells import DistributedCellError
 
     shell.run_cell_magic("distributed", "-q", "import torch, torch.distributed as dist")
     cut = threading.Timer(3.0, two_hosts.down, args=(1,))

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
-HVDNB = [sys.executable, "-m", "hvdnb.cli"]
+HVDNB = [sys.executable, "-m", "hvdnb.notebook.cli"]
 
 # what each lesson must show in its executed output (substrings or regexes over all text)
 EXPECT: dict[str, list[str]] = {

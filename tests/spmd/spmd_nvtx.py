@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import hvdnb  # noqa: E402
 import hvdnb.torch as hvd  # noqa: E402
-from hvdnb import _nvtx  # noqa: E402
+from hvdnb.rank import nvtx as _nvtx  # noqa: E402
 
 events: list[tuple[str, object]] = []
 ids = itertools.count(1)

@@ -25,9 +25,9 @@ _spmd.setup()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import hvdnb.script  # noqa: E402
+import hvdnb.rank.script  # noqa: E402
 import hvdnb.torch as hvd  # noqa: E402
-from hvdnb import rendezvous  # noqa: E402
+from hvdnb.rank import rendezvous  # noqa: E402
 
 
 def gloo_threads() -> list[str]:
@@ -38,7 +38,7 @@ def gloo_threads() -> list[str]:
     return [n for n in names if "gloo" in n]
 
 
-w = hvdnb.script.init()
+w = hvdnb.rank.script.init()
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))

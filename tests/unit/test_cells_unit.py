@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb.cells import CellResult, DistributedCellError, parse_targets
+from hvdnb.notebook.cells import CellResult, DistributedCellError, parse_targets
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ import time
 
 import zmq
 
-from hvdnb.channel import ClientChannel, decode, encode, sign
-from kernels_ext.channel import EngineChannel
+from hvdnb.protocol import kinds
+from hvdnb.notebook.channel import ClientChannel
+from hvdnb.protocol.wire import decode, encode, sign
+from hvdnb.rank.channel import EngineChannel
 
 KEY = b"k" * 32
 
@@ -91,16 +93,16 @@ def test_client_listens_on_loopback_only():
 def test_messages_flow_both_ways_and_forgeries_are_dropped():
     ch = ClientChannel(key=KEY)
     got: list[dict] = []
-    ch.on("metrics", got.append)
+    ch.on(kinds.METRICS, got.append)
     eng = EngineChannel(ch.endpoint, KEY, rank=3)
     try:
-        eng.send("metrics", rows=[[3, 1, "loss", 0.5, 0.0]])
+        eng.send(kinds.METRICS, seq=0, t=0.0, cols={}, rows=[[3, 1, "loss", 0.5, 0.0]])
         assert _wait(lambda: got)
         assert got[0]["rank"] == 3 and got[0]["rows"][0][3] == 0.5
         assert ch.ranks == [3]
         heard: list[dict] = []
-        eng.on("knobs", heard.append)
-        ch.send(3, "knobs", values={"lr": 0.2})
+        eng.on(kinds.KNOBS_PLAN, heard.append)
+        ch.send(3, kinds.KNOBS_PLAN, id="k1", values={"lr": 0.2})
         assert _wait(lambda: heard)
         assert heard[0]["values"] == {"lr": 0.2}
         # a forger without the key is ignored
@@ -123,15 +125,15 @@ def test_many_messages_lose_nothing():
 
     def add(m):
         with lock:
-            seen.append(m["seq"])
+            seen.append(m["pid"])
 
-    ch.on("m", add)
+    ch.on(kinds.HELLO, add)
     engines = [EngineChannel(ch.endpoint, KEY, rank=r) for r in range(4)]
     try:
         for i in range(2000):
-            engines[i % 4].send("m", seq=i)
-        assert _wait(lambda: len(seen) == 2000, timeout=20)
-        assert sorted(seen) == list(range(2000))
+            engines[i % 4].send(kinds.HELLO, pid=i)
+        assert _wait(lambda: len(seen) == 2004, timeout=20)
+        assert sorted(seen)[:2000] == list(range(2000))  # + each engine's own hello
     finally:
         for e in engines:
             e.close()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hvdnb import cluster as cl
+from hvdnb.notebook.cluster import lifecycle as cl
 from hvdnb.config import get_config
 
 

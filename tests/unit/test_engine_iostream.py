@@ -1,4 +1,4 @@
-"""kernels_ext.iostream.OutStream: empty flushes return at once, real output is never lost."""
+"""hvdnb.rank.iostream.OutStream: empty flushes return at once, real output is never lost."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import zmq
 from ipykernel.iostream import IOPubThread
 from jupyter_client.session import Session
 
-from kernels_ext.iostream import OutStream
+from hvdnb.rank.iostream import OutStream
 
 
 @pytest.fixture

@@ -8,10 +8,12 @@ from array import array
 
 import pytest
 
-from hvdnb.channel import decode, encode
-from hvdnb.metrics import knobset as kn
-from hvdnb.metrics.recorder import Recorder
-from hvdnb.metrics.store import MetricsStore
+from hvdnb.protocol import kinds
+from hvdnb.protocol.endpoint import outgoing
+from hvdnb.protocol.wire import decode, encode
+from hvdnb.rank.metrics import knobs as kn
+from hvdnb.rank.metrics.recorder import Recorder
+from hvdnb.notebook.metrics.store import MetricsStore
 
 
 KEY = b"k" * 32
@@ -25,7 +27,7 @@ class FakeChannel:
 
     def send(self, kind: str, **payload) -> None:
         # through the real wire: what the notebook receives, columns as plain lists
-        frames = encode(KEY, {"kind": kind, "rank": self.rank, **payload})
+        frames = encode(KEY, {**outgoing(kind, payload), "rank": self.rank})
         msg = decode(KEY, frames)
         assert msg is not None, "the channel refused a recorder's message"
         for col in msg.get("cols", {}).values():
@@ -203,11 +205,11 @@ def test_store_forwards_rank0_plan_to_every_rank():
     st.begin_cell(1)
     st.on_spec({"spec": kn.make_spec({"lr": 0.1})})
     ok, _ = st.request_knobs(lr=0.2)
-    assert ok and st._channel.sent[-1][:2] == (0, "knobs_req")
+    assert ok and st._channel.sent[-1][:2] == (0, kinds.KNOBS_REQ)
     rid = st._channel.sent[-1][2]["id"]
     st.on_plan({"rank": 0, "id": rid, "apply_at": 40, "values": {"lr": 0.2}})
-    assert [(r, k) for r, k, _ in st._channel.sent[1:]] == [(0, "knobs_plan"), (1, "knobs_plan"),
-                                                             (2, "knobs_plan")]
+    assert [(r, k) for r, k, _ in st._channel.sent[1:]] == [(0, kinds.KNOBS_PLAN), (1, kinds.KNOBS_PLAN),
+                                                             (2, kinds.KNOBS_PLAN)]
     for r in range(3):
         st.on_applied({"rank": r, "id": rid, "step": 40, "late": False, "values": {"lr": 0.2}})
     status = st.knob_status()
@@ -320,7 +322,7 @@ def test_thinned_views_are_the_full_views_sampled_and_read_only_the_tail():
     """What the live charts draw (``points=`` / ``thinned`` / ``last=``) equals the full
     view sampled at ``thin_indices``, also when a rank's first message for some steps
     comes after later steps (the run curve stays in step order)."""
-    from hvdnb.metrics.store import thin_indices
+    from hvdnb.notebook.metrics.store import thin_indices
 
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
@@ -386,7 +388,7 @@ def test_irregular_rows_wrapping_the_ring_pack_like_row_by_row():
 
 
 def test_pack_fast_path_and_general_path_agree():
-    from hvdnb.metrics.recorder import _columns
+    from hvdnb.rank.metrics.recorder import _columns
 
     names = ["a", "b", "c"]
     nids = array("i", [0, 1, 2] * 5 + [0, 1])  # a flush in the middle of a step
@@ -586,7 +588,7 @@ def test_log_and_comm_from_another_thread_go_through_the_side_queue():
 def test_set_enabled_off_stops_logging_and_the_collective_timing():
     """Off means the loop runs as without the panel: no rows, and hvdnb.torch's listener
     list empty again (its collectives then skip the clock reads and take the fast path)."""
-    from hvdnb.metrics import recorder as R
+    from hvdnb.rank.metrics import recorder as R
     from hvdnb.torch import listeners as L
 
     rec = R.get_recorder()
@@ -706,7 +708,7 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
     rec._time_comm(True)
     registered = []
     clock = [100.0]
-    import hvdnb.metrics.recorder as recmod
+    import hvdnb.rank.metrics.recorder as recmod
 
     real = recmod._perf_counter
     recmod._perf_counter = lambda: clock[0]
@@ -746,7 +748,7 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
     rec._comm_list = listeners
     rec._time_comm(True)
     clock = [100.0]
-    import hvdnb.metrics.recorder as recmod
+    import hvdnb.rank.metrics.recorder as recmod
 
     real = recmod._perf_counter
     recmod._perf_counter = lambda: clock[0]
@@ -854,7 +856,7 @@ def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, d
     """``_drain`` writes a run of alike log entries with numpy (``_drain_run``): the rows,
     the step-time estimate, the loop start, the sampling grid and what the message
     carries are those of writing them one by one."""
-    import hvdnb.metrics.recorder as recmod
+    import hvdnb.rank.metrics.recorder as recmod
 
     got = []
     runs: list[bool] = []
@@ -900,7 +902,7 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
     message stalls the rank that packs it, and its peer waits at the next allreduce, so
     messages on different steps stall the pair twice. Sends are put on a grid of steps
     (a power of two, ~1/16 of an interval): both ranks send on the same step."""
-    import hvdnb.metrics.recorder as recmod
+    import hvdnb.rank.metrics.recorder as recmod
 
     clock = [0.0]
     monkeypatch.setattr(recmod, "_perf_counter", lambda: clock[0])
@@ -930,8 +932,8 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
 
 
 def test_columns_grouped_with_numpy_equal_columns_grouped_row_by_row(monkeypatch):
-    import hvdnb.metrics.recorder as recmod
-    from hvdnb.metrics.recorder import _columns
+    import hvdnb.rank.metrics.recorder as recmod
+    from hvdnb.rank.metrics.recorder import _columns
 
     names = ["time/step", "loss", "samples", "comm/b/time", "comm/b/exposed", "comm/b/bytes"]
     ids: list[int] = []
@@ -954,7 +956,7 @@ def test_a_plan_heard_between_log_events_applies_at_its_step():
     """``log`` looks at the knobs only on some steps (``_events``); a plan heard between
     them (the I/O thread calls ``on_plan``) makes the next ``log`` look, and the change is
     in force from its planned step on."""
-    from hvdnb.metrics import recorder as R
+    from hvdnb.rank.metrics import recorder as R
 
     rec = R.get_recorder()
     saved, old = rec._comm_list, kn.CURRENT

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb import rendezvous
-from hvdnb.cluster import Cluster, ClusterError
-from hvdnb.launch import hostfile_hosts, sbatch_template
-from hvdnb.metrics.store import MetricsStore
+from hvdnb.rank import rendezvous
+from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError
+from hvdnb.notebook.cluster.launch import hostfile_hosts, sbatch_template
+from hvdnb.notebook.metrics.store import MetricsStore
 
 _CLEAN = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
           "RANK", "WORLD_SIZE", "HVDNB_WORLD_SIZE", "HVDNB_RANK_BASE")
@@ -101,7 +101,7 @@ def test_store_groups_ranks_by_host():
 
 
 def test_hostfile_slots_give_the_default_rank_count(tmp_path):
-    from hvdnb.launch import hostfile_slots
+    from hvdnb.notebook.cluster.launch import hostfile_slots
 
     f = tmp_path / "hosts"
     f.write_text("# comment\ngpu1:4\ngpu2 slots=2\ngpu3\n\n")

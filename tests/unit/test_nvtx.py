@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hvdnb import _nvtx
-from hvdnb.launch import gpu_count
+from hvdnb.rank import nvtx as _nvtx
+from hvdnb.notebook.cluster.launch import gpu_count
 from tests.conftest import gpu_visible
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb._output import OutputCollapser, format_ranks
+from hvdnb.notebook.output import OutputCollapser, format_ranks
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hvdnb.protocol import kinds
+
 pytest.importorskip("ipywidgets")
 
 
@@ -33,8 +35,8 @@ def _feed(store, seq: int, nranks: int = 2, per: int = 10) -> None:
 
 
 def test_updates_are_batched_and_throttled(sent):
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     st = MetricsStore()
     p = Panel(st, render_interval=0.2)
@@ -65,8 +67,8 @@ def test_updates_are_batched_and_throttled(sent):
 def test_one_redraw_per_round_of_rank_messages(sent):
     import time
 
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     st = MetricsStore()
     p = Panel(st, render_interval=0.0)
@@ -109,8 +111,8 @@ def test_one_redraw_per_round_of_rank_messages(sent):
 
 
 def test_many_ranks_draw_a_band_not_64_lines(sent):
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import charts_html
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import charts_html
 
     st = MetricsStore()
     _feed(st, 1, nranks=64)
@@ -120,9 +122,9 @@ def test_many_ranks_draw_a_band_not_64_lines(sent):
 
 
 def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
-    from hvdnb.metrics import knobset as kn
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.rank.metrics import knobs as kn
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     class Ch:
         ranks = [0, 1]
@@ -141,7 +143,7 @@ def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
     p.render(force=True)
     assert set(p._knob_widgets) == {"batch_size", "warmup_steps", "lr"}
     p._knob_widgets["warmup_steps"].value = 150  # what a slider drag does
-    assert st._channel.sent[-1][:2] == (0, "knobs_req")
+    assert st._channel.sent[-1][:2] == (0, kinds.KNOBS_REQ)
     assert st._channel.sent[-1][2]["values"] == {"warmup_steps": 150}
     p.knob_text.value = "lr=-1"
     p.render(force=True)
@@ -151,8 +153,8 @@ def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
 
 
 def test_missing_memory_is_na_never_zero(sent):
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     st = MetricsStore()
     st.ingest({"rank": 0, "seq": 1, "pid": 1, "cols": {"loss": [[0], [1.0], [0.5]]}})
@@ -163,9 +165,9 @@ def test_missing_memory_is_na_never_zero(sent):
 
 
 def test_sliders_follow_applied_values_without_sending_a_change(sent):
-    from hvdnb.metrics import knobset as kn
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import Panel
+    from hvdnb.rank.metrics import knobs as kn
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import Panel
 
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32, "lr": 0.1})})
@@ -186,9 +188,9 @@ def test_sliders_follow_applied_values_without_sending_a_change(sent):
 
 
 def test_runs_chart_overlays_runs_with_their_knobs_in_the_legend():
-    from hvdnb.metrics import knobset as kn
-    from hvdnb.metrics.store import MetricsStore
-    from hvdnb.widgets.panel import runs_html
+    from hvdnb.rank.metrics import knobs as kn
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel.panel import runs_html
 
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
@@ -208,7 +210,7 @@ def test_svg_curve_coordinates_land_on_the_plot_corners_and_skip_nan():
     its top-right corner, and the NaN is left out (never drawn as 0)."""
     import re
 
-    from hvdnb.widgets.svg import H, L, R, T, B, W, line_chart
+    from hvdnb.notebook.panel.svg import H, L, R, T, B, W, line_chart
 
     svg = line_chart("t", [("a", [0.0, 5.0, 10.0], [0.0, float("nan"), 1.0])])
     assert "<g transform='scale(0.1)'>" in svg
@@ -223,7 +225,7 @@ def test_allreduce_chart_keeps_the_steady_timings_readable_under_a_first_call_sp
     Without it (the loss chart) the axis still spans every value."""
     import re
 
-    from hvdnb.widgets.svg import SPIKE_FACTOR, T, line_chart
+    from hvdnb.notebook.panel.svg import SPIKE_FACTOR, T, line_chart
 
     ys = [319.2] + [0.13 + 0.01 * (i % 5) for i in range(59)]
     xs = [float(i) for i in range(60)]

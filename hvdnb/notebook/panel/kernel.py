@@ -1,6 +1,6 @@
 """How the panel's controls stay live while a blocking ``%%distributed`` cell runs.
 
-The notebook's main thread is blocked inside ``hvdnb.cells.run_cell`` for the whole cell,
+The notebook's main thread is blocked inside ``hvdnb.notebook.cells.run_cell`` for the whole cell,
 and the kernel handles the front end's widget messages on that thread: a slider moved
 during training would wait for the cell to end (ipywidgets #3468). ipykernel 7 can run
 shell messages on *subshells* (one thread each) and routes a comm's messages to the

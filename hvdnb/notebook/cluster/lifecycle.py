@@ -39,9 +39,10 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from . import launch
-from .config import get_config
-from .launch import ClusterError, cores, find_mpiexec, gpu_count
+from hvdnb.protocol import kinds
+from hvdnb.notebook.cluster import launch
+from hvdnb.config import get_config
+from hvdnb.notebook.cluster.launch import ClusterError, cores, find_mpiexec, gpu_count
 
 __all__ = ["Cluster", "ClusterError", "find_mpiexec", "gpu_count", "current", "cores"]
 
@@ -201,7 +202,7 @@ class Cluster:
         self._loop: _LoopThread | None = None
         self.generation = 0
         self.cell_no = 0
-        #: every %%distributed cell run on this cluster (``hvdnb.export.ExportCell``)
+        #: every %%distributed cell run on this cluster (``hvdnb.notebook.export.ExportCell``)
         self.history: list[Any] = []
         #: rank -> what the notebook saw of its death ("died in cell 4: ...")
         self.death_notes: dict[int, str] = {}
@@ -269,7 +270,7 @@ class Cluster:
         for es in self.engine_sets or []:
             if es.get("host"):
                 peers.append(str(es["host"]))
-        from .rendezvous import route_addr
+        from hvdnb.rank.rendezvous import route_addr
 
         for peer in peers:
             try:
@@ -339,7 +340,7 @@ class Cluster:
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
         try:  # feed the metrics store (hvdnb.metrics(), the panel) from this cluster
-            from .metrics import store
+            from hvdnb.notebook.metrics import store
 
             store.attach(self)
         except Exception as exc:  # metrics are an extra: never fail a start over them
@@ -394,7 +395,7 @@ class Cluster:
             self.channel.key = bytes(self.client.session.key)
 
     def _open_channel(self) -> None:
-        from .channel import ClientChannel
+        from hvdnb.notebook.channel import ClientChannel
 
         import zmq
 
@@ -409,9 +410,9 @@ class Cluster:
         self._rdv: dict[str, Any] = {}
         self.hosts_seen: dict[int, str] = {}
         ch = self.channel
-        ch.on("rdv_announce", self._on_rdv_announce)
-        ch.on("rdv_ask", self._on_rdv_ask)
-        ch.on("rank_info", self._on_rank_info)
+        ch.on(kinds.RDV_ANNOUNCE, self._on_rdv_announce)
+        ch.on(kinds.RDV_ASK, self._on_rdv_ask)
+        ch.on(kinds.RANK_INFO, self._on_rank_info)
 
     # rendezvous through the notebook (ranks without an MPI world): rank 0 announces its
     # store, the others ask until it is known; every message is answered (channel thread)
@@ -419,11 +420,11 @@ class Cluster:
         if msg.get("rank") != 0:
             return
         self._rdv = {"addr": msg.get("addr"), "port": msg.get("port")}
-        self.channel.send(0, "rdv_ok", **self._rdv)
+        self.channel.send(0, kinds.RDV_OK, **self._rdv)
 
     def _on_rdv_ask(self, msg: dict[str, Any]) -> None:
         if self._rdv and isinstance(msg.get("rank"), int):
-            self.channel.send(msg["rank"], "rdv_store", **self._rdv)
+            self.channel.send(msg["rank"], kinds.RDV_STORE, **self._rdv)
 
     def _on_rank_info(self, msg: dict[str, Any]) -> None:
         if isinstance(msg.get("rank"), int) and msg.get("host"):
@@ -449,7 +450,7 @@ class Cluster:
         # and, as a stop would, the cluster's files
         files = ["--files", *_cluster_files(self._ipp.profile_dir, self.cluster_id)]
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "hvdnb._watchdog", str(os.getpid())]
+            [sys.executable, "-m", "hvdnb.notebook.cluster.watchdog", str(os.getpid())]
             + [str(pid) for pid in self._root_pids()]
             + cancel
             + files,
@@ -690,7 +691,7 @@ class Cluster:
         """
         if not self.running:
             raise ClusterError("no cluster is running; `%dist start -n 2` first")
-        from kernels_ext.engine import engine_info
+        from hvdnb.rank.engine import engine_info
 
         dead = set(self.dead_ranks())
         alive = [r for r in range(self.n) if r not in dead]
@@ -716,7 +717,7 @@ class Cluster:
                 row.update({k: info[k] for k in ("host", "pid", "device", "backend")})
                 row["group"] = info.get("group")
             else:  # what the rank told the notebook's side channel before it went
-                from .metrics.store import get_store
+                from hvdnb.notebook.metrics.store import get_store
 
                 said = get_store().rank_info.get(r, {})
                 row["host"], row["pid"] = said.get("host") or "?", said.get("pid") or "?"
@@ -786,7 +787,7 @@ def _remove_cluster_files(profile: str, cluster_id: str) -> None:
     """After a stop: ipyparallel removes its own files on a clean stop, but not the hub's
     engine-state file, the Slurm script, or anything of a controller that had to be
     killed (a forced restart), so one start left up to four files behind."""
-    from ._watchdog import remove_files  # the same removal the watchdog does
+    from hvdnb.notebook.cluster.watchdog import remove_files  # the same removal the watchdog does
 
     remove_files(_cluster_files(profile, cluster_id))
 

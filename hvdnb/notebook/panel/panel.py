@@ -2,14 +2,14 @@
 
 How it stays live: ranks flush their points over the side channel into the notebook's
 ``MetricsStore`` (channel thread). The panel redraws on the notebook's main thread: from
-``hvdnb.cells``' wait hook while a ``%%distributed`` cell runs (every ~50 ms, with the
+``hvdnb.notebook.cells``' wait hook while a ``%%distributed`` cell runs (every ~50 ms, with the
 cell's parent header) and from an idle timer on the kernel's event loop between cells. A
 redraw happens only when the store changed and at most every ``render_interval`` seconds,
 and sends one batched update per widget (``hold_sync``): a handful of comm messages per
 tick, far below the Jupyter server's IOPub limit (1000/s).
 
 Controls while a cell runs: the control widgets' comms are routed to a private ipykernel 7
-subshell (``hvdnb.widgets.kernel``), so a slider moved during training reaches rank 0 at
+subshell (``hvdnb.notebook.panel.kernel``), so a slider moved during training reaches rank 0 at
 once; the handlers only validate and send (thread-safe), the main thread draws the result.
 
 Where it shows: by default beside the notebook (JupyterLab's main area split, through
@@ -19,7 +19,7 @@ output instead, for front ends without a side area (classic Notebook, VS Code). 
 ``%dist start`` cell keeps a small stand-in: a button that brings the side panel back
 after its tab was closed, and a PNG of the plots (refreshed when each cell ends), so a
 saved notebook on GitHub or nbviewer shows the last picture. Each ``%%distributed`` cell
-that logs also gets one live line under itself (``hvdnb.widgets.liveline``).
+that logs also gets one live line under itself (``hvdnb.notebook.panel.liveline``).
 
 Runs: the panel overlays the last runs' mean loss (x: step or samples seen), each labelled
 with its knob values and changes, the changes marked; "clear old runs" takes all but the
@@ -42,10 +42,10 @@ import threading
 import time
 from typing import Any
 
-from ..metrics.store import MetricsStore, get_store
-from . import kernel as _kernel
-from .plots import MAX_LINES, fmt_bytes, render_png
-from .svg import PALETTE, legend_html, line_chart, stacked_bars
+from hvdnb.notebook.metrics.store import MetricsStore, get_store
+from hvdnb.notebook.panel import kernel as _kernel
+from hvdnb.notebook.panel.png import MAX_LINES, fmt_bytes, render_png
+from hvdnb.notebook.panel.svg import PALETTE, legend_html, line_chart, stacked_bars
 
 __all__ = ["Panel", "get_panel", "show_panel"]
 
@@ -392,7 +392,7 @@ class Panel:
         hs = self.store.host_summary()
         if len(hs) < 2:
             return ""
-        from .._output import format_ranks
+        from hvdnb.notebook.output import format_ranks
 
         def num(v: Any, fmt: str = ".4g") -> str:
             return "n/a" if v is None else format(v, fmt)
@@ -684,8 +684,8 @@ def get_panel(create: bool = True) -> Panel | None:
     """The notebook's panel (created on first use, registered as a cell wait hook)."""
     global _PANEL
     if _PANEL is None and create:
-        from .. import cells
-        from .liveline import LiveLine
+        from hvdnb.notebook import cells
+        from hvdnb.notebook.panel.liveline import LiveLine
 
         _PANEL = Panel()
         cells.add_wait_hook(_PANEL.tick)
@@ -706,8 +706,8 @@ def show_panel(cluster: Any = None, *, inline: bool | None = None,
         as configured (``HVDNB_PANEL``: side, inline or off; default side)
     only_with_frontend : do nothing visible outside a Jupyter kernel (plain IPython, tests)
     """
-    from ..config import get_config
-    from ..metrics.store import attach
+    from hvdnb.config import get_config
+    from hvdnb.notebook.metrics.store import attach
 
     attach(cluster)
     if only_with_frontend and _kernel.kernel() is None:

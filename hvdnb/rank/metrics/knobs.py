@@ -1,6 +1,6 @@
 """Live knobs: values a training loop reads each step and the panel changes while it runs.
 
-Protocol (all messages over the side channel, ``hvdnb.channel``):
+Protocol (all messages over the side channel, ``hvdnb.protocol.wire``):
 
 1. ``hvdnb.knobs(batch_size=64, ...)`` on every rank announces its spec to the notebook
    (``knobs_spec``: names, current values, kinds, ranges).
@@ -26,6 +26,7 @@ issue a collective (the step agreement comes from rank 0's plan, not from a broa
 
 from __future__ import annotations
 
+from hvdnb.protocol import kinds
 import math
 import threading
 from typing import Any
@@ -47,7 +48,7 @@ _DEFAULT_RANGES: dict[str, tuple[float, float]] = {
 CURRENT: Knobs | None = None
 
 #: starting values that override a cell's own (an exported script starts from the values in
-#: force when the notebook exported it: ``hvdnb.script.init(knobs=...)``)
+#: force when the notebook exported it: ``hvdnb.rank.script.init(knobs=...)``)
 DEFAULTS: dict[str, Any] = {}
 
 
@@ -151,7 +152,7 @@ class Knobs:
         Call it at the top of each step; returns ``self`` so ``k = knobs.step(s)`` reads well.
         """
         object.__setattr__(self, "_cur", int(step))
-        from .recorder import get_recorder
+        from hvdnb.rank.metrics.recorder import get_recorder
 
         get_recorder().mark(int(step))
         self._advance(int(step))
@@ -173,16 +174,16 @@ class Knobs:
         self._done.add(plan["id"])
         err = validate(self.spec, plan["values"])
         if err:
-            self._send("knobs_applied", id=plan["id"], step=step, late=late, error=err)
+            self._send(kinds.KNOBS_APPLIED, id=plan["id"], step=step, late=late, error=err)
             return
         self.values.update(coerce(self.spec, plan["values"]))
         self.history.append((step, dict(plan["values"]), late))
-        from .recorder import get_recorder
+        from hvdnb.rank.metrics.recorder import get_recorder
 
         rec = get_recorder()
         for k, v in plan["values"].items():
             rec.record(step, f"knob/{k}", float(v))
-        self._send("knobs_applied", id=plan["id"], step=step, late=late,
+        self._send(kinds.KNOBS_APPLIED, id=plan["id"], step=step, late=late,
                    apply_at=plan["apply_at"], values=plan["values"])
 
     def set(self, **values: Any) -> None:
@@ -201,7 +202,7 @@ class Knobs:
                 pass
 
     def announce(self) -> None:
-        self._send("knobs_spec", spec={k: {**s, "value": self.values[k]} for k, s in self.spec.items()})
+        self._send(kinds.KNOBS_SPEC, spec={k: {**s, "value": self.values[k]} for k, s in self.spec.items()})
 
     def on_request(self, msg: dict[str, Any]) -> None:
         """Rank 0: a change from the panel; choose the step and publish the plan."""
@@ -211,9 +212,9 @@ class Knobs:
         values = msg.get("values")
         err = validate(self.spec, values) if isinstance(values, dict) else "values must be a dict"
         if err:
-            self._send("knobs_plan", id=msg.get("id"), error=err)
+            self._send(kinds.KNOBS_PLAN, id=msg.get("id"), error=err)
             return
-        from .recorder import get_recorder
+        from hvdnb.rank.metrics.recorder import get_recorder
 
         rec = get_recorder()
         at = msg.get("at_step")
@@ -225,7 +226,7 @@ class Knobs:
             st = rec.step_time or 0.05
             lead = min(MAX_LEAD, max(MIN_LEAD, math.ceil(LEAD_SECONDS / max(st, 1e-6))))
             apply_at = max(rec.cur_step, self._cur) + lead
-        self._send("knobs_plan", id=msg["id"], apply_at=apply_at, values=values,
+        self._send(kinds.KNOBS_PLAN, id=msg["id"], apply_at=apply_at, values=values,
                    planned_at=max(rec.cur_step, self._cur))
 
     def on_plan(self, msg: dict[str, Any]) -> None:
@@ -237,7 +238,7 @@ class Knobs:
             if plan["id"] in self.pending or plan["id"] in self._done:
                 return
             self.pending[plan["id"]] = plan
-        from .recorder import get_recorder
+        from hvdnb.rank.metrics.recorder import get_recorder
 
         rec = get_recorder()
         # after the plan is pending: the loop's next log() looks at the knobs (log() sets
@@ -276,7 +277,7 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     ...     lr = knobs.lr * min(1.0, (step + 1) / max(1, knobs.warmup_steps))
     """
     global CURRENT
-    from .recorder import get_recorder
+    from hvdnb.rank.metrics.recorder import get_recorder
 
     rec = get_recorder()
     rank = rec.rank
@@ -293,8 +294,8 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     ch = rec.channel
     if ch is not None:
         if old is None or not getattr(ch, "_hvdnb_knob_handlers", False):
-            ch.on("knobs_req", _route("on_request"))
-            ch.on("knobs_plan", _route("on_plan"))
+            ch.on(kinds.KNOBS_REQ, _route("on_request"))
+            ch.on(kinds.KNOBS_PLAN, _route("on_plan"))
             try:
                 ch._hvdnb_knob_handlers = True
             except Exception:

@@ -10,7 +10,7 @@ by host (``hosts()``, ``host_summary()``: each rank says its host once, in ``ran
 CSV and JSONL exports read the same rows.
 
 Runs and segments (what tuning compares): each ``%%distributed`` cell that logs starts a
-*run* (``begin_cell`` / ``end_cell`` from ``hvdnb.cells``; the run begins with the cell's
+*run* (``begin_cell`` / ``end_cell`` from ``hvdnb.notebook.cells``; the run begins with the cell's
 first point that is not a memory reading or a knob record), and each knob change applied
 during it starts a new *segment* of that run at the step it was applied. Every point is
 tagged with its run; rows carry run, segment and the knob values in force at their step
@@ -38,6 +38,7 @@ rank did not send is None (shown as "n/a"), not 0.
 
 from __future__ import annotations
 
+from hvdnb.protocol import kinds
 import bisect
 import csv
 import itertools
@@ -385,7 +386,7 @@ class MetricsStore:
         if ch is not None:
             payload = {k: msg[k] for k in ("id", "apply_at", "values") if k in msg}
             for r in self._ranks():
-                ch.send(r, "knobs_plan", **payload)
+                ch.send(r, kinds.KNOBS_PLAN, **payload)
 
     def on_applied(self, msg: dict[str, Any]) -> None:
         with self._lock:
@@ -425,7 +426,7 @@ class MetricsStore:
 
         ``at_step``: apply at that step of the running loop (or of the next one, when no
         loop runs); default: as soon as every rank can, at one step."""
-        from .knobset import validate
+        from hvdnb.rank.metrics.knobs import validate
 
         spec = self.knob_spec
         if not spec:
@@ -449,7 +450,7 @@ class MetricsStore:
             self.version += 1
         self.last_request = rid
         extra = {"at_step": at_step} if at_step is not None else {}
-        self._channel.send(0, "knobs_req", id=rid, values=values, **extra)
+        self._channel.send(0, kinds.KNOBS_REQ, id=rid, values=values, **extra)
         return True, f"sent to rank 0 ({rid})"
 
     def knob_status(self, rid: str | None = None) -> dict[str, Any]:
@@ -901,7 +902,7 @@ class MetricsStore:
     # -------------------------------------------------------------- wiring
     def attach_current(self) -> None:
         """Follow ``hvdnb.current()`` (a restarted cluster has a new channel)."""
-        from ..cluster import current
+        from hvdnb.notebook.cluster.lifecycle import current
 
         c = current()
         if c is not None and c.channel is not None and c.channel is not self._channel:
@@ -915,11 +916,11 @@ class MetricsStore:
             return
         self._cluster = cluster
         self._channel = ch
-        ch.on("metrics", self.ingest)
-        ch.on("rank_info", self.on_rank_info)
-        ch.on("knobs_spec", self.on_spec)
-        ch.on("knobs_plan", self.on_plan)
-        ch.on("knobs_applied", self.on_applied)
+        ch.on(kinds.METRICS, self.ingest)
+        ch.on(kinds.RANK_INFO, self.on_rank_info)
+        ch.on(kinds.KNOBS_SPEC, self.on_spec)
+        ch.on(kinds.KNOBS_PLAN, self.on_plan)
+        ch.on(kinds.KNOBS_APPLIED, self.on_applied)
 
 
 def _run_label(run: dict[str, Any]) -> str:
@@ -955,7 +956,7 @@ def get_store() -> MetricsStore:
 
 def attach(cluster: Any = None) -> MetricsStore:
     """Feed the notebook's store from ``cluster`` (default: ``hvdnb.current()``)."""
-    from ..cluster import current
+    from hvdnb.notebook.cluster.lifecycle import current
 
     store = get_store()
     c = cluster if cluster is not None else current()
@@ -996,7 +997,7 @@ def set_knobs(*, at_step: int | None = None, after: float | None = None,
     >>> hvdnb.set_knobs(warmup_steps=200, batch_size=64)          # doctest: +SKIP
     >>> hvdnb.set_knobs(batch_size=128, at_step=150)              # doctest: +SKIP
     """
-    from .knobset import validate
+    from hvdnb.rank.metrics.knobs import validate
 
     store = attach()
     if not values:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .panel import Panel, get_panel, show_panel
+from hvdnb.notebook.panel.panel import Panel, get_panel, show_panel
 
 __all__ = ["Panel", "get_panel", "show_panel"]

@@ -21,6 +21,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from hvdnb.protocol.endpoint import outgoing
+from hvdnb.protocol.kinds import Kind
+
 __all__ = ["init", "rank", "size", "JsonlChannel"]
 
 _WORLD: Any = None
@@ -36,13 +39,13 @@ class JsonlChannel:
         self._f = self.path.open("a")
         self._lock = threading.Lock()
 
-    def send(self, kind: str, **payload: Any) -> None:
-        line = json.dumps({"kind": kind, "rank": self.rank, **payload}, allow_nan=True)
+    def send(self, kind: Kind, **payload: Any) -> None:
+        line = json.dumps({**outgoing(kind, payload), "rank": self.rank}, allow_nan=True)
         with self._lock:
             self._f.write(line + "\n")
             self._f.flush()
 
-    def on(self, kind: str, fn: Any) -> None:
+    def on(self, kind: Kind, fn: Any) -> None:
         """Nothing arrives from a file: knob changes come from the script's own values."""
 
     def close(self) -> None:
@@ -62,12 +65,13 @@ def init(backend: str | None = None, knobs: dict[str, Any] | None = None) -> Any
 
     Returns
     -------
-    hvdnb.rendezvous.World
+    hvdnb.rank.rendezvous.World
     """
     global _WORLD
-    from . import rendezvous
-    from .metrics import knobset, recorder
+    from hvdnb.rank import rendezvous
+    from hvdnb.rank.metrics import knobs as knobset
 
+    from hvdnb.rank.metrics import recorder
     _WORLD = rendezvous.init_process_group(backend)
     knobset.DEFAULTS.update(knobs or {})
     out = os.environ.get("HVDNB_METRICS_DIR")
@@ -81,12 +85,12 @@ def init(backend: str | None = None, knobs: dict[str, Any] | None = None) -> Any
 def rank() -> int:
     """This process's rank (after ``init``)."""
     if _WORLD is None:
-        raise RuntimeError("hvdnb.script.init() has not run: it is the script's first call")
+        raise RuntimeError("hvdnb.rank.script.init() has not run: it is the script's first call")
     return int(_WORLD.rank)
 
 
 def size() -> int:
     """The number of ranks (after ``init``)."""
     if _WORLD is None:
-        raise RuntimeError("hvdnb.script.init() has not run: it is the script's first call")
+        raise RuntimeError("hvdnb.rank.script.init() has not run: it is the script's first call")
     return int(_WORLD.size)

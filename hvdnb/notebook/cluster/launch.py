@@ -4,7 +4,7 @@ hostfiles, and the ipyparallel configuration of an hvdnb ``Cluster``.
 Owns: probes without side effects (no torch import, no CUDA initialisation, no process
 started), and turning a validated ``Cluster`` into an ``ipyparallel.Cluster`` that is
 configured but not started: controller flags (heartbeat), the engine command
-(``python -m kernels_ext.engine``) and its flags, the engines' environment (loopback
+(``python -m hvdnb.rank.engine``) and its flags, the engines' environment (loopback
 transports on one host, the side channel, the state directory), ``mpiexec`` or Slurm's
 sbatch script.
 
@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import get_config
+from hvdnb.config import get_config
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
+    from hvdnb.notebook.cluster.lifecycle import Cluster
 
 __all__ = [
     "ClusterError",
@@ -214,7 +214,7 @@ def make_ipp(self: Cluster) -> Any:
         f"--IPEngine.wait_for_url_file={self.timeout}",
         "--log-level=WARN",
         # ipykernel's OutStream minus the cross-thread waits of empty flushes
-        "--IPEngine.out_stream_factory=kernels_ext.iostream.OutStream",
+        "--IPEngine.out_stream_factory=hvdnb.rank.iostream.OutStream",
     ]
     # ranks that rendezvous through the notebook read the session key from here
     env["HVDNB_ENGINE_FILE"] = os.path.join(

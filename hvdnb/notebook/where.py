@@ -13,6 +13,7 @@ Owns: asking, reading py-spy's output, merging. Never: interrupt or change the r
 
 from __future__ import annotations
 
+from hvdnb.protocol import kinds
 import re
 import shutil
 import socket
@@ -79,15 +80,15 @@ def _ask(cluster: Any, ranks: list[int], timeout: float) -> dict[int, dict[str, 
         if msg.get("ask") == ask and isinstance(msg.get("rank"), int):
             replies[msg["rank"]] = msg
 
-    ch.on("where", on_where)
+    ch.on(kinds.WHERE, on_where)
     try:
         for r in ranks:
-            ch.send(r, "where?", ask=ask)
+            ch.send(r, kinds.WHERE_ASK, ask=ask)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and len(replies) < len(ranks):
             time.sleep(0.02)
     finally:
-        ch.off("where", on_where)
+        ch.off(kinds.WHERE, on_where)
     return replies
 
 
@@ -106,7 +107,7 @@ def rank_stacks(cluster: Any, timeout: float = 2.0, pyspy: bool = True
 def from_replies(replies: dict[int, dict[str, Any]], ranks: list[int], pyspy: bool = True
                  ) -> dict[int, dict[str, Any]]:
     """``rank_stacks`` from "where" answers already received (the stall detector's)."""
-    from .metrics.store import get_store
+    from hvdnb.notebook.metrics.store import get_store
 
     info = get_store().rank_info
     here = socket.gethostname()
@@ -134,7 +135,7 @@ def from_replies(replies: dict[int, dict[str, Any]], ranks: list[int], pyspy: bo
 
 def format_stacks(stacks: dict[int, dict[str, Any]]) -> str:
     """Ranks with identical stacks merged: ``ranks 0,2 (py-spy):`` then the frames."""
-    from ._output import format_ranks
+    from hvdnb.notebook.output import format_ranks
 
     groups: dict[tuple[Any, ...], list[int]] = {}
     for r, s in sorted(stacks.items()):

@@ -1,4 +1,4 @@
-"""``python -m hvdnb._watchdog KERNEL_PID PID... [--cancel CMD...] [--files GLOB...]``: stop
+"""``python -m hvdnb.notebook.cluster.watchdog KERNEL_PID PID... [--cancel CMD...] [--files GLOB...]``: stop
 a cluster whose notebook died.
 
 A kernel killed with SIGKILL (or by the OOM killer) runs no atexit hook, and ipyparallel

@@ -11,7 +11,7 @@ and keeps updating it in place (``update_display``, one message per update, at m
 Figures: step is the highest step any rank logged; loss is each rank's latest (min-max
 beyond 4 ranks); samples/s and the bottleneck are the store's (``throughput``, ``hint``);
 the knob values are those in force now. Runs on the notebook's main thread, called by
-``hvdnb.cells``' wait hook, so the update carries the cell's parent header.
+``hvdnb.notebook.cells``' wait hook, so the update carries the cell's parent header.
 
 Owns: the line's text and its display handle. Never: send more than one message per
 interval, or show a line for a cell that logs nothing.
@@ -23,7 +23,7 @@ import html
 import time
 from typing import Any
 
-from ..metrics.store import MetricsStore
+from hvdnb.notebook.metrics.store import MetricsStore
 
 __all__ = ["LiveLine"]
 

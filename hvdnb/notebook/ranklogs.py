@@ -50,7 +50,7 @@ def _fatal_dump(log: list[str]) -> list[str]:
 
 def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
     """The ``%dist logs`` report for ``ranks``."""
-    from .metrics.store import get_store
+    from hvdnb.notebook.metrics.store import get_store
 
     dead = set(cluster.dead_ranks()) if cluster.running else set(range(cluster.n))
     info = get_store().rank_info

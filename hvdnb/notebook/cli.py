@@ -53,7 +53,7 @@ print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step ({dist.ge
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import Cluster, DistributedCellError, run_cell
+    from hvdnb import Cluster, DistributedCellError, run_cell
 
     t0 = time.perf_counter()
     with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:
@@ -76,7 +76,7 @@ def _install_kernel(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .notebook import NotebookRunError, run_notebook
+    from hvdnb.notebook.runner import NotebookRunError, run_notebook
 
     try:
         out = run_notebook(
@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import ExportError, export, from_notebook
+    from hvdnb.notebook.export import ExportError, export, from_notebook
 
     try:
         cells, knobs, n_nb = from_notebook(args.notebook, cells=args.cells)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print("hvdnb: interrupted; cluster stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # a clear one-line error, not a traceback
-        from .cluster import ClusterError
+        from hvdnb.notebook.cluster.lifecycle import ClusterError
 
         if isinstance(exc, ClusterError):
             print(f"hvdnb: {exc}", file=sys.stderr)

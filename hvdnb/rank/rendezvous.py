@@ -18,6 +18,7 @@ Never: start processes, talk to ipyparallel, or pick a fixed port.
 
 from __future__ import annotations
 
+from hvdnb.protocol import kinds
 import atexit
 import gc
 import os
@@ -336,7 +337,7 @@ def init_process_group(
     global _STORE
     import torch.distributed as dist
 
-    from .config import get_config
+    from hvdnb.config import get_config
 
     cfg = get_config()
     w = discover()
@@ -480,7 +481,7 @@ def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, i
 
     from torch.distributed import TCPStore
 
-    from kernels_ext import channel as kch
+    from hvdnb.rank import channel as kch
 
     if not os.environ.get("HVDNB_CHANNEL"):
         raise RuntimeError(
@@ -496,16 +497,16 @@ def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, i
         got.update(addr=msg.get("addr"), port=msg.get("port"))
         done.set()
 
-    ch.on("rdv_store", on_store)
-    ch.on("rdv_ok", on_store)
+    ch.on(kinds.RDV_STORE, on_store)
+    ch.on(kinds.RDV_OK, on_store)
     store = None
     if w.rank == 0:
         addr = _master_addr(w, ip)
         store, port = _listen_store(addr, w.size, wait)
         _pin_interface(addr)
-        ask = ("rdv_announce", {"addr": addr, "port": port})
+        ask = (kinds.RDV_ANNOUNCE, {"addr": addr, "port": port})
     else:
-        ask = ("rdv_ask", {})
+        ask = (kinds.RDV_ASK, {})
     deadline = time.monotonic() + wait
     try:
         while not done.is_set():
@@ -518,8 +519,8 @@ def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, i
             ch.send(ask[0], **ask[1])
             done.wait(0.5)
     finally:
-        ch.off("rdv_store", on_store)
-        ch.off("rdv_ok", on_store)
+        ch.off(kinds.RDV_STORE, on_store)
+        ch.off(kinds.RDV_OK, on_store)
     if store is not None:
         return store, got["addr"], int(got["port"])
     addr, port = str(got["addr"]), int(got["port"])
@@ -579,7 +580,7 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
     global _GENERATION
     import torch.distributed as dist
 
-    from .config import get_config
+    from hvdnb.config import get_config
 
     w = discover()
     if _STORE is None:

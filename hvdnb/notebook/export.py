@@ -3,7 +3,7 @@ or Slurm (``%dist export``, ``hvdnb export NOTEBOOK``).
 
 The script is the cells in execution order (failed cells left out unless asked), each under
 a ``# --- cell N ---`` heading; a cell that ran on some ranks only (``--targets``) runs under
-``if hvdnb.script.rank() in (...)``. It starts with ``hvdnb.script.init(...)``, which does
+``if hvdnb.rank.script.rank() in (...)``. It starts with ``hvdnb.rank.script.init(...)``, which does
 for the process what ``%dist start`` does for an engine (rank, process group, torchrun
 variables, threads) and sets the knob values in force at export time as the starting
 values of ``hvdnb.knobs(...)``. Beside it: the launch line (``mpiexec -n N`` or
@@ -237,9 +237,9 @@ def render(cells: Sequence[ExportCell], *, n: int, launcher: str, knobs: dict[st
         "stay in a small in-memory buffer; HVDNB_METRICS_DIR=dir writes each rank's to",
         "dir/rank<N>.jsonl. The knobs start from the values in force at export time.",
         '"""',
-        "import hvdnb.script",
+        "import hvdnb.rank.script",
         "",
-        f"hvdnb.script.init(backend={backend!r}, knobs={knobs!r})",
+        f"hvdnb.rank.script.init(backend={backend!r}, knobs={knobs!r})",
         "",
     ]
     for c in cells:
@@ -253,7 +253,7 @@ def render(cells: Sequence[ExportCell], *, n: int, launcher: str, knobs: dict[st
         if c.ranks is None:
             lines.append(body)
         else:
-            guard = f"if hvdnb.script.rank() in {tuple(c.ranks)!r}:"
+            guard = f"if hvdnb.rank.script.rank() in {tuple(c.ranks)!r}:"
             if _has_multiline_string(body):  # indenting would change the string's text
                 lines.append(guard)
                 lines.append(f"    exec(compile({body!r}, '<cell {c.number}>', 'exec'))")

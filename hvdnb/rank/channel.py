@@ -1,4 +1,4 @@
-"""Engine side of hvdnb's side channel (see ``hvdnb.channel`` for the protocol).
+"""Engine side of hvdnb's side channel (``hvdnb.protocol`` holds the kinds and the wire).
 
 A rank connects lazily, the first time something sends or listens: ``get()`` returns the
 process's channel, or None when this engine was not started by hvdnb (no
@@ -18,7 +18,10 @@ from typing import Any
 
 import zmq
 
-from hvdnb.channel import Endpoint, decode, encode
+from hvdnb.protocol import kinds
+from hvdnb.protocol.endpoint import Endpoint, outgoing
+from hvdnb.protocol.kinds import Kind
+from hvdnb.protocol.wire import decode, encode
 
 __all__ = ["EngineChannel", "get"]
 
@@ -47,7 +50,7 @@ class EngineChannel(Endpoint):
         self.endpoint = endpoint
         self.rank = rank
         super().__init__(key, "engine-channel")
-        self.send("hello", pid=os.getpid())
+        self.send(kinds.HELLO, pid=os.getpid())
 
     def _make_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -56,9 +59,11 @@ class EngineChannel(Endpoint):
         sock.connect(self.endpoint)
         return sock
 
-    def send(self, kind: str, **payload: Any) -> None:
+    def send(self, kind: Kind, **payload: Any) -> None:
         """Queue a message to the notebook; returns at once."""
-        self._queue({"kind": kind, "rank": self.rank, **payload})
+        msg = outgoing(kind, payload)
+        msg["rank"] = self.rank
+        self._queue(msg)
 
     def _send_item(self, msg: dict[str, Any]) -> None:
         self._sock.send_multipart(encode(self.key, msg))

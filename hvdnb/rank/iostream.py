@@ -17,7 +17,7 @@ reader counts the bytes it takes out of the pipe and those it has buffered, and
 ``flush()`` first waits (at most ``fd_drain_timeout``) until every byte that was in the
 pipe or in the reader's hands when it was called is buffered, then flushes them too.
 
-Used through ``--IPEngine.out_stream_factory=kernels_ext.iostream.OutStream``.
+Used through ``--IPEngine.out_stream_factory=hvdnb.rank.iostream.OutStream``.
 """
 
 from __future__ import annotations

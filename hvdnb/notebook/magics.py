@@ -4,7 +4,7 @@ Owns: argument parsing (``magic_arguments``, so ``%dist?`` prints real help), tu
 input into one clear ``UsageError`` (no internal traceback), and binding the magics to the
 current ``hvdnb.Cluster``. Registered once, in ``hvdnb.load_ipython_extension``.
 
-Never: run user code itself (``hvdnb.cells`` does), or leave processes behind when a start
+Never: run user code itself (``hvdnb.notebook.cells`` does), or leave processes behind when a start
 fails.
 """
 
@@ -17,9 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import cells
-from ._output import format_ranks
-from . import cluster as _cluster
+from hvdnb.notebook import cells
+from hvdnb.notebook.output import format_ranks
+from hvdnb.notebook.cluster import lifecycle as _cluster
 
 __all__ = ["DistMagics"]
 
@@ -168,14 +168,14 @@ class DistMagics(Magics):
 
     def _panel(self, args: Any) -> None:
         """Show the live panel (loss, allreduce, step time, memory, knobs) again."""
-        from .widgets import show_panel
+        from hvdnb.notebook.panel import show_panel
 
         show_panel(_cluster.current(), inline=args.inline)
 
     def _export(self, args: Any) -> None:
         """Write the %%distributed cells of this session as a script (and an sbatch file)."""
-        from . import export as _export
-        from .metrics import store as _store
+        from hvdnb.notebook import export as _export
+        from hvdnb.notebook.metrics import store as _store
 
         if len(args.values) != 1:
             raise UsageError("%dist export needs the script's path, e.g. `%dist export "
@@ -199,7 +199,7 @@ class DistMagics(Magics):
 
     def _where(self, args: Any) -> None:
         """Every rank's live stack (py-spy where it can attach), identical ones merged."""
-        from .where import format_stacks, rank_stacks
+        from hvdnb.notebook.where import format_stacks, rank_stacks
 
         c = _cluster.current()
         if c is None or not c.running:
@@ -208,7 +208,7 @@ class DistMagics(Magics):
 
     def _logs(self, args: Any) -> None:
         """Each rank's own log (stderr outside cells, fatal-signal stacks) and how it ended."""
-        from .ranklogs import format_logs
+        from hvdnb.notebook.ranklogs import format_logs
 
         c = _cluster.current()
         if c is None:
@@ -223,7 +223,7 @@ class DistMagics(Magics):
 
     def _debug(self, args: Any) -> None:
         """pdb on the frames of the last failed cell, on one rank."""
-        from kernels_ext.engine import debug_command
+        from hvdnb.rank.engine import debug_command
 
         c = _cluster.current()
         if c is None or not c.running:
@@ -277,8 +277,9 @@ class DistMagics(Magics):
 
     def _knobs(self, args: Any) -> None:
         """Show the knobs, or change them: the same validated request as the panel's."""
-        from .metrics import knobset, store as _store
+        from hvdnb.rank.metrics import knobs as knobset
 
+        from hvdnb.notebook.metrics import store as _store
         st = _store.attach(_cluster.current())
         # knobs made by the cell just run announce themselves on the side channel, which
         # can trail the cell's reply (seen once in a suite run under load): wait a little
@@ -463,7 +464,7 @@ def _describe_change(status: dict[str, Any]) -> str:
 def _show_panel(c: Any) -> None:
     """Feed the metrics store from the new cluster; show the panel where widgets render."""
     try:
-        from .widgets import show_panel
+        from hvdnb.notebook.panel import show_panel
 
         show_panel(c, only_with_frontend=True)
     except Exception as exc:  # the cluster is up: a panel problem must not hide that

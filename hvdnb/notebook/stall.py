@@ -18,6 +18,7 @@ Never: interrupt or change anything on the ranks; it only looks.
 
 from __future__ import annotations
 
+from hvdnb.protocol import kinds
 import sys
 import time
 from typing import Any
@@ -56,7 +57,7 @@ class StallWatch:
         self.reported: set[str] = set()
         self.channel = getattr(cluster, "channel", None)
         if self.channel is not None and after > 0:
-            self.channel.on("where", self._on_where)
+            self.channel.on(kinds.WHERE, self._on_where)
 
     def _on_where(self, msg: dict[str, Any]) -> None:
         if msg.get("ask") == self.ask and isinstance(msg.get("rank"), int):
@@ -79,7 +80,7 @@ class StallWatch:
             self.asked_at = now
             for r in self.ranks:
                 if r not in done:
-                    self.channel.send(r, "where?", ask=self.ask)
+                    self.channel.send(r, kinds.WHERE_ASK, ask=self.ask)
         return report
 
     def _judge(self, done: set[int], now: float) -> str | None:
@@ -123,7 +124,7 @@ class StallWatch:
             return None
         self.reported.add(key)
         try:  # the same stacks %dist where shows (py-spy where it can attach)
-            from .where import format_stacks, from_replies
+            from hvdnb.notebook.where import format_stacks, from_replies
 
             stacks = format_stacks(from_replies(self.replies, running))
             self.cluster.last_stall["stacks"] = stacks
@@ -135,6 +136,6 @@ class StallWatch:
 
     def close(self) -> None:
         if self.channel is not None and self.after > 0:
-            self.channel.off("where", self._on_where)
+            self.channel.off(kinds.WHERE, self._on_where)
 
 

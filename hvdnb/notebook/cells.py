@@ -1,6 +1,6 @@
 """Run one cell on many ranks: live merged output, merged errors, no hanging.
 
-Owns: sending a cell to the engines (``apply`` of ``kernels_ext.engine.run_cell``, ~25 %
+Owns: sending a cell to the engines (``apply`` of ``hvdnb.rank.engine.run_cell``, ~25 %
 cheaper than ``execute``), streaming each rank's output while it runs (collapsed by
 ``OutputCollapser``), displaying trailing-expression values once per distinct value,
 turning errors into one ``DistributedCellError`` that names the ranks, fail-fast when one
@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._output import OutputCollapser, format_ranks
-from .config import get_config
-from .stall import StallWatch
+from hvdnb.protocol import kinds
+from hvdnb.notebook.output import OutputCollapser, format_ranks
+from hvdnb.config import get_config
+from hvdnb.notebook.stall import StallWatch
 
 __all__ = [
     "CellResult",
@@ -253,7 +254,7 @@ _RUNNER: Any = None
 
 
 def _engine_runner() -> Any:
-    """``kernels_ext.engine.run_cell``, pickled once and by reference.
+    """``hvdnb.rank.engine.run_cell``, pickled once and by reference.
 
     ipyparallel cans a function by value (its code object) on every apply, and every
     engine rebuilds it from that code: a sixth of the notebook's CPU per no-op cell.
@@ -266,7 +267,7 @@ def _engine_runner() -> Any:
 
         from ipyparallel.serialize import PrePickled
 
-        from kernels_ext.engine import run_cell as engine_run_cell
+        from hvdnb.rank.engine import run_cell as engine_run_cell
 
         _RUNNER = PrePickled(partial(engine_run_cell))
     return _RUNNER
@@ -286,7 +287,7 @@ class _PdbPrompt:
         self.waiting: Any = queue.Queue()
         self.paused = False  # a prompt is being answered now (the stall watch holds off)
         if self.channel is not None:
-            self.channel.on("pdb_out", self._on_out)
+            self.channel.on(kinds.PDB_OUT, self._on_out)
 
     def _on_out(self, msg: dict[str, Any]) -> None:
         if isinstance(msg.get("rank"), int):
@@ -304,13 +305,13 @@ class _PdbPrompt:
                 line = input(f"(Pdb rank {rank}) ")
             except (EOFError, KeyboardInterrupt):
                 line = "continue"
-            self.channel.send(rank, "pdb_cmd", line=line)
+            self.channel.send(rank, kinds.PDB_CMD, line=line)
             self.paused = False
         return served
 
     def close(self) -> None:
         if self.channel is not None:
-            self.channel.off("pdb_out", self._on_out)
+            self.channel.off(kinds.PDB_OUT, self._on_out)
 
 
 def run_cell(
@@ -358,7 +359,7 @@ def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int],
     cluster._check_alive()
     dead = cluster.dead_ranks()
     if dead:
-        from .cluster import ClusterError
+        from hvdnb.notebook.cluster.lifecycle import ClusterError
 
         raise ClusterError(
             f"rank(s) {format_ranks(dead)} of {cluster.n} are gone, so collectives would hang: "
@@ -369,7 +370,7 @@ def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int],
     cluster.cell_no += 1
     cell_no = cluster.cell_no
     view = cluster.client[ranks] if not everyone else cluster.view
-    from .metrics.store import get_store
+    from hvdnb.notebook.metrics.store import get_store
 
     store = get_store()
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
@@ -496,7 +497,7 @@ def _wait_cell(cluster: Any, code: str, ar: Any, cell_no: int, ranks: list[int],
         result.stderr[r] = md.get("stderr") or ""
         cluster.last_cell[r] = {"cell": cell_no, "state": "error" if r in result.errors else "ok"}
     # what %dist export turns into a script: every cell, in the order it ran
-    from .export import ExportCell
+    from hvdnb.notebook.export import ExportCell
 
     cluster.history.append(ExportCell(cell_no, code, None if everyone else list(ranks),
                                       not result.errors))
@@ -571,7 +572,7 @@ def _record(result: CellResult, rank: int, out: dict[str, Any]) -> None:
 def _rebuild_group(cluster: Any, note: str) -> str:
     """Failing ranks tore their process group down to release their peers: build a fresh
     one on every rank now, so the next cell (on any targets) finds a working group."""
-    from kernels_ext.engine import rebuild_group
+    from hvdnb.rank.engine import rebuild_group
 
     cluster.generation += 1
     try:

@@ -6,7 +6,7 @@ comm), the allreduce listener that ``hvdnb.torch.DistributedOptimizer`` feeds th
 ``hvdnb.torch.add_comm_listener``, ``ddp_comm_hook`` for plain DDP users, memory sampling
 (psutil RSS; torch.cuda allocated/reserved and NVML used when there is a GPU), and
 sending one sequence-numbered ``metrics`` message per flush interval over the side channel
-(``kernels_ext.channel.get()``): from ``log`` itself while a loop logs (no GIL hand-over to
+(``hvdnb.rank.channel.get()``): from ``log`` itself while a loop logs (no GIL hand-over to
 another thread), else from the flusher thread.
 
 Step attribution: ``log(step=s)`` records step ``s`` and says "step s is done", so the
@@ -46,7 +46,8 @@ from collections.abc import Iterator
 from operator import itemgetter
 from typing import Any
 
-from .. import _nvtx
+from hvdnb.protocol import kinds
+from hvdnb.rank import nvtx as _nvtx
 
 __all__ = ["Recorder", "get_recorder", "log", "phase", "ddp_comm_hook", "set_enabled"]
 
@@ -107,7 +108,7 @@ class Recorder:
     Parameters
     ----------
     rank : this process's rank
-    channel : an object with ``send(kind, **payload)`` (``kernels_ext.channel``), or None
+    channel : an object with ``send(kind, **payload)`` (``hvdnb.rank.channel``), or None
     flush_interval : seconds between two messages for the first ``warm`` seconds of a loop
     steady_interval : seconds between two messages after that (default: ``flush_interval``)
     warm : seconds of logging after which a loop sends every ``steady_interval``
@@ -814,7 +815,7 @@ class Recorder:
             return
         self._last_sent = msg["t"]
         self._last_sent_pc = time.perf_counter()
-        self.channel.send("metrics", **msg)
+        self.channel.send(kinds.METRICS, **msg)
 
     def close(self) -> None:
         self._stop.set()
@@ -833,7 +834,7 @@ def _knobs_mod() -> Any:
     if _KNOBSET is None:
         import importlib
 
-        _KNOBSET = importlib.import_module(__package__ + ".knobset")
+        _KNOBSET = importlib.import_module(__package__ + ".knobs")
     return _KNOBSET
 
 
@@ -1023,12 +1024,12 @@ def get_recorder() -> Recorder:
         return _RECORDER
     with _RLOCK:
         if _RECORDER is None:
-            from ..config import get_config
+            from hvdnb.config import get_config
 
             channel = None
             if os.environ.get("HVDNB_CHANNEL"):  # an engine: scripts never import zmq
                 try:
-                    from kernels_ext.channel import get
+                    from hvdnb.rank.channel import get
 
                     channel = get()
                 except Exception:
@@ -1048,7 +1049,7 @@ def _install_comm_listener(rec: Recorder) -> None:
     # only when hvdnb.torch is already imported: never import torch for the panel's sake
     if "hvdnb.torch" in sys.modules or "torch" in sys.modules:
         try:
-            from ..torch import listeners
+            from hvdnb.torch import listeners
 
             rec._comm_list = listeners.LISTENERS
             rec._time_comm(True)

@@ -1,0 +1,87 @@
+"""``hvdnb.metrics``: the live panel's data, from both sides.
+
+Rank side (imported at once; no torch import, no collectives): ``log``, ``phase``,
+``set_enabled``, ``get_recorder``, ``ddp_comm_hook`` and the knobs a loop reads (``knobs``,
+``Knobs``), from ``hvdnb.rank.metrics``. Notebook side (imported on first use, so a rank
+never loads it): ``metrics()`` and the store's types, ``set_knobs``, from
+``hvdnb.notebook.metrics``.
+
+The module itself is callable: ``hvdnb.metrics()`` returns every point as rows (see
+``hvdnb.notebook.metrics.store.metrics``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from hvdnb.rank.metrics.knobs import Knobs, knobs
+from hvdnb.rank.metrics.recorder import ddp_comm_hook, get_recorder, log, phase, set_enabled
+
+if TYPE_CHECKING:
+    from hvdnb.notebook.metrics.store import (
+        MetricRow,
+        MetricRows,
+        MetricsStore,
+        attach,
+        get_store,
+        metrics,
+        set_knobs,
+    )
+
+__all__ = [
+    "Knobs",
+    "MetricRow",
+    "MetricRows",
+    "MetricsStore",
+    "attach",
+    "ddp_comm_hook",
+    "get_recorder",
+    "get_store",
+    "knobs",
+    "log",
+    "metrics",
+    "phase",
+    "set_enabled",
+    "set_knobs",
+]
+
+_LAZY = {
+    "MetricRow": "hvdnb.notebook.metrics.store",
+    "MetricRows": "hvdnb.notebook.metrics.store",
+    "MetricsStore": "hvdnb.notebook.metrics.store",
+    "attach": "hvdnb.notebook.metrics.store",
+    "get_store": "hvdnb.notebook.metrics.store",
+    "metrics": "hvdnb.notebook.metrics.store",
+    "set_knobs": "hvdnb.notebook.metrics.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hvdnb.metrics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+class _CallableModule(types.ModuleType):
+    """``hvdnb.metrics(name=None, rank=None, run=None)``: every point as rows."""
+
+    def __call__(
+        self, name: str | None = None, rank: int | None = None, run: int | None = None
+    ) -> MetricRows:
+        rows: MetricRows = __getattr__("metrics")(name, rank, run)
+        return rows
+
+    def __getattr__(self, name: str) -> Any:
+        return __getattr__(name)
+
+    def __repr__(self) -> str:
+        return "<module 'hvdnb.metrics' (callable: hvdnb.metrics() returns every point)>"
+
+
+sys.modules[__name__].__class__ = _CallableModule

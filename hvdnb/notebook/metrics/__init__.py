@@ -1,0 +1,1 @@
+"""Notebook side of the live panel: every point the ranks sent, runs, knob requests, views."""

@@ -1,0 +1,172 @@
+"""Every message kind of the side channel, defined once with its fields.
+
+Both sides import these constants: a sender writes ``ch.send(kinds.METRICS, **fields)``, a
+receiver ``ch.on(kinds.METRICS, handler)``. The channel endpoints accept only ``Kind``
+objects, so a bare string cannot slip in, and they check a message's required fields when it
+is sent (a programming error raises ``ProtocolError`` in the sender) and when it arrives (an
+unknown kind or a missing field is dropped, counted and logged: a bad peer must not break
+the notebook or a training loop).
+
+Envelope: every message carries ``kind``; a message from a rank also carries ``rank`` (the
+rank's channel adds it). The fields below are those of the payload.
+
+Owns: the list of kinds and ``check``. Never: sockets, encoding (``wire``) or behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+__all__ = [
+    "HELLO",
+    "KINDS",
+    "KNOBS_APPLIED",
+    "KNOBS_PLAN",
+    "KNOBS_REQ",
+    "KNOBS_SPEC",
+    "METRICS",
+    "PDB_CMD",
+    "PDB_OUT",
+    "RANK_INFO",
+    "RDV_ANNOUNCE",
+    "RDV_ASK",
+    "RDV_OK",
+    "RDV_STORE",
+    "WHERE",
+    "WHERE_ASK",
+    "Kind",
+    "ProtocolError",
+    "check",
+    "lookup",
+    "register",
+]
+
+Sender = Literal["rank", "notebook", "both"]
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol: unknown kind or a missing field."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One message kind.
+
+    Parameters
+    ----------
+    name : the ``kind`` value on the wire
+    sender : who sends it: ``"rank"``, ``"notebook"`` or ``"both"``
+    required : payload fields every message of this kind has
+    optional : payload fields it may have
+    doc : what the message means
+    """
+
+    name: str
+    sender: Sender
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    doc: str = ""
+
+    def check(self, payload: Mapping[str, Any]) -> None:
+        """Raise ``ProtocolError`` when a required field is missing from ``payload``."""
+        missing = [f for f in self.required if f not in payload]
+        if missing:
+            raise ProtocolError(
+                f"{self.name!r} message without {', '.join(map(repr, missing))} "
+                f"(required: {', '.join(self.required)})"
+            )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+HELLO: Final = Kind("hello", "rank", ("pid",), doc="a rank's channel connected")
+RANK_INFO: Final = Kind(
+    "rank_info", "rank", ("host", "local_rank", "pid"), doc="where a rank runs (after start)"
+)
+METRICS: Final = Kind(
+    "metrics",
+    "rank",
+    ("seq", "t", "cols"),
+    ("pid", "lost", "step", "step_time", "backend", "idle", "meta", "run", "colsx", "blob"),
+    doc="a batch of logged points and the recorder's state (one per flush interval)",
+)
+KNOBS_SPEC: Final = Kind("knobs_spec", "rank", ("spec",), doc="a new knob set: names, kinds, ranges")
+KNOBS_REQ: Final = Kind(
+    "knobs_req", "notebook", ("id", "values"), ("at_step",), doc="a validated change, to rank 0"
+)
+KNOBS_PLAN: Final = Kind(
+    "knobs_plan",
+    "both",
+    ("id",),
+    ("apply_at", "values", "planned_at", "error"),
+    doc="rank 0's plan (or refusal); the notebook forwards it to every rank",
+)
+KNOBS_APPLIED: Final = Kind(
+    "knobs_applied",
+    "rank",
+    ("id", "step", "late"),
+    ("apply_at", "values", "error"),
+    doc="a rank applied a plan at this step (or could not)",
+)
+RDV_ANNOUNCE: Final = Kind(
+    "rdv_announce", "rank", ("addr", "port"), doc="rank 0's TCPStore, for ranks without MPI"
+)
+RDV_ASK: Final = Kind("rdv_ask", "rank", doc="a rank asks for rank 0's TCPStore")
+RDV_OK: Final = Kind("rdv_ok", "notebook", ("addr", "port"), doc="the store is known (to rank 0)")
+RDV_STORE: Final = Kind("rdv_store", "notebook", ("addr", "port"), doc="the store, to a rank")
+WHERE_ASK: Final = Kind("where?", "notebook", ("ask",), doc="send me your Python stack")
+WHERE: Final = Kind(
+    "where", "rank", ("ask",),
+    ("cell", "line", "code", "collective", "progress", "pid", "stack", "idle"),
+    doc="a rank's stack",
+)
+PDB_OUT: Final = Kind("pdb_out", "rank", ("text", "waiting"), doc="a rank's debugger output")
+PDB_CMD: Final = Kind("pdb_cmd", "notebook", ("line",), doc="a line for a rank's debugger")
+
+KINDS: Final[dict[str, Kind]] = {
+    k.name: k
+    for k in (
+        HELLO,
+        RANK_INFO,
+        METRICS,
+        KNOBS_SPEC,
+        KNOBS_REQ,
+        KNOBS_PLAN,
+        KNOBS_APPLIED,
+        RDV_ANNOUNCE,
+        RDV_ASK,
+        RDV_OK,
+        RDV_STORE,
+        WHERE_ASK,
+        WHERE,
+        PDB_OUT,
+        PDB_CMD,
+    )
+}
+
+
+def register(kind: Kind) -> Kind:
+    """Add a kind of one's own (a plugin's, a test's) to the registry; both sides must
+    register it before it is sent. Returns it. A name already taken raises ``ValueError``."""
+    if KINDS.get(kind.name, kind) != kind:
+        raise ValueError(f"message kind {kind.name!r} is already defined")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def lookup(name: object) -> Kind:
+    """The ``Kind`` called ``name``; ``ProtocolError`` for an unknown one."""
+    kind = KINDS.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ProtocolError(f"unknown message kind {name!r} (known: {', '.join(sorted(KINDS))})")
+    return kind
+
+
+def check(msg: Mapping[str, Any]) -> Kind:
+    """The kind of a received message, after checking its fields; ``ProtocolError`` if not."""
+    kind = lookup(msg.get("kind"))
+    kind.check(msg)
+    return kind
