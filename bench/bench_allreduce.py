@@ -81,19 +81,29 @@ def main() -> None:
         rows.append(row)
     if rank == 0:
         where = f"on {torch.cuda.get_device_name(dev)}" if args.cuda else "on CPU"
-        print(f"allreduce float32 in place {where}, {n} ranks, medians of {rounds} "
-              "interleaved rounds (hvdnb/best: best raw time / hvdnb time)")
+        print(
+            f"allreduce float32 in place {where}, {n} ranks, medians of {rounds} "
+            "interleaved rounds (hvdnb/best: best raw time / hvdnb time)"
+        )
         keys = list(variants)
-        print(f"{'size':>8} | " + " | ".join(f"{k + ' us':>11} {'GB/s':>6}" for k in keys)
-              + " | hvdnb/best")
+        print(
+            f"{'size':>8} | "
+            + " | ".join(f"{k + ' us':>11} {'GB/s':>6}" for k in keys)
+            + " | hvdnb/best"
+        )
         for r in rows:
             b = r["bytes"]
             label = f"{b >> 20} MB" if b >= 1 << 20 else f"{b >> 10} KB"
             cells = " | ".join(f"{r[k + '_us']:11.1f} {r[k + '_busbw_GBps']:6.2f}" for k in keys)
             print(f"{label:>8} | {cells} | {r['hvdnb_vs_best_raw']:.2f}x")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"ranks": n, "rounds": rounds, "device": where, "raw_backend": raw,
-                "torch": torch.__version__}
+        meta = {
+            "ranks": n,
+            "rounds": rounds,
+            "device": where,
+            "raw_backend": raw,
+            "torch": torch.__version__,
+        }
         Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
         print(f"wrote {args.out}")
 

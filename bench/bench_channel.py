@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hvdnb.protocol import wire as channel  # noqa: E402
-from hvdnb.rank.metrics.recorder import Recorder  # noqa: E402
+from hvdnb.protocol import wire as channel
+from hvdnb.rank.metrics.recorder import Recorder
 
 OUT = Path(__file__).parent / "results" / "channel.json"
 KEY = b"k" * 32
@@ -104,10 +104,13 @@ def _b64(kind: str, values: list) -> str:
 
 def _base64_columns(msg: dict) -> list[bytes]:  # the second encoding
     plain = _plain(msg)
-    packed = {k: [len(c[0]), _b64("q", c[0]), _b64("d", c[1]), _b64("d", c[2])]
-              for k, c in plain.pop("cols").items()}
-    body = json.dumps(dict(plain, cols={}, colsb=packed), separators=(",", ":"),
-                      allow_nan=True).encode()
+    packed = {
+        k: [len(c[0]), _b64("q", c[0]), _b64("d", c[1]), _b64("d", c[2])]
+        for k, c in plain.pop("cols").items()
+    }
+    body = json.dumps(
+        dict(plain, cols={}, colsb=packed), separators=(",", ":"), allow_nan=True
+    ).encode()
     return [channel.sign(KEY, body), body]
 
 
@@ -131,10 +134,11 @@ def main() -> None:
     msg = _message(args.steps)
     pack_ms = _pack_ms(args.steps, args.reps)
     rows = sum(len(c[0]) for c in msg["cols"].values())
-    ways = {"json lists": (_json_lists, _json_decode),
-            "base64 columns": (_base64_columns, _base64_decode),
-            "binary blob": (lambda m: channel.encode(KEY, m),
-                            lambda f: channel.decode(KEY, f))}
+    ways = {
+        "json lists": (_json_lists, _json_decode),
+        "base64 columns": (_base64_columns, _base64_decode),
+        "binary blob": (lambda m: channel.encode(KEY, m), lambda f: channel.decode(KEY, f)),
+    }
     times: dict[str, dict[str, list[float]]] = {w: {"encode": [], "decode": []} for w in ways}
     size = {}
     for _ in range(args.reps):
@@ -149,8 +153,10 @@ def main() -> None:
             size[w] = sum(len(f) for f in frames[1:])
             assert back["cols"].keys() == msg["cols"].keys()
             assert list(back["cols"]["loss"][2]) == list(msg["cols"]["loss"][2])
-    res = {w: {k: statistics.median(v) * 1e3 for k, v in t.items()} | {"bytes": size[w]}
-           for w, t in times.items()}
+    res = {
+        w: {k: statistics.median(v) * 1e3 for k, v in t.items()} | {"bytes": size[w]}
+        for w, t in times.items()
+    }
     print(f"one metrics message: {rows} rows ({args.steps} steps), medians of {args.reps}")
     print(f"pack() on the training thread: {pack_ms:.3f} ms (median of {args.reps})")
     print(f"{'encoding':<16}{'encode+sign ms':>16}{'verify+decode ms':>18}{'bytes':>10}")
@@ -159,13 +165,24 @@ def main() -> None:
     b = res["binary blob"]
     for w in ("json lists", "base64 columns"):
         a = res[w]
-        print(f"{w} / binary blob: encode {a['encode'] / b['encode']:.1f}x, "
-              f"decode {a['decode'] / b['decode']:.1f}x, bytes {a['bytes'] / b['bytes']:.1f}x")
+        print(
+            f"{w} / binary blob: encode {a['encode'] / b['encode']:.1f}x, "
+            f"decode {a['decode'] / b['decode']:.1f}x, bytes {a['bytes'] / b['bytes']:.1f}x"
+        )
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"command": "python bench/bench_channel.py " + " ".join(sys.argv[1:]),
-                               "rows": rows, "steps": args.steps, "reps": args.reps,
-                               "pack_ms": pack_ms,
-                               "results_ms": res}, indent=1))
+    OUT.write_text(
+        json.dumps(
+            {
+                "command": "python bench/bench_channel.py " + " ".join(sys.argv[1:]),
+                "rows": rows,
+                "steps": args.steps,
+                "reps": args.reps,
+                "pack_ms": pack_ms,
+                "results_ms": res,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

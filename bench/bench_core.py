@@ -80,6 +80,7 @@ def _cells(n: int) -> tuple[list[float], list[float], list[float]]:
             sys.stdout = io.StringIO()
             shell.run_cell_magic("distributed", "", "pass")
             sys.stdout = real_stdout
+
         def raw_cell() -> None:
             raw_view.execute("pass", block=True)
 
@@ -122,8 +123,9 @@ def main() -> None:
     import os
     import sys
 
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
-                                          os.environ.get("PATH", "")])
+    os.environ["PATH"] = os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    )
 
     raw_start, raw_stop, our_start, our_stop = [], [], [], []
     for _ in range(args.starts):  # interleaved so machine noise hits both
@@ -147,7 +149,9 @@ def main() -> None:
         ("  same controller (ms)", 1e3 * med(same_cell), 1e3 * med(our_cell), None),
         ("stop (s)", med(raw_stop), med(our_stop), None),
     ]
-    print(f"{'measure (median)':30} {'raw ipyparallel':>16} {'hvdnb':>10} {'ratio':>7} {'target':>7}")
+    print(
+        f"{'measure (median)':30} {'raw ipyparallel':>16} {'hvdnb':>10} {'ratio':>7} {'target':>7}"
+    )
     for name, raw, ours, target in rows:
         tgt = f"<= {target}" if target else ""
         print(f"{name:30} {raw:16.3f} {ours:10.3f} {ours / raw:7.2f} {tgt:>7}")
@@ -156,7 +160,10 @@ def main() -> None:
     OUT.write_text(
         json.dumps(
             {
-                "machine": {"cores": __import__("os").cpu_count(), "python": platform.python_version()},
+                "machine": {
+                    "cores": __import__("os").cpu_count(),
+                    "python": platform.python_version(),
+                },
                 "starts": args.starts,
                 "cells": args.cells,
                 "raw_start_s": raw_start,

@@ -15,8 +15,8 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,9 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help="model and batch on each rank's GPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.out = args.out or str(Path(__file__).parent / "results" /
-                               ("mlp-cuda.json" if args.cuda else "mlp.json"))
+    args.out = args.out or str(
+        Path(__file__).parent / "results" / ("mlp-cuda.json" if args.cuda else "mlp.json")
+    )
     hvd.init()
     torch.set_num_threads(1)
     from mpi4py import MPI
@@ -46,21 +47,24 @@ def main() -> None:
     comm = MPI.COMM_WORLD.Dup()
     n, rank = hvd.size(), hvd.rank()
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                         nn.Linear(512, 10)).to(dev)
+    base = nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    ).to(dev)
     torch.manual_seed(1 + rank)
     X = torch.randn(args.batch, 784, device=dev)
     Y = torch.randint(0, 10, (args.batch,), device=dev)
     loss_fn = nn.CrossEntropyLoss()
 
-    def stepper(model: nn.Module, opt: torch.optim.Optimizer,
-                sync: Callable[[], None] | None = None) -> Callable[[], None]:
+    def stepper(
+        model: nn.Module, opt: torch.optim.Optimizer, sync: Callable[[], None] | None = None
+    ) -> Callable[[], None]:
         def step() -> None:
             opt.zero_grad()
             loss_fn(model(X), Y).backward()
             if sync is not None:
                 sync()
             opt.step()
+
         return step
 
     m_none = copy.deepcopy(base)
@@ -78,9 +82,13 @@ def main() -> None:
             p.grad.copy_(g.view_as(p))
 
     variants = {
-        "hvdnb": stepper(m_hvd, hvd.DistributedOptimizer(
-            torch.optim.SGD(m_hvd.parameters(), lr=0.01),
-            named_parameters=m_hvd.named_parameters())),
+        "hvdnb": stepper(
+            m_hvd,
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(m_hvd.parameters(), lr=0.01),
+                named_parameters=m_hvd.named_parameters(),
+            ),
+        ),
         ddp_name: stepper(m_ddp, torch.optim.SGD(m_ddp.parameters(), lr=0.01)),
         "hand_mpi": stepper(m_mpi, torch.optim.SGD(m_mpi.parameters(), lr=0.01), hand_mpi),
         "no_comm": stepper(m_none, torch.optim.SGD(m_none.parameters(), lr=0.01)),
@@ -109,18 +117,33 @@ def main() -> None:
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     if rank == 0:
         where = torch.cuda.get_device_name(dev) if args.cuda else "CPU"
-        print(f"MLP 784-512-512-10 on {where}, batch {args.batch}/rank, {n} ranks, 1 thread/rank, "
-              f"median of {blocks} interleaved blocks x {per_block} steps")
+        print(
+            f"MLP 784-512-512-10 on {where}, batch {args.batch}/rank, {n} ranks, 1 thread/rank, "
+            f"median of {blocks} interleaved blocks x {per_block} steps"
+        )
         print(f"{'variant':>10} | {'ms/step':>8} | {'vs DDP':>6}")
         for k, v in med.items():
             print(f"{k:>10} | {v:8.2f} | {v / med[ddp_name]:5.2f}x")
         print(f"max |hvdnb - DDP| parameter difference after training: {drift:.1e}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(
-            {"ranks": n, "device": where, "ddp": ddp_name, "torch": torch.__version__,
-             "batch_per_rank": args.batch, "blocks": blocks, "steps": per_block,
-             "median_ms": med, "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
-             "hvdnb_vs_ddp": med["hvdnb"] / med[ddp_name], "param_drift": drift}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "ranks": n,
+                    "device": where,
+                    "ddp": ddp_name,
+                    "torch": torch.__version__,
+                    "batch_per_rank": args.batch,
+                    "blocks": blocks,
+                    "steps": per_block,
+                    "median_ms": med,
+                    "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
+                    "hvdnb_vs_ddp": med["hvdnb"] / med[ddp_name],
+                    "param_drift": drift,
+                },
+                indent=1,
+            )
+        )
         print(f"wrote {args.out}")
 
 

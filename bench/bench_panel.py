@@ -193,9 +193,13 @@ res
 
 def cell_code(model: str, blocks: int, block_s: float, slice_s: float) -> str:
     m = MODELS[model]
-    return (CELL.replace("__LAYERS__", repr(m["layers"])).replace("__BATCH__", str(m["batch"]))
-            .replace("__BLOCKS__", str(blocks)).replace("__BLOCK_S__", repr(block_s))
-            .replace("__SLICE_S__", repr(slice_s)))
+    return (
+        CELL.replace("__LAYERS__", repr(m["layers"]))
+        .replace("__BATCH__", str(m["batch"]))
+        .replace("__BLOCKS__", str(blocks))
+        .replace("__BLOCK_S__", repr(block_s))
+        .replace("__SLICE_S__", repr(slice_s))
+    )
 
 
 def interleaved_overhead(on: list[float], off: list[float]) -> dict:
@@ -211,9 +215,12 @@ def interleaved_overhead(on: list[float], off: list[float]) -> dict:
     def mean(ps: list) -> float:
         return 100 * (sum(a for a, _ in ps) / sum(b for _, b in ps) - 1)
 
-    out: dict = {"blocks": len(pairs), "step_ms_on": 1e3 * statistics.median(on),
-                 "step_ms_off": 1e3 * statistics.median(off),
-                 "samples_ms": {"on": [1e3 * x for x in on], "off": [1e3 * x for x in off]}}
+    out: dict = {
+        "blocks": len(pairs),
+        "step_ms_on": 1e3 * statistics.median(on),
+        "step_ms_off": 1e3 * statistics.median(off),
+        "samples_ms": {"on": [1e3 * x for x in on], "off": [1e3 * x for x in off]},
+    }
     for name, est in (("median", median), ("mean", mean)):
         boot = sorted(est(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
         out[f"{name}_pct"] = est(pairs)
@@ -221,8 +228,7 @@ def interleaved_overhead(on: list[float], off: list[float]) -> dict:
     return out
 
 
-def overhead_and_latency(blocks: int, models: list[str], block_s: float,
-                         slice_s: float) -> dict:
+def overhead_and_latency(blocks: int, models: list[str], block_s: float, slice_s: float) -> dict:
     import hvdnb
     from hvdnb.notebook import cells
     from hvdnb.notebook.metrics.store import MetricsStore
@@ -239,15 +245,16 @@ def overhead_and_latency(blocks: int, models: list[str], block_s: float,
         try:
             for model in models:
                 t_model = time.time()
-                res = cells.run_cell(cluster, cell_code(model, blocks, block_s, slice_s),
-                                     quiet=True, stream=False)
+                res = cells.run_cell(
+                    cluster, cell_code(model, blocks, block_s, slice_s), quiet=True, stream=False
+                )
                 v = res.values[0]
                 r = {mode: interleaved_overhead(v[mode], v["off"]) for mode in ("steady", "warm")}
                 per_rank = [x["in_loop"] for x in res.values.values()]
                 r["in_loop_us"] = {  # median over blocks, max over ranks
                     "log": 1e6 * max(statistics.median(b[0] for b in p) for p in per_rank),
-                    "comm_report": 1e6 * max(statistics.median(b[1] for b in p)
-                                             for p in per_rank)}
+                    "comm_report": 1e6 * max(statistics.median(b[1] for b in p) for p in per_rank),
+                }
                 r["steps_per_slice"], r["slices_per_block"] = v["steps"], v["slices"]
                 r["layers"], r["batch"] = MODELS[model]["layers"], MODELS[model]["batch"]
                 r["hot_path_us_per_step"] = hot_path_cost()
@@ -260,15 +267,20 @@ def overhead_and_latency(blocks: int, models: list[str], block_s: float,
         cpu1 = os.times()
         panel.close()
     lat = sorted(panel.latencies)
-    out.update({
-        "latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
-        "latency_ms_p95": 1e3 * lat[int(0.95 * (len(lat) - 1))] if lat else None,
-        "latency_points": len(lat),
-        "panel_renders": panel.renders,
-        "panel_render_ms_mean": 1e3 * panel.render_seconds / max(1, panel.renders),
-        "notebook_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
-        "points": store.points, "lost_messages": store.lost_messages,
-    })
+    out.update(
+        {
+            "latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
+            "latency_ms_p95": 1e3 * lat[int(0.95 * (len(lat) - 1))] if lat else None,
+            "latency_points": len(lat),
+            "panel_renders": panel.renders,
+            "panel_render_ms_mean": 1e3 * panel.render_seconds / max(1, panel.renders),
+            "notebook_cpu_pct": 100
+            * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system))
+            / wall,
+            "points": store.points,
+            "lost_messages": store.lost_messages,
+        }
+    )
     return out
 
 
@@ -281,9 +293,11 @@ def cpu_accounting(values: dict) -> dict:
     out: dict = {}
     modes = dict.fromkeys(b[0] for v in values.values() for b in v["cpu"])
     for mode in modes:
+
         def per_rank(col: int, mode: str = mode) -> float:
-            meds = [statistics.median(b[col] for b in v["cpu"] if b[0] == mode)
-                    for v in values.values()]
+            meds = [
+                statistics.median(b[col] for b in v["cpu"] if b[0] == mode) for v in values.values()
+            ]
             return sum(meds) / len(meds)
 
         out[mode] = {"train_thread_us": 1e6 * per_rank(1), "other_threads_us": 1e6 * per_rank(2)}
@@ -321,8 +335,11 @@ def hot_path_cost() -> dict:
         rec.flush()
         flushes.append(time.perf_counter() - t0)
     flush = statistics.median(flushes)
-    return {"log_and_comm_us": 1e6 * per_step, "flush_20_steps_us": 1e6 * flush,
-            "total_us": 1e6 * (per_step + flush / 20)}
+    return {
+        "log_and_comm_us": 1e6 * per_step,
+        "flush_20_steps_us": 1e6 * flush,
+        "total_us": 1e6 * (per_step + flush / 20),
+    }
 
 
 SENDER = r"""
@@ -357,9 +374,9 @@ print(json.dumps({"rows": sent_rows, "messages": msgs, "steps": step,
 
 def scale(nranks: int, seconds: float) -> dict:
     from hvdnb.notebook.channel import ClientChannel
-    from hvdnb.protocol import kinds
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.protocol import kinds
 
     key = secrets.token_hex(16).encode()
     ch = ClientChannel(key=key)
@@ -368,9 +385,12 @@ def scale(nranks: int, seconds: float) -> dict:
     ch.on(kinds.METRICS, store.ingest)
     panel = Panel(store)
     env = dict(os.environ, HVDNB_ROOT=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", SENDER, ch.endpoint, key.decode(),
-                             str(nranks), str(seconds)], env=env, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER, ch.endpoint, key.decode(), str(nranks), str(seconds)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     cpu0, t0 = os.times(), time.perf_counter()
     while proc.poll() is None:  # the notebook's main thread: redraw as the wait hook would
         panel.tick()
@@ -387,10 +407,16 @@ def scale(nranks: int, seconds: float) -> dict:
     ch.close()
     panel.close()
     return {
-        "ranks": nranks, "seconds": sent["seconds"], "rate_hz": 10,
-        "rows_sent": sent["rows"], "rows_stored": logged, "messages_sent": sent["messages"],
-        "messages_stored": store.messages, "lost_messages": store.lost_messages,
-        "lost_rows": store.lost_rows, "bad_signatures": ch.dropped,
+        "ranks": nranks,
+        "seconds": sent["seconds"],
+        "rate_hz": 10,
+        "rows_sent": sent["rows"],
+        "rows_stored": logged,
+        "messages_sent": sent["messages"],
+        "messages_stored": store.messages,
+        "lost_messages": store.lost_messages,
+        "lost_rows": store.lost_rows,
+        "bad_signatures": ch.dropped,
         "client_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
         "panel_renders": panel.renders,
         "panel_render_ms_mean": 1e3 * panel.render_seconds / max(1, panel.renders),
@@ -399,49 +425,70 @@ def scale(nranks: int, seconds: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--scale-seconds", type=float, default=60.0,
-                    help="length of the 64-rank run (default 60 s)")
+    ap.add_argument(
+        "--scale-seconds", type=float, default=60.0, help="length of the 64-rank run (default 60 s)"
+    )
     ap.add_argument("--ranks", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=60,
-                    help="blocks per mode and model (each mode's block interleaved with the "
-                         "other two modes' blocks)")
-    ap.add_argument("--block-seconds", type=float, default=1.0,
-                    help="training time of one block")
-    ap.add_argument("--slice-seconds", type=float, default=0.1,
-                    help="blocks are interleaved in slices of this length")
-    ap.add_argument("--models", default="mid,mlp,small",
-                    help="step sizes to measure: mid (~1 ms), mlp (~6-8.5 ms), small (~0.5 ms)")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=60,
+        help="blocks per mode and model (each mode's block interleaved with the "
+        "other two modes' blocks)",
+    )
+    ap.add_argument("--block-seconds", type=float, default=1.0, help="training time of one block")
+    ap.add_argument(
+        "--slice-seconds",
+        type=float,
+        default=0.1,
+        help="blocks are interleaved in slices of this length",
+    )
+    ap.add_argument(
+        "--models",
+        default="mid,mlp,small",
+        help="step sizes to measure: mid (~1 ms), mlp (~6-8.5 ms), small (~0.5 ms)",
+    )
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "panel.json"))
     args = ap.parse_args()
     if args.blocks < 10:
-        ap.error(f"--blocks {args.blocks}: at least 10 blocks are needed for a median worth "
-                 "reading")
-    out: dict = {"machine": f"{os.cpu_count()} cores, shared with other engineers' work",
-                 "command": " ".join(["python"] + sys.argv),
-                 "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-                 "load_avg_start": os.getloadavg()}
+        ap.error(
+            f"--blocks {args.blocks}: at least 10 blocks are needed for a median worth reading"
+        )
+    out: dict = {
+        "machine": f"{os.cpu_count()} cores, shared with other engineers' work",
+        "command": " ".join(["python"] + sys.argv),
+        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "load_avg_start": os.getloadavg(),
+    }
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     if not args.skip_overhead:
-        out["overhead"] = overhead_and_latency(args.blocks, models, args.block_seconds,
-                                               args.slice_seconds)
+        out["overhead"] = overhead_and_latency(
+            args.blocks, models, args.block_seconds, args.slice_seconds
+        )
     if not args.skip_scale:
         out["scale"] = scale(args.ranks, args.scale_seconds)
     out["load_avg_end"] = os.getloadavg()
     o, s = out.get("overhead"), out.get("scale")
-    print("live panel benchmark (2 cores shared with other work; load avg "
-          f"{out['load_avg_start'][0]:.2f} -> {out['load_avg_end'][0]:.2f})")
+    print(
+        "live panel benchmark (2 cores shared with other work; load avg "
+        f"{out['load_avg_start'][0]:.2f} -> {out['load_avg_end'][0]:.2f})"
+    )
     if o:
-        print("overhead of watching = (block with hvdnb.log + panel) / (off block interleaved "
-              "with it) - 1; median over blocks, and mean (total on / total off); 95 % bootstrap "
-              "intervals. steady: a loop past its first 2 s; warm: its first 2 s")
-        print(f"{'step size':<9} | {'off ms':>6} | {'blocks x steps':>14} | "
-              f"{'steady median':>22} | {'steady mean':>22} | {'warm median':>22} | "
-              f"{'in loop us/step':>15} | target")
+        print(
+            "overhead of watching = (block with hvdnb.log + panel) / (off block interleaved "
+            "with it) - 1; median over blocks, and mean (total on / total off); 95 % bootstrap "
+            "intervals. steady: a loop past its first 2 s; warm: its first 2 s"
+        )
+        print(
+            f"{'step size':<9} | {'off ms':>6} | {'blocks x steps':>14} | "
+            f"{'steady median':>22} | {'steady mean':>22} | {'warm median':>22} | "
+            f"{'in loop us/step':>15} | target"
+        )
         for m in models:
             r = o[m]
             st, wa = r["steady"], r["warm"]
@@ -453,25 +500,37 @@ def main() -> None:
                 return f"{x[f'{k}_pct']:+5.2f}% ({lo:+5.2f}..{hi:+5.2f})"
 
             spb = r["steps_per_slice"] * r["slices_per_block"]
-            print(f"{m:<9} | {st['step_ms_off']:6.3f} | {st['blocks']:>5} x {spb:<6} | "
-                  f"{fmt(st, 'median'):>22} | {fmt(st, 'mean'):>22} | {fmt(wa, 'median'):>22} | "
-                  f"{hp:7.1f} {100 * hp / (1e3 * st['step_ms_off']):5.2f}% | <= 2 %")
-        print("CPU per step beside the training thread, steady / off (side channel, MPI; "
-              "median over blocks, mean over ranks)")
+            print(
+                f"{m:<9} | {st['step_ms_off']:6.3f} | {st['blocks']:>5} x {spb:<6} | "
+                f"{fmt(st, 'median'):>22} | {fmt(st, 'mean'):>22} | {fmt(wa, 'median'):>22} | "
+                f"{hp:7.1f} {100 * hp / (1e3 * st['step_ms_off']):5.2f}% | <= 2 %"
+            )
+        print(
+            "CPU per step beside the training thread, steady / off (side channel, MPI; "
+            "median over blocks, mean over ranks)"
+        )
         for m in models:
             c = o[m]["cpu_us_per_step"]
             on, off = c["steady"], c["off"]
-            print(f"{m:<9} | rank's other threads {on['other_threads_us']:5.1f} / "
-                  f"{off['other_threads_us']:5.1f} us")
+            print(
+                f"{m:<9} | rank's other threads {on['other_threads_us']:5.1f} / "
+                f"{off['other_threads_us']:5.1f} us"
+            )
         print(f"{'measure':<44} | {'value':>12} | target")
         print(f"{'log() -> widget model latency p50 (ms)':<44} | {o['latency_ms_p50']:12.0f} |")
-        print(f"{'log() -> widget model latency p95 (ms)':<44} | {o['latency_ms_p95']:12.0f} | <= 1.5 x steady interval")
-        print(f"{'notebook CPU during training (% of a core)':<44} | {o['notebook_cpu_pct']:12.1f} |")
+        print(
+            f"{'log() -> widget model latency p95 (ms)':<44} | {o['latency_ms_p95']:12.0f} | <= 1.5 x steady interval"
+        )
+        print(
+            f"{'notebook CPU during training (% of a core)':<44} | {o['notebook_cpu_pct']:12.1f} |"
+        )
     if s:
         label = f"{s['ranks']} ranks x 10 Hz, seconds"
         print(f"{label:<44} | {s['seconds']:12.1f} |")
         print(f"{'rows sent / stored':<44} | {s['rows_sent']:>6}/{s['rows_stored']:<6}| equal")
-        print(f"{'messages sent / stored / seq gaps':<44} | {s['messages_sent']}/{s['messages_stored']}/{s['lost_messages']} | no gap")
+        print(
+            f"{'messages sent / stored / seq gaps':<44} | {s['messages_sent']}/{s['messages_stored']}/{s['lost_messages']} | no gap"
+        )
         print(f"{'client CPU (% of a core)':<44} | {s['client_cpu_pct']:12.1f} |")
         print(f"{'panel render at 64 ranks (mean ms)':<44} | {s['panel_render_ms_mean']:12.1f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

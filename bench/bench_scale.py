@@ -91,9 +91,9 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     import psutil
 
     from hvdnb.notebook.channel import ClientChannel
-    from hvdnb.protocol import kinds
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.protocol import kinds
 
     me = psutil.Process()
     rss0 = me.memory_info().rss
@@ -105,9 +105,22 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     ch.on(kinds.RANK_INFO, store.on_rank_info)
     panel = Panel(store)
     env = dict(os.environ, HVDNB_ROOT=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", SENDER, ch.endpoint, key.decode(), str(nranks),
-                             str(nhosts), str(seconds), str(hz)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SENDER,
+            ch.endpoint,
+            key.decode(),
+            str(nranks),
+            str(nhosts),
+            str(seconds),
+            str(hz),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     renders: list[float] = []
     gaps: list[float] = []  # time between two ticks of the main loop: responsiveness
     cpu0, t0 = me.cpu_times(), time.perf_counter()
@@ -138,18 +151,29 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     panel.close()
     rs = sorted(renders) or [0.0]
     return {
-        "ranks": nranks, "hosts": nhosts, "hz": hz, "seconds": sent["seconds"],
-        "rows_sent": sent["rows"], "rows_stored": logged, "messages_sent": sent["messages"],
-        "messages_stored": store.messages, "lost_messages": store.lost_messages,
-        "lost_rows": store.lost_rows, "bad_signatures": ch.dropped,
+        "ranks": nranks,
+        "hosts": nhosts,
+        "hz": hz,
+        "seconds": sent["seconds"],
+        "rows_sent": sent["rows"],
+        "rows_stored": logged,
+        "messages_sent": sent["messages"],
+        "messages_stored": store.messages,
+        "lost_messages": store.lost_messages,
+        "lost_rows": store.lost_rows,
+        "bad_signatures": ch.dropped,
         "sender_late_ticks": sent["late_ticks"],
         "client_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
-        "client_rss_growth_mb": (rss1 - rss0) / 2**20, "client_rss_mb": rss1 / 2**20,
+        "client_rss_growth_mb": (rss1 - rss0) / 2**20,
+        "client_rss_mb": rss1 / 2**20,
         "panel_renders": len(renders),
-        "render_ms_mean": 1e3 * statistics.fmean(rs), "render_ms_p95": 1e3 * rs[int(0.95 * (len(rs) - 1))],
-        "render_ms_max": 1e3 * rs[-1], "final_render_ms": final_ms,
+        "render_ms_mean": 1e3 * statistics.fmean(rs),
+        "render_ms_p95": 1e3 * rs[int(0.95 * (len(rs) - 1))],
+        "render_ms_max": 1e3 * rs[-1],
+        "final_render_ms": final_ms,
         "main_loop_gap_ms_max": 1e3 * max(gaps or [0.0]),
-        "hosts_seen": len(hosts), "band_drawn": "hvdnb-chart" in view and "hosts</b>" in view,
+        "hosts_seen": len(hosts),
+        "band_drawn": "hvdnb-chart" in view and "hosts</b>" in view,
         "panel_html_kb": len(view) / 1024,
     }
 
@@ -169,8 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
     res["machine"] = f"{os.cpu_count()} cores, shared with other work"
     res["load_avg"] = os.getloadavg()
     r = res
-    print(f"metrics at scale: {r['ranks']} ranks on {r['hosts']} hosts x {r['hz']:g} Hz for "
-          f"{r['seconds']:.0f} s (load avg {r['load_avg'][0]:.2f})")
+    print(
+        f"metrics at scale: {r['ranks']} ranks on {r['hosts']} hosts x {r['hz']:g} Hz for "
+        f"{r['seconds']:.0f} s (load avg {r['load_avg'][0]:.2f})"
+    )
     print(f"{'measure':<42} | {'value':>16} | target")
     rows = [
         ("rows sent / stored", f"{r['rows_sent']}/{r['rows_stored']}", "equal"),
@@ -178,9 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
         ("sequence gaps / bad signatures", f"{r['lost_messages']}/{r['bad_signatures']}", "0/0"),
         ("client CPU (% of a core)", f"{r['client_cpu_pct']:.1f}", ""),
         ("client RSS growth (MiB)", f"{r['client_rss_growth_mb']:.0f}", ""),
-        ("panel render mean / p95 / max (ms)",
-         f"{r['render_ms_mean']:.0f}/{r['render_ms_p95']:.0f}/{r['render_ms_max']:.0f}", "p95 <= 500"),
-        ("longest main-loop gap, 50 ms sleep incl. (ms)", f"{r['main_loop_gap_ms_max']:.0f}", "<= 500"),
+        (
+            "panel render mean / p95 / max (ms)",
+            f"{r['render_ms_mean']:.0f}/{r['render_ms_p95']:.0f}/{r['render_ms_max']:.0f}",
+            "p95 <= 500",
+        ),
+        (
+            "longest main-loop gap, 50 ms sleep incl. (ms)",
+            f"{r['main_loop_gap_ms_max']:.0f}",
+            "<= 500",
+        ),
         ("panel renders", f"{r['panel_renders']}", ""),
         ("hosts grouped / band + host table drawn", f"{r['hosts_seen']}/{r['band_drawn']}", ""),
         ("panel HTML (KiB)", f"{r['panel_html_kb']:.0f}", ""),

@@ -28,7 +28,11 @@ def get_kernel_dict(executable: str | None = None) -> dict[str, Any]:
     bindir = str(Path(exe).parent)
     return {
         "argv": [
-            exe, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+            exe,
+            "-m",
+            "ipykernel_launcher",
+            "-f",
+            "{connection_file}",
             "--ext=kernels_ext.autoload",
         ],
         "display_name": DISPLAY_NAME,

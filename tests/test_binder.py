@@ -16,10 +16,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BINDER = ROOT / "binder"
@@ -40,7 +40,9 @@ def test_requirements_cover_the_package_and_pin_cpu_torch() -> None:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     missing = {_name(d) for d in deps} - names
     assert not missing, f"binder/requirements.txt lacks {sorted(missing)}"
-    pin = [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.startswith("torch")]
+    pin = [
+        ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.startswith("torch")
+    ]
     assert pin and pin[0].strip() in reqs, "torch must be pinned as in constraints.txt"
     assert "scikit-learn" in names, "the notebooks load sklearn's digits"
     assert any("download.pytorch.org/whl/cpu" in r for r in _requirement_lines())
@@ -61,24 +63,48 @@ def test_binder_environment_builds_and_runs_a_notebook(tmp_path: Path) -> None:
     reqs.write_text("\n".join(r for r in _requirement_lines() if not r.startswith("--")) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(PATH=f"{bindir}{os.pathsep}{env['PATH']}", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(reqs)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "-r", str(reqs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
-    res = subprocess.run([str(BINDER / "postBuild")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [str(BINDER / "postBuild")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "hvdnb ready, torch 2.13.0" in res.stdout
     spec = json.loads((venv / "share/jupyter/kernels/hvdnb/kernel.json").read_text())
     assert Path(spec["argv"][0]) == py and "--ext=kernels_ext.autoload" in spec["argv"]
-    res = subprocess.run([str(bindir / "jupyter"), "kernelspec", "list"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [str(bindir / "jupyter"), "kernelspec", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert re.search(r"^\s*hvdnb\s", res.stdout, re.M), res.stdout
 
     # the environment Binder would build runs the first lesson end to end
     out = tmp_path / "01.ipynb"
-    res = subprocess.run([str(bindir / "hvdnb"), "run", "notebooks/01-ranks-and-collectives.ipynb",
-                          "-n", "2", "-o", str(out)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [
+            str(bindir / "hvdnb"),
+            "run",
+            "notebooks/01-ranks-and-collectives.ipynb",
+            "-n",
+            "2",
+            "-o",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "allreduce matches the formula: True" in out.read_text()

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdnb.protocol import kinds
-from hvdnb.notebook.output import OutputCollapser, format_ranks
 from hvdnb.config import get_config
+from hvdnb.notebook.output import OutputCollapser, format_ranks
 from hvdnb.notebook.stall import StallWatch
+from hvdnb.protocol import kinds
 
 __all__ = [
     "CellResult",
@@ -56,6 +56,7 @@ def _run_hooks(final: bool) -> None:
             fn(final)
         except Exception as exc:  # a broken panel must never break the cell
             print(f"hvdnb: wait hook {fn!r} failed: {exc}", file=sys.stderr)
+
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -349,12 +350,12 @@ def run_cell(
     except BaseException:
         sigint.close()
         raise
-    return _wait_cell(cluster, code, ar, cell_no, ranks, everyone, store, t0, sigint, cfg,
-                      timeout, stream, quiet)
+    return _wait_cell(
+        cluster, code, ar, cell_no, ranks, everyone, store, t0, sigint, cfg, timeout, stream, quiet
+    )
 
 
-def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int], bool, Any,
-                                                             float]:
+def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int], bool, Any, float]:
     """Check the ranks, start the cell on them (apply_async) and begin its run in the store."""
     cluster._check_alive()
     dead = cluster.dead_ranks()
@@ -379,9 +380,21 @@ def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int],
     return ar, cell_no, ranks, everyone, store, t0
 
 
-def _wait_cell(cluster: Any, code: str, ar: Any, cell_no: int, ranks: list[int],
-               everyone: bool, store: Any, t0: float, sigint: _SigintLatch, cfg: Any,
-               timeout: float | None, stream: bool, quiet: bool) -> CellResult:
+def _wait_cell(
+    cluster: Any,
+    code: str,
+    ar: Any,
+    cell_no: int,
+    ranks: list[int],
+    everyone: bool,
+    store: Any,
+    t0: float,
+    sigint: _SigintLatch,
+    cfg: Any,
+    timeout: float | None,
+    stream: bool,
+    quiet: bool,
+) -> CellResult:
     """Stream the running cell's output until every rank is done; interrupt on Ctrl-C, a
     failed rank (fail-fast) or the timeout; collect the results."""
     result = CellResult(cell=cell_no, ranks=ranks)
@@ -443,14 +456,20 @@ def _wait_cell(cluster: Any, code: str, ar: Any, cell_no: int, ranks: list[int],
                     break
                 now = time.monotonic()
                 if deadline is not None and now > deadline and interrupted_at is None:
-                    note = (f"cell timed out after {timeout:g} s; the ranks still running "
-                            "were interrupted")
+                    note = (
+                        f"cell timed out after {timeout:g} s; the ranks still running "
+                        "were interrupted"
+                    )
                     interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
                 if failed_at is not None and interrupted_at is None and now - failed_at > 2.0:
                     # fail fast: a rank failed; peers not blocked on it (so not yet released) stop
                     interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
-                if (interrupted_at is not None and not resent and interrupted_at - t0 < 0.5
-                        and now - interrupted_at > 0.5):
+                if (
+                    interrupted_at is not None
+                    and not resent
+                    and interrupted_at - t0 < 0.5
+                    and now - interrupted_at > 0.5
+                ):
                     # interrupted right after the submit: a rank that had not begun the cell
                     # yet was idle, and an idle engine ignores SIGINT; say it once more
                     resent = True
@@ -499,8 +518,9 @@ def _wait_cell(cluster: Any, code: str, ar: Any, cell_no: int, ranks: list[int],
     # what %dist export turns into a script: every cell, in the order it ran
     from hvdnb.notebook.export import ExportCell
 
-    cluster.history.append(ExportCell(cell_no, code, None if everyone else list(ranks),
-                                      not result.errors))
+    cluster.history.append(
+        ExportCell(cell_no, code, None if everyone else list(ranks), not result.errors)
+    )
     if result.errors:
         dead = cluster.dead_ranks()
         stuck = [r for r, e in result.errors.items() if e.get("ename") == "Unresponsive"]

@@ -80,7 +80,10 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         out = run_notebook(
-            args.notebook, n=args.n, output=args.output, timeout=args.timeout,
+            args.notebook,
+            n=args.n,
+            output=args.output,
+            timeout=args.timeout,
             oversubscribe=args.oversubscribe,
         )
     except NotebookRunError as exc:
@@ -99,9 +102,15 @@ def _export(args: argparse.Namespace) -> int:
     try:
         cells, knobs, n_nb = from_notebook(args.notebook, cells=args.cells)
         n = args.n or n_nb or 2
-        written, line = export(args.output or args.notebook.with_suffix(".py"), cells, n=n,
-                               launcher=args.launcher, knobs=knobs,
-                               source=str(args.notebook), backend=args.backend)
+        written, line = export(
+            args.output or args.notebook.with_suffix(".py"),
+            cells,
+            n=n,
+            launcher=args.launcher,
+            knobs=knobs,
+            source=str(args.notebook),
+            backend=args.backend,
+        )
     except ExportError as exc:
         print(f"hvdnb export: {exc}", file=sys.stderr)
         return 2
@@ -128,19 +137,34 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-n", type=int, default=None, help="ranks for %%dist start (default 2)")
     r.add_argument("-o", "--output", type=Path, default=None, help="where to save it")
     r.add_argument("--timeout", type=float, default=600, help="seconds per cell")
-    r.add_argument("--oversubscribe", action="store_true",
-                   help="allow more ranks than GPUs (they share them over gloo) or cores")
+    r.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than GPUs (they share them over gloo) or cores",
+    )
     r.set_defaults(func=_run)
-    e = sub.add_parser("export", help="turn a notebook's %%distributed cells into a script "
-                       "for mpiexec, torchrun or Slurm")
+    e = sub.add_parser(
+        "export",
+        help="turn a notebook's %%distributed cells into a script for mpiexec, torchrun or Slurm",
+    )
     e.add_argument("notebook", type=Path)
-    e.add_argument("-o", "--output", type=Path, default=None,
-                   help="the script (default: the notebook's name with .py)")
+    e.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help="the script (default: the notebook's name with .py)",
+    )
     e.add_argument("--launcher", default="mpiexec", choices=["mpiexec", "torchrun", "slurm"])
-    e.add_argument("--cells", default="ok", choices=["ok", "all"],
-                   help="ok: leave cells whose saved output is an error out (default)")
-    e.add_argument("-n", type=int, default=None,
-                   help="ranks (default: the notebook's %%dist start -n, else 2)")
+    e.add_argument(
+        "--cells",
+        default="ok",
+        choices=["ok", "all"],
+        help="ok: leave cells whose saved output is an error out (default)",
+    )
+    e.add_argument(
+        "-n", type=int, default=None, help="ranks (default: the notebook's %%dist start -n, else 2)"
+    )
     e.add_argument("--backend", default=None, help="torch.distributed backend (default: auto)")
     e.set_defaults(func=_export)
     return p

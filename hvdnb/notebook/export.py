@@ -30,9 +30,10 @@ import symtable
 import sys
 import textwrap
 import tokenize
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["ExportCell", "ExportError", "export", "from_notebook", "from_session"]
 
@@ -59,13 +60,16 @@ def from_session(cluster: Any, cells: str = "ok") -> list[ExportCell]:
     """The ``%%distributed`` cells this session ran on ``cluster``, in execution order."""
     history = list(getattr(cluster, "history", []) or [])
     if not history:
-        raise ExportError("no %%distributed cell has run in this session: nothing to export "
-                          "(run the training cells first, then %dist export PATH)")
+        raise ExportError(
+            "no %%distributed cell has run in this session: nothing to export "
+            "(run the training cells first, then %dist export PATH)"
+        )
     return _select(history, cells)
 
 
-def from_notebook(path: str | Path, cells: str = "ok") -> tuple[list[ExportCell], dict[str, Any],
-                                                                 int | None]:
+def from_notebook(
+    path: str | Path, cells: str = "ok"
+) -> tuple[list[ExportCell], dict[str, Any], int | None]:
     """The ``%%distributed`` cells of a saved notebook, the knob values its ``%dist knobs``
     lines set (those without ``--at-step``/``--after``, in order) and the rank count of
     its ``%dist start -n N`` (None when not given).
@@ -129,8 +133,10 @@ def _targets_of(magic_line: str) -> list[int] | None:
             out = []
             for part in spec.split(","):
                 if ":" in part:
-                    raise ExportError(f"cannot export --targets {spec!r} from a saved notebook "
-                                      "without its rank count: list the ranks (0,2)")
+                    raise ExportError(
+                        f"cannot export --targets {spec!r} from a saved notebook "
+                        "without its rank count: list the ranks (0,2)"
+                    )
                 out.append(int(part))
             return out
     return None
@@ -141,8 +147,10 @@ def _select(history: Sequence[ExportCell], cells: str) -> list[ExportCell]:
         raise ExportError(f"--cells {cells!r}: use ok (leave failed cells out) or all")
     chosen = [c for c in history if cells == "all" or c.ok]
     if not chosen:
-        raise ExportError("every %%distributed cell of this session failed: nothing to export "
-                          "(--cells all exports them anyway)")
+        raise ExportError(
+            "every %%distributed cell of this session failed: nothing to export "
+            "(--cells all exports them anyway)"
+        )
     return chosen
 
 
@@ -158,20 +166,25 @@ def check(cells: Sequence[ExportCell]) -> None:
     for cell in cells:
         code = cell.code
         if "get_ipython()" in tm.transform_cell(code):  # magics, !cmd, obj? all become it
-            line = next((ln.strip() for ln in code.splitlines() if _MAGIC_LINE.search(ln)),
-                        "a magic or shell escape")
+            line = next(
+                (ln.strip() for ln in code.splitlines() if _MAGIC_LINE.search(ln)),
+                "a magic or shell escape",
+            )
             raise ExportError(
                 f"cell {cell.number} uses IPython syntax a script cannot run ({line!r}): "
-                "rewrite it in Python (subprocess for !commands) or leave the cell out")
+                "rewrite it in Python (subprocess for !commands) or leave the cell out"
+            )
         try:
             table = symtable.symtable(code, f"<cell {cell.number}>", "exec")
         except SyntaxError as exc:
-            raise ExportError(f"cell {cell.number} is not valid Python (line {exc.lineno}: "
-                              f"{exc.msg})") from None
+            raise ExportError(
+                f"cell {cell.number} is not valid Python (line {exc.lineno}: {exc.msg})"
+            ) from None
         top = table.get_symbols()
-        bound = {s.get_name() for s in top if s.is_assigned() or s.is_imported()
-                 or s.is_namespace()}
-        star = star or "*" in code and re.search(r"import\s+\*", code) is not None
+        bound = {
+            s.get_name() for s in top if s.is_assigned() or s.is_imported() or s.is_namespace()
+        }
+        star = star or ("*" in code and re.search(r"import\s+\*", code) is not None)
         used = {s.get_name() for s in top if s.is_referenced()}
         missing = sorted(used - defined - bound)
         if missing and not star:
@@ -193,7 +206,8 @@ def _undefined(cell: ExportCell, names: list[str]) -> ExportError:
     return ExportError(
         f"cell {cell.number} uses {shown}, which no exported cell defines: it came from the "
         "notebook kernel (or from a cell left out); define it in a %%distributed cell, "
-        "then export again")
+        "then export again"
+    )
 
 
 def _walk(table: Any) -> list[Any]:
@@ -214,8 +228,16 @@ def launch_line(launcher: str, n: int, script: Path) -> str:
     return f"sbatch {shlex.quote(str(script.with_suffix('.sbatch')))}"
 
 
-def render(cells: Sequence[ExportCell], *, n: int, launcher: str, knobs: dict[str, Any],
-           backend: str | None, source: str, script: Path) -> str:
+def render(
+    cells: Sequence[ExportCell],
+    *,
+    n: int,
+    launcher: str,
+    knobs: dict[str, Any],
+    backend: str | None,
+    source: str,
+    script: Path,
+) -> str:
     """The script's text."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     numbers = ", ".join(str(c.number) for c in cells)
@@ -281,28 +303,41 @@ def sbatch_text(script: Path, n: int, slurm: dict[str, Any], extra: Sequence[str
     allocation), so MPI sees the whole job whatever ``--mpi`` plugin the site defaults to.
     """
     bindir = Path(sys.executable).parent
-    opts = [f"#SBATCH --job-name={script.stem}", f"#SBATCH --ntasks={n}",
-            f"#SBATCH --output={script.with_suffix('')}-%j.out"]
+    opts = [
+        f"#SBATCH --job-name={script.stem}",
+        f"#SBATCH --ntasks={n}",
+        f"#SBATCH --output={script.with_suffix('')}-%j.out",
+    ]
     for k, v in slurm.items():
         if v:
             opts.append(f"#SBATCH --{k}={v}")
     opts += [f"#SBATCH {a}" for a in extra]
-    return "\n".join([
-        "#!/bin/bash",
-        *opts,
-        f"# written by hvdnb export for {script.name}",
-        "set -euo pipefail",
-        f"cd {shlex.quote(str(script.parent.resolve()))}",
-        f"exec {shlex.quote(str(bindir / 'mpiexec'))} -n {n} "
-        f"{shlex.quote(sys.executable)} {shlex.quote(str(script.resolve()))}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            *opts,
+            f"# written by hvdnb export for {script.name}",
+            "set -euo pipefail",
+            f"cd {shlex.quote(str(script.parent.resolve()))}",
+            f"exec {shlex.quote(str(bindir / 'mpiexec'))} -n {n} "
+            f"{shlex.quote(sys.executable)} {shlex.quote(str(script.resolve()))}",
+            "",
+        ]
+    )
 
 
-def export(path: str | Path, cells: Sequence[ExportCell], *, n: int, launcher: str = "mpiexec",
-           knobs: dict[str, Any] | None = None, backend: str | None = None,
-           source: str = "a notebook session", slurm: dict[str, Any] | None = None,
-           sbatch_args: Sequence[str] = ()) -> tuple[list[Path], str]:
+def export(
+    path: str | Path,
+    cells: Sequence[ExportCell],
+    *,
+    n: int,
+    launcher: str = "mpiexec",
+    knobs: dict[str, Any] | None = None,
+    backend: str | None = None,
+    source: str = "a notebook session",
+    slurm: dict[str, Any] | None = None,
+    sbatch_args: Sequence[str] = (),
+) -> tuple[list[Path], str]:
     """Check the cells, write the script (and the sbatch file for Slurm).
 
     Returns
@@ -321,8 +356,15 @@ def export(path: str | Path, cells: Sequence[ExportCell], *, n: int, launcher: s
     if n < 1:
         raise ExportError(f"the script needs at least one rank, not {n}")
     check(cells)
-    text = render(cells, n=n, launcher=launcher, knobs=dict(knobs or {}), backend=backend,
-                  source=source, script=script)
+    text = render(
+        cells,
+        n=n,
+        launcher=launcher,
+        knobs=dict(knobs or {}),
+        backend=backend,
+        source=source,
+        script=script,
+    )
     compile(text, str(script), "exec")  # what we wrote must parse
     script.write_text(text)
     written = [script]
@@ -335,5 +377,6 @@ def export(path: str | Path, cells: Sequence[ExportCell], *, n: int, launcher: s
 
 def knobs_in_force(store: Any) -> dict[str, Any]:
     """The knob values the ranks use now (the store's spec, updated by every change)."""
-    return {k: v.get("value") for k, v in getattr(store, "knob_spec", {}).items()
-            if isinstance(v, dict)}
+    return {
+        k: v.get("value") for k, v in getattr(store, "knob_spec", {}).items() if isinstance(v, dict)
+    }

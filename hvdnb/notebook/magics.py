@@ -18,13 +18,23 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from hvdnb.notebook import cells
-from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.cluster import lifecycle as _cluster
+from hvdnb.notebook.output import format_ranks
 
 __all__ = ["DistMagics"]
 
-_ACTIONS = ("start", "stop", "restart", "status", "panel", "knobs", "export", "where",
-            "debug", "logs")
+_ACTIONS = (
+    "start",
+    "stop",
+    "restart",
+    "status",
+    "panel",
+    "knobs",
+    "export",
+    "where",
+    "debug",
+    "logs",
+)
 
 
 def _usage(exc: BaseException) -> UsageError:
@@ -44,21 +54,45 @@ class DistMagics(Magics):
         help="start | stop | restart | status | panel | knobs | export | where | debug | logs "
         "(default: status)",
     )
-    @argument("values", nargs="*", help="knobs: name=value pairs, e.g. warmup_steps=200; "
-              "export: the script's path, e.g. train.py; debug, logs: the rank")
-    @argument("--at-step", type=int, default=None,
-              help="knobs: apply at this step (of the running loop, or of the next one)")
-    @argument("--after", type=float, default=None,
-              help="knobs: send the change this many seconds from now (returns at once)")
-    @argument("-c", "--command", action="append", default=None, dest="commands",
-              help="debug: run this pdb command and return (repeatable), instead of a prompt")
-    @argument("--cells", default="ok",
-              help="export: ok (default: leave failed cells out) or all")
-    @argument("--inline", action="store_true",
-              help="panel: show it in this cell's output (classic Notebook, VS Code) "
-              "instead of beside the notebook")
-    @argument("-n", type=int, default=None,
-              help="start: ranks to start (default: GPUs, else 2); logs: lines per rank (20)")
+    @argument(
+        "values",
+        nargs="*",
+        help="knobs: name=value pairs, e.g. warmup_steps=200; "
+        "export: the script's path, e.g. train.py; debug, logs: the rank",
+    )
+    @argument(
+        "--at-step",
+        type=int,
+        default=None,
+        help="knobs: apply at this step (of the running loop, or of the next one)",
+    )
+    @argument(
+        "--after",
+        type=float,
+        default=None,
+        help="knobs: send the change this many seconds from now (returns at once)",
+    )
+    @argument(
+        "-c",
+        "--command",
+        action="append",
+        default=None,
+        dest="commands",
+        help="debug: run this pdb command and return (repeatable), instead of a prompt",
+    )
+    @argument("--cells", default="ok", help="export: ok (default: leave failed cells out) or all")
+    @argument(
+        "--inline",
+        action="store_true",
+        help="panel: show it in this cell's output (classic Notebook, VS Code) "
+        "instead of beside the notebook",
+    )
+    @argument(
+        "-n",
+        type=int,
+        default=None,
+        help="start: ranks to start (default: GPUs, else 2); logs: lines per rank (20)",
+    )
     @argument(
         "--backend",
         default=None,
@@ -128,8 +162,7 @@ class DistMagics(Magics):
             )
         if args.values and args.action not in ("knobs", "export", "debug", "logs"):
             raise UsageError(
-                f"%dist {args.action} takes no values ({' '.join(args.values)!r}); "
-                "see `%dist?`"
+                f"%dist {args.action} takes no values ({' '.join(args.values)!r}); see `%dist?`"
             )
         return getattr(self, f"_{args.action}")(args)
 
@@ -178,24 +211,35 @@ class DistMagics(Magics):
         from hvdnb.notebook.metrics import store as _store
 
         if len(args.values) != 1:
-            raise UsageError("%dist export needs the script's path, e.g. `%dist export "
-                             "train.py [--launcher mpiexec|torchrun|slurm] [--cells ok|all]`")
+            raise UsageError(
+                "%dist export needs the script's path, e.g. `%dist export "
+                "train.py [--launcher mpiexec|torchrun|slurm] [--cells ok|all]`"
+            )
         c = _cluster.current()
         if c is None:
-            raise UsageError("no cluster in this session: start one and run the training "
-                             "cells, then export")
+            raise UsageError(
+                "no cluster in this session: start one and run the training cells, then export"
+            )
         launcher = args.launcher or ("slurm" if c.launcher == "slurm" else "mpiexec")
         try:
             cells_ = _export.from_session(c, cells=args.cells)
             written, line = _export.export(
-                args.values[0], cells_, n=c.n, launcher=launcher,
-                knobs=_export.knobs_in_force(_store.get_store()), backend=c.backend,
-                source="a notebook session", slurm=getattr(c, "slurm", {}),
-                sbatch_args=getattr(c, "sbatch_args", ()))
+                args.values[0],
+                cells_,
+                n=c.n,
+                launcher=launcher,
+                knobs=_export.knobs_in_force(_store.get_store()),
+                backend=c.backend,
+                source="a notebook session",
+                slurm=getattr(c, "slurm", {}),
+                sbatch_args=getattr(c, "sbatch_args", ()),
+            )
         except _export.ExportError as exc:
             raise UsageError(f"{exc}; nothing was written") from None
-        print(f"hvdnb: wrote {', '.join(map(str, written))} ({len(cells_)} cells); "
-              f"run it with: {line}")
+        print(
+            f"hvdnb: wrote {', '.join(map(str, written))} ({len(cells_)} cells); "
+            f"run it with: {line}"
+        )
 
     def _where(self, args: Any) -> None:
         """Every rank's live stack (py-spy where it can attach), identical ones merged."""
@@ -236,11 +280,15 @@ class DistMagics(Magics):
         elif failed:
             rank = failed[0]
         else:
-            raise UsageError("no failed cell to debug: %dist debug opens pdb where a "
-                             "%%distributed cell raised (its frames are kept until the next cell)")
+            raise UsageError(
+                "no failed cell to debug: %dist debug opens pdb where a "
+                "%%distributed cell raised (its frames are kept until the next cell)"
+            )
         if rank in c.dead_ranks():
-            raise UsageError(f"rank {rank} is dead, and its frames with it: `%dist status` "
-                             "says what is known, `%dist restart` brings the ranks back")
+            raise UsageError(
+                f"rank {rank} is dead, and its frames with it: `%dist status` "
+                "says what is known, `%dist restart` brings the ranks back"
+            )
 
         def send(line: str | None) -> dict[str, Any]:
             try:
@@ -251,14 +299,18 @@ class DistMagics(Magics):
         res = send(None)
         if "error" in res:
             raise UsageError(f"rank {rank}: {res['error']}")
-        print(f"hvdnb: post-mortem of cell {c.last_cell.get(rank, {}).get('cell', '?')} on "
-              f"rank {rank} (pdb: where, up, down, list, p EXPR, pp EXPR, any expression; "
-              "q to leave)")
+        print(
+            f"hvdnb: post-mortem of cell {c.last_cell.get(rank, {}).get('cell', '?')} on "
+            f"rank {rank} (pdb: where, up, down, list, p EXPR, pp EXPR, any expression; "
+            "q to leave)"
+        )
         print(res["out"], end="")
         scripted = args.commands is not None
         # IPython's splitter keeps the quotes of -c "p x": drop a matched pair
-        queue = [q[1:-1] if len(q) > 1 and q[0] == q[-1] and q[0] in "'\"" else q
-                 for q in (args.commands or [])]
+        queue = [
+            q[1:-1] if len(q) > 1 and q[0] == q[-1] and q[0] in "'\"" else q
+            for q in (args.commands or [])
+        ]
         while True:
             if scripted:
                 if not queue:
@@ -277,9 +329,9 @@ class DistMagics(Magics):
 
     def _knobs(self, args: Any) -> None:
         """Show the knobs, or change them: the same validated request as the panel's."""
-        from hvdnb.rank.metrics import knobs as knobset
-
         from hvdnb.notebook.metrics import store as _store
+        from hvdnb.protocol.knobs import KnobTextError, parse
+
         st = _store.attach(_cluster.current())
         # knobs made by the cell just run announce themselves on the side channel, which
         # can trail the cell's reply (seen once in a suite run under load): wait a little
@@ -288,8 +340,9 @@ class DistMagics(Magics):
             time.sleep(0.02)
         if not args.values:
             if not st.knob_spec:
-                print("hvdnb: no knobs yet: create them with hvdnb.knobs(...) in a "
-                      "%%distributed cell")
+                print(
+                    "hvdnb: no knobs yet: create them with hvdnb.knobs(...) in a %%distributed cell"
+                )
                 return
             cur = " ".join(f"{k}={v['value']:g}" for k, v in st.knob_spec.items())
             print(f"hvdnb: knobs {cur}")
@@ -297,13 +350,15 @@ class DistMagics(Magics):
             if last:
                 print("last change: " + _describe_change(last))
             return
-        values = _parse_knob_values(args.values)
+        try:
+            values = parse(args.values)
+        except KnobTextError as exc:
+            raise UsageError(str(exc)) from None
         if not st.knob_spec:
-            raise UsageError("no knobs yet: create them with hvdnb.knobs(...) in a "
-                             "%%distributed cell, then change them")
-        err = knobset.validate(st.knob_spec, values)
-        if err:
-            raise UsageError(f"refused: {err}; nothing was changed")
+            raise UsageError(
+                "no knobs yet: create them with hvdnb.knobs(...) in a "
+                "%%distributed cell, then change them"
+            )
         c = _cluster.current()
         if c is None or not c.running:
             raise UsageError("no cluster is running: `%dist start -n 2` first")
@@ -347,14 +402,19 @@ class DistMagics(Magics):
         dead = [r["rank"] for r in rows if str(r.get("state", "")).startswith("dead")]
         if dead:
             gone = c.launcher_exit()
-            print(f"rank(s) {format_ranks(dead)} dead" + (f"; {gone}" if gone else "") +
-                  ": `%dist restart` starts all ranks afresh (an hvdnb.State you committed "
-                  "is restored)")
+            print(
+                f"rank(s) {format_ranks(dead)} dead"
+                + (f"; {gone}" if gone else "")
+                + ": `%dist restart` starts all ranks afresh (an hvdnb.State you committed "
+                "is restored)"
+            )
         hosts: dict[str, list[int]] = {}
         for r in rows:
             hosts.setdefault(str(r.get("host", "?")), []).append(r["rank"])
         if len(hosts) > 1:
-            print("hosts: " + "; ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in hosts.items()))
+            print(
+                "hosts: " + "; ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in hosts.items())
+            )
 
     @cell_magic
     @magic_arguments()
@@ -401,9 +461,7 @@ class DistMagics(Magics):
         if args.timeout is not None and not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout}")
         try:
-            result = cells.run_cell(
-                c, cell, args.targets, timeout=args.timeout, quiet=args.quiet
-            )
+            result = cells.run_cell(c, cell, args.targets, timeout=args.timeout, quiet=args.quiet)
         except ValueError as exc:
             raise _usage(exc) from None
         except _cluster.ClusterError as exc:
@@ -423,20 +481,6 @@ def _rank_arg(text: str, n: int) -> int:
     return rank
 
 
-def _parse_knob_values(items: list[str]) -> dict[str, Any]:
-    """``["lr=0.1", "batch_size=64"]`` -> ``{"lr": 0.1, "batch_size": 64}``."""
-    out: dict[str, Any] = {}
-    for item in items:
-        name, eq, raw = item.partition("=")
-        if not eq or not name.isidentifier():
-            raise UsageError(f"cannot read {item!r}: write name=value, e.g. warmup_steps=200")
-        try:
-            out[name] = int(raw) if raw.strip().lstrip("+-").isdigit() else float(raw)
-        except ValueError:
-            raise UsageError(f"{name}: {raw!r} is not a number") from None
-    return out
-
-
 def _fmt_values(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:g}" for k, v in values.items())
 
@@ -454,8 +498,9 @@ def _describe_change(status: dict[str, Any]) -> str:
     applied = status.get("applied") or {}
     if applied:
         steps = sorted({a.get("step") for a in applied.values()})
-        return (f"applied on ranks {format_ranks(sorted(applied))} at step "
-                f"{', '.join(map(str, steps))}")
+        return (
+            f"applied on ranks {format_ranks(sorted(applied))} at step {', '.join(map(str, steps))}"
+        )
     if at is None:
         return "applied now (no loop was running)"
     return f"every rank applies it at step {at}"
@@ -477,5 +522,3 @@ def _table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(k), *(len(row[i]) for row in cells_)) for i, k in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*cols)] + [fmt.format(*row) for row in cells_])
-
-

@@ -116,7 +116,8 @@ class OutputCollapser:
                 if j not in moved and others & items[j][1].ranks:
                     return False
         order = (
-            items[:at] + [items[i] for i in behind]
+            items[:at]
+            + [items[i] for i in behind]
             + [items[j] for j in range(at, len(items)) if j not in moved]
         )
         self._pending = dict(order)

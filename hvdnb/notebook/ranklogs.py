@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["rank_log", "format_logs"]
+__all__ = ["format_logs", "rank_log"]
+
 
 def rank_log(cluster: Any, rank: int, lines: int = 20) -> list[str]:
     """The last ``lines`` lines of the rank's own log ([] when it wrote nothing)."""
@@ -40,7 +41,7 @@ def _fatal_dump(log: list[str]) -> list[str]:
     if not starts:
         return []
     i = starts[-1]
-    out = log[i:i + 2]
+    out = log[i : i + 2]
     cur = next((j for j in range(i, len(log)) if log[j].startswith("Current thread")), None)
     if cur is not None:
         end = next((j for j in range(cur + 1, len(log)) if not log[j].strip()), len(log))
@@ -57,8 +58,14 @@ def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
     out = []
     for r in ranks:
         said = info.get(r, {})
-        where = ", ".join(x for x in (f"pid {said['pid']}" if said.get("pid") else "",
-                                      f"host {said['host']}" if said.get("host") else "") if x)
+        where = ", ".join(
+            x
+            for x in (
+                f"pid {said['pid']}" if said.get("pid") else "",
+                f"host {said['host']}" if said.get("host") else "",
+            )
+            if x
+        )
         state = "dead" if r in dead else "alive"
         out.append(f"--- rank {r} ({state}{', ' + where if where else ''}) ---")
         log = rank_log(cluster, r, max(lines, 400))
@@ -75,10 +82,14 @@ def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
         if r in dead:
             tail = "\n".join(log)
             if "Fatal Python error" in tail:
-                out.append(f"notebook: rank {r} crashed on a fatal signal: its Python stack is "
-                           "in the log above")
+                out.append(
+                    f"notebook: rank {r} crashed on a fatal signal: its Python stack is "
+                    "in the log above"
+                )
             elif "Traceback (most recent call last)" not in tail:
-                out.append(f"notebook: rank {r} left no Python traceback: it was ended from "
-                           "outside (SIGKILL, as the out-of-memory killer sends, or its job "
-                           "was cancelled) or called os._exit; MPI then ends the other ranks")
+                out.append(
+                    f"notebook: rank {r} left no Python traceback: it was ended from "
+                    "outside (SIGKILL, as the out-of-memory killer sends, or its job "
+                    "was cancelled) or called os._exit; MPI then ends the other ranks"
+                )
     return "\n".join(out)

@@ -18,11 +18,11 @@ Never: interrupt or change anything on the ranks; it only looks.
 
 from __future__ import annotations
 
-from hvdnb.protocol import kinds
 import sys
 import time
 from typing import Any
 
+from hvdnb.protocol import kinds
 
 __all__ = ["StallWatch", "describe"]
 
@@ -137,5 +137,3 @@ class StallWatch:
     def close(self) -> None:
         if self.channel is not None and self.after > 0:
             self.channel.off(kinds.WHERE, self._on_where)
-
-

@@ -13,7 +13,6 @@ Owns: asking, reading py-spy's output, merging. Never: interrupt or change the r
 
 from __future__ import annotations
 
-from hvdnb.protocol import kinds
 import re
 import shutil
 import socket
@@ -23,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["rank_stacks", "from_replies", "format_stacks", "pyspy_stack"]
+from hvdnb.protocol import kinds
+
+__all__ = ["format_stacks", "from_replies", "pyspy_stack", "rank_stacks"]
 
 _PYSPY_FRAME = re.compile(r"^\s+(?P<func>.+?) \((?P<file>.+):(?P<line>\d+)\)\s*$")
 
@@ -40,8 +41,9 @@ def pyspy_stack(pid: int, timeout: float = 5.0) -> list[str] | None:
     if exe is None:
         return None
     try:
-        res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=timeout)
+        res = subprocess.run(
+            [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if res.returncode != 0:
@@ -63,8 +65,11 @@ def pyspy_stack(pid: int, timeout: float = 5.0) -> list[str] | None:
     for func, file, line in frames[first:]:
         if not file.startswith("<"):
             parts = file.split("/")
-            file = ("/".join(parts[parts.index("site-packages") + 1:])
-                    if "site-packages" in parts else "/".join(parts[-3:]))
+            file = (
+                "/".join(parts[parts.index("site-packages") + 1 :])
+                if "site-packages" in parts
+                else "/".join(parts[-3:])
+            )
         out.append(f"{file} line {line}, in {func}")
     return out
 
@@ -92,8 +97,9 @@ def _ask(cluster: Any, ranks: list[int], timeout: float) -> dict[int, dict[str, 
     return replies
 
 
-def rank_stacks(cluster: Any, timeout: float = 2.0, pyspy: bool = True
-                ) -> dict[int, dict[str, Any]]:
+def rank_stacks(
+    cluster: Any, timeout: float = 2.0, pyspy: bool = True
+) -> dict[int, dict[str, Any]]:
     """rank -> ``{"stack": [frame lines] | None, "how": "py-spy" | "rank" | None,
     "note": text}`` for every live rank of ``cluster``."""
     dead = set(cluster.dead_ranks())
@@ -104,8 +110,9 @@ def rank_stacks(cluster: Any, timeout: float = 2.0, pyspy: bool = True
     return out
 
 
-def from_replies(replies: dict[int, dict[str, Any]], ranks: list[int], pyspy: bool = True
-                 ) -> dict[int, dict[str, Any]]:
+def from_replies(
+    replies: dict[int, dict[str, Any]], ranks: list[int], pyspy: bool = True
+) -> dict[int, dict[str, Any]]:
     """``rank_stacks`` from "where" answers already received (the stall detector's)."""
     from hvdnb.notebook.metrics.store import get_store
 
@@ -125,8 +132,10 @@ def from_replies(replies: dict[int, dict[str, Any]], ranks: list[int], pyspy: bo
             stack, how = list(rep.get("stack") or []), "rank"
         note = ""
         if stack is None:
-            note = ("did not answer and could not be read (install py-spy to read a rank "
-                    "that holds the GIL)")
+            note = (
+                "did not answer and could not be read (install py-spy to read a rank "
+                "that holds the GIL)"
+            )
         elif not stack:
             note = "not running a cell"
         out[r] = {"stack": stack, "how": how, "note": note, "collective": rep.get("collective")}

@@ -93,7 +93,9 @@ METRICS: Final = Kind(
     ("pid", "lost", "step", "step_time", "backend", "idle", "meta", "run", "colsx", "blob"),
     doc="a batch of logged points and the recorder's state (one per flush interval)",
 )
-KNOBS_SPEC: Final = Kind("knobs_spec", "rank", ("spec",), doc="a new knob set: names, kinds, ranges")
+KNOBS_SPEC: Final = Kind(
+    "knobs_spec", "rank", ("spec",), doc="a new knob set: names, kinds, ranges"
+)
 KNOBS_REQ: Final = Kind(
     "knobs_req", "notebook", ("id", "values"), ("at_step",), doc="a validated change, to rank 0"
 )
@@ -119,7 +121,9 @@ RDV_OK: Final = Kind("rdv_ok", "notebook", ("addr", "port"), doc="the store is k
 RDV_STORE: Final = Kind("rdv_store", "notebook", ("addr", "port"), doc="the store, to a rank")
 WHERE_ASK: Final = Kind("where?", "notebook", ("ask",), doc="send me your Python stack")
 WHERE: Final = Kind(
-    "where", "rank", ("ask",),
+    "where",
+    "rank",
+    ("ask",),
     ("cell", "line", "code", "collective", "progress", "pid", "stack", "idle"),
     doc="a rank's stack",
 )

@@ -131,8 +131,7 @@ def unpack_columns(msg: dict[str, Any], blob: bytes) -> dict[str, Any]:
         return a
 
     for name, col in packed.items():
-        if (not isinstance(col, list) or len(col) != 4 or type(col[0]) is not int
-                or col[0] < 0):
+        if not isinstance(col, list) or len(col) != 4 or type(col[0]) is not int or col[0] < 0:
             raise ValueError(f"bad packed column {name!r}")
         n = col[0]
         cols[name] = [get("q", col[1], n), get("d", col[2], n), get("d", col[3], n)]

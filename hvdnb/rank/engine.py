@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["bootstrap", "main", "run_cell", "engine_info", "rebuild_group"]
+__all__ = ["bootstrap", "engine_info", "main", "rebuild_group", "run_cell"]
 
 _STATE: dict[str, Any] = {"backend": None, "last_cell": None, "device": "cpu"}
 
@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         bootstrap(backend)
     except Exception as exc:
-        rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get(
-            "SLURM_PROCID", "?"
+        rank = (
+            os.environ.get("RANK")
+            or os.environ.get("PMI_RANK")
+            or os.environ.get("SLURM_PROCID", "?")
         )
         print(
             f"hvdnb: rank {rank} could not initialise torch.distributed "
@@ -154,8 +156,10 @@ def _start_rank_log(rank: int) -> None:
         path = os.path.join(d, "logs", f"rank{rank}.log")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         log = os.fdopen(fd, "ab", buffering=0)
-        log.write(f"hvdnb: rank {rank} started, pid {os.getpid()} on {socket.gethostname()} "
-                  f"at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        log.write(
+            f"hvdnb: rank {rank} started, pid {os.getpid()} on {socket.gethostname()} "
+            f"at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+        )
         faulthandler.enable(file=log, all_threads=True)
         read_end, write_end = os.pipe()
         launcher = os.dup(2)
@@ -230,9 +234,29 @@ def engine_info() -> dict[str, Any]:
 #: where a Python frame means "inside a collective": torch.distributed, hvdnb.torch, mpi4py
 _COLLECTIVE_FILES = ("torch/distributed/", "hvdnb/torch/", "mpi4py/")
 _MPI_CALLS = (
-    "allreduce", "Allreduce", "bcast", "Bcast", "Barrier", "barrier", "allgather", "Allgather",
-    "gather", "Gather", "scatter", "Scatter", "reduce", "Reduce", "alltoall", "Alltoall",
-    "recv", "Recv", "send", "Send", "Sendrecv", "Wait", "wait",
+    "allreduce",
+    "Allreduce",
+    "bcast",
+    "Bcast",
+    "Barrier",
+    "barrier",
+    "allgather",
+    "Allgather",
+    "gather",
+    "Gather",
+    "scatter",
+    "Scatter",
+    "reduce",
+    "Reduce",
+    "alltoall",
+    "Alltoall",
+    "recv",
+    "Recv",
+    "send",
+    "Send",
+    "Sendrecv",
+    "Wait",
+    "wait",
 )
 
 
@@ -249,8 +273,13 @@ def where() -> dict[str, Any]:
         if fr.filename.startswith("<cell "):
             user_i = i
     info: dict[str, Any] = {
-        "cell": None, "line": None, "code": None, "collective": None, "progress": _progress(),
-        "pid": os.getpid(), "stack": [],
+        "cell": None,
+        "line": None,
+        "code": None,
+        "collective": None,
+        "progress": _progress(),
+        "pid": os.getpid(),
+        "stack": [],
     }
     if user_i is None:
         info["idle"] = True
@@ -281,8 +310,11 @@ def _frame_lines(frames: Any) -> list[str]:
         name = fr.filename
         if not name.startswith("<"):
             parts = name.replace("\\", "/").split("/")
-            name = "/".join(parts[-3:]) if "site-packages" not in parts else \
-                "/".join(parts[parts.index("site-packages") + 1:])
+            name = (
+                "/".join(parts[-3:])
+                if "site-packages" not in parts
+                else "/".join(parts[parts.index("site-packages") + 1 :])
+            )
         code = (fr.line or "").strip()
         out.append(f"{name} line {fr.lineno}, in {fr.name}" + (f": {code}" if code else ""))
     return out
@@ -305,8 +337,9 @@ class _PostMortem:
         self.pdb.setup(None, exc.__traceback__)
         # hide this runner's frames, as the traceback does: the stack starts at the cell
         stack = self.pdb.stack
-        first = next((i for i, (f, _) in enumerate(stack)
-                      if f.f_code.co_filename.startswith("<cell ")), 0)
+        first = next(
+            (i for i, (f, _) in enumerate(stack) if f.f_code.co_filename.startswith("<cell ")), 0
+        )
         self.pdb.stack = stack[first:]
         self.pdb.curindex = max(0, self.pdb.curindex - first)
         self.pdb.curframe = self.pdb.stack[self.pdb.curindex][0]
@@ -337,8 +370,10 @@ def debug_command(line: str | None) -> dict[str, Any]:
     debug on this rank."""
     exc = _STATE.get("last_error")
     if exc is None:
-        return {"error": "no failed cell on this rank since its last cell started (the frames "
-                         "are kept until the next %%distributed cell)"}
+        return {
+            "error": "no failed cell on this rank since its last cell started (the frames "
+            "are kept until the next %%distributed cell)"
+        }
     pm = _STATE.get("post_mortem")
     if line is None or pm is None or pm.exc is not exc:
         pm = _STATE["post_mortem"] = _PostMortem(exc)
@@ -392,9 +427,22 @@ def _breakpoint(*args: Any, **kwargs: Any) -> None:
         ch.on(kinds.PDB_CMD, lambda msg: _PDB_LINES.put(msg.get("line", "c")))
     io = _ChannelPdbIO(ch)
     # skip this runner and the engine's machinery: `next` past the cell's end resumes it
-    p = pdb.Pdb(stdin=io, stdout=io, nosigint=True,
-                skip=["kernels_ext.*", "hvdnb.rank.*", "ipyparallel.*", "ipykernel.*", "IPython.*", "tornado.*",
-                      "asyncio.*", "zmq.*", "traitlets.*"])
+    p = pdb.Pdb(
+        stdin=io,
+        stdout=io,
+        nosigint=True,
+        skip=[
+            "kernels_ext.*",
+            "hvdnb.rank.*",
+            "ipyparallel.*",
+            "ipykernel.*",
+            "IPython.*",
+            "tornado.*",
+            "asyncio.*",
+            "zmq.*",
+            "traitlets.*",
+        ],
+    )
     p.use_rawinput = False
     p.prompt = ""
     p.set_trace(sys._getframe(1))
@@ -440,7 +488,7 @@ def _announce(ch: Any) -> None:
     import socket
 
     ch.send(
-        kinds.RANK_INFO
+        kinds.RANK_INFO,
         host=socket.gethostname(),
         local_rank=int(os.environ.get("LOCAL_RANK", -1)),
         pid=os.getpid(),
@@ -559,7 +607,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
             value = eval(tail, ns) if tail is not None else None
         finally:
             _nvtx.pop(opened)
-    except BaseException as exc:  # noqa: BLE001 - reported to the client, named by rank
+    except BaseException as exc:
         _STATE["last_error"] = exc  # %dist debug reads its frames until the next cell
         report = {
             "ok": False,
@@ -594,8 +642,13 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     _cell_ended_metrics()
     if value is not None and shell is not None:
         ns["_"] = value
-    out = {"ok": True, "rank": rank, "repr": None if value is None else repr(value), "value": None,
-           "metrics": _flush_metrics()}
+    out = {
+        "ok": True,
+        "rank": rank,
+        "repr": None if value is None else repr(value),
+        "value": None,
+        "metrics": _flush_metrics(),
+    }
     if value is not None:
         try:
             pickle.dumps(value)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["active", "push", "pop", "start", "end"]
+__all__ = ["active", "end", "pop", "push", "start"]
 
 
 def active() -> bool:

@@ -18,7 +18,6 @@ Never: start processes, talk to ipyparallel, or pick a fixed port.
 
 from __future__ import annotations
 
-from hvdnb.protocol import kinds
 import atexit
 import gc
 import os
@@ -26,6 +25,8 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from hvdnb.protocol import kinds
 
 __all__ = ["World", "discover", "init_process_group", "reinit_process_group", "world"]
 
@@ -76,8 +77,12 @@ def _launched_size() -> int:
 
 def _under_srun_without_pmi() -> bool:
     """A Slurm task whose MPI would see a world of one (srun --mpi=none)."""
-    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and not any(
-        k in os.environ for k in ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+    return (
+        "SLURM_PROCID" in os.environ
+        and "SLURM_NTASKS" in os.environ
+        and not any(
+            k in os.environ for k in ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+        )
     )
 
 
@@ -590,7 +595,9 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
         old_backend = dist.get_backend()
         dist.destroy_process_group()
     _GENERATION = generation
-    _init_from_store(backend or old_backend or default_backend(w), w, get_config().collective_timeout)
+    _init_from_store(
+        backend or old_backend or default_backend(w), w, get_config().collective_timeout
+    )
 
 
 def generation() -> int:

@@ -24,7 +24,7 @@ from typing import Any
 from hvdnb.protocol.endpoint import outgoing
 from hvdnb.protocol.kinds import Kind
 
-__all__ = ["init", "rank", "size", "JsonlChannel"]
+__all__ = ["JsonlChannel", "init", "rank", "size"]
 
 _WORLD: Any = None
 
@@ -70,8 +70,8 @@ def init(backend: str | None = None, knobs: dict[str, Any] | None = None) -> Any
     global _WORLD
     from hvdnb.rank import rendezvous
     from hvdnb.rank.metrics import knobs as knobset
-
     from hvdnb.rank.metrics import recorder
+
     _WORLD = rendezvous.init_process_group(backend)
     knobset.DEFAULTS.update(knobs or {})
     out = os.environ.get("HVDNB_METRICS_DIR")

@@ -9,22 +9,40 @@ pick a port, or start processes.
 from __future__ import annotations
 
 import atexit
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from hvdnb.rank import rendezvous
 from hvdnb.config import get_config
+from hvdnb.rank import rendezvous
 from hvdnb.torch.process_sets import STATE, ProcessSet, _build, add_process_set, global_process_set
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
-    "local_rank", "cross_rank", "is_homogeneous", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
     "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "rocm_built",
+    "shutdown",
+    "size",
 ]
 
 
-def init(comm: Any = None,
-         process_sets: Sequence[ProcessSet | Sequence[int]] | None = None) -> None:
+def init(
+    comm: Any = None, process_sets: Sequence[ProcessSet | Sequence[int]] | None = None
+) -> None:
     """Join the job: discover rank and size, set up the transports. Collective.
 
     Under ``mpiexec`` hvdnb's own traffic goes over MPI (CPU tensors) and NCCL (CUDA

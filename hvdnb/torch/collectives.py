@@ -12,23 +12,56 @@ every rank that passes the same arguments).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from hvdnb.torch import listeners as _lst
-from hvdnb.torch.ops import Adasum, Average, Sum, _allreduce_launch, _allreduce_op, _async, _auto_name, _dcode, _desc, _done, _nh, _op, _register, _transport, allreduce
+from hvdnb.torch.ops import (
+    Adasum,
+    Average,
+    Sum,
+    _allreduce_launch,
+    _allreduce_op,
+    _async,
+    _auto_name,
+    _dcode,
+    _desc,
+    _done,
+    _nh,
+    _op,
+    _register,
+    _transport,
+    allreduce,
+)
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.rounds import Handle, Op, blocking, join_round
 from hvdnb.torch.transport import HDR, Kind
 
 __all__ = [
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
-    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
-    "barrier", "join", "adasum_tree",
+    "adasum_tree",
+    "allgather",
+    "allgather_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
+    "reducescatter",
+    "reducescatter_async",
+    "sparse_allreduce_async",
 ]
 
 
@@ -58,9 +91,17 @@ def _grouped_names(ps: ProcessSet, name: str | None, kind: int, n: int) -> list[
     return [f"{base}.{i}" for i in range(n)]
 
 
-def _grouped(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
-             name: str | None, op: int | None, pre: float, post: float, ps: ProcessSet,
-             is_async: bool) -> Any:
+def _grouped(
+    tensors: Sequence[torch.Tensor],
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    is_async: bool,
+) -> Any:
     op = _op(op, average)
     tensors = list(tensors)
     if len({t.device for t in tensors}) > 1:
@@ -69,10 +110,16 @@ def _grouped(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | Non
             "and GPU tensors in separate groups"
         )
     names = _grouped_names(ps, name, Kind.ALLREDUCE, len(tensors))
-    if not is_async and not inplace and torch.is_grad_enabled() and any(
-            t.requires_grad for t in tensors):
-        return [allreduce(t, name=nm, op=op, prescale_factor=pre, postscale_factor=post,
-                          process_set=ps) for t, nm in zip(tensors, names)]
+    if (
+        not is_async
+        and not inplace
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in tensors)
+    ):
+        return [
+            allreduce(t, name=nm, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
+            for t, nm in zip(tensors, names)
+        ]
     if is_async:
         ids = []
         for t, nm in zip(tensors, names):
@@ -83,48 +130,114 @@ def _grouped(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | Non
     return [h.wait() for h in hs]
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                      name: str | None = None, compression: Any = None, op: int | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """Allreduce a list of tensors as one group; returns new tensors. Differentiable.
 
     SPMD contract: the same list (count, order, shapes, dtypes) and name on every rank.
     """
     if compression is not None:
         packed = [compression.compress(t) for t in tensors]
-        out = _grouped([c for c, _ in packed], False, average, name, op, prescale_factor,
-                       postscale_factor, process_set, False)
+        out = _grouped(
+            [c for c, _ in packed],
+            False,
+            average,
+            name,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            False,
+        )
         return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
-    return _grouped(tensors, False, average, name, op, prescale_factor,  # type: ignore
-                    postscale_factor, process_set, False)
+    return _grouped(
+        tensors,
+        False,
+        average,
+        name,
+        op,
+        prescale_factor,  # type: ignore
+        postscale_factor,
+        process_set,
+        False,
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                       name: str | None = None, op: int | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """In-place ``grouped_allreduce``. Same SPMD contract."""
-    return _grouped(tensors, True, average, name, op, prescale_factor,  # type: ignore
-                    postscale_factor, process_set, False)
+    return _grouped(
+        tensors,
+        True,
+        average,
+        name,
+        op,
+        prescale_factor,  # type: ignore
+        postscale_factor,
+        process_set,
+        False,
+    )
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                            name: str | None = None, op: int | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Queue a ``grouped_allreduce``; ``synchronize`` returns the list."""
-    return _grouped(tensors, False, average, name, op, prescale_factor,  # type: ignore
-                    postscale_factor, process_set, True)
+    return _grouped(
+        tensors,
+        False,
+        average,
+        name,
+        op,
+        prescale_factor,  # type: ignore
+        postscale_factor,
+        process_set,
+        True,
+    )
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                             name: str | None = None, op: int | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Queue an in-place ``grouped_allreduce``."""
-    return _grouped(tensors, True, average, name, op, prescale_factor,  # type: ignore
-                    postscale_factor, process_set, True)
+    return _grouped(
+        tensors,
+        True,
+        average,
+        name,
+        op,
+        prescale_factor,  # type: ignore
+        postscale_factor,
+        process_set,
+        True,
+    )
 
 
 # -- allgather ------------------------------------------------------------------------------
@@ -137,8 +250,24 @@ def _allgather_op(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> tup
         x = x.reshape(1)
     trailing = tuple(x.shape[1:])
     rowbytes = torch.Size(trailing).numel() * x.element_size()
-    hdr = HDR.pack(Kind.ALLGATHER, _nh(name), _dcode(x), 0, 0, hash(trailing), len(trailing),
-                   0, 0, 0, 0, 0, x.shape[0], 0, 0, 0)
+    hdr = HDR.pack(
+        Kind.ALLGATHER,
+        _nh(name),
+        _dcode(x),
+        0,
+        0,
+        hash(trailing),
+        len(trailing),
+        0,
+        0,
+        0,
+        0,
+        0,
+        x.shape[0],
+        0,
+        0,
+        0,
+    )
 
     def start(hdrs: list[bytes]) -> Handle:
         dims = [HDR.unpack(h)[12] for h in hdrs]
@@ -174,8 +303,9 @@ class _AllgatherGrad(torch.autograd.Function):
         return g[start : start + dims[r]], None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
 
     SPMD contract: same name, dtype and trailing shape (``shape[1:]``) on every rank; the
@@ -187,15 +317,19 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return _allgather(tensor, name, process_set)
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
     """Queue an ``allgather``; ``synchronize`` returns the gathered tensor."""
     tr, o = _allgather_op(tensor, name, process_set)
     return _async(tr, o)
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """``allgather`` of each tensor of a list, as one group. Differentiable.
 
     SPMD contract: the same number of tensors, dtypes and trailing shapes on every rank.
@@ -204,22 +338,41 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
     return [allgather(t, nm, process_set) for t, nm in zip(tensors, names)]
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Queue a ``grouped_allgather``; ``synchronize`` returns the list."""
     names = _grouped_names(process_set, name, Kind.ALLGATHER, len(tensors))
-    return _register(_Group([allgather_async(t, nm, process_set)
-                             for t, nm in zip(tensors, names)]))
+    return _register(_Group([allgather_async(t, nm, process_set) for t, nm in zip(tensors, names)]))
 
 
 # -- broadcast -------------------------------------------------------------------------------
-def _broadcast_op(tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet,
-                  inplace: bool) -> tuple[Any, Op]:
+def _broadcast_op(
+    tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet, inplace: bool
+) -> tuple[Any, Op]:
     tr = _transport(ps, tensor)
     if name is None:
         name = _auto_name(ps, Kind.BROADCAST)
-    hdr = HDR.pack(Kind.BROADCAST, _nh(name), _dcode(tensor), 0, int(root_rank),
-                   hash(tensor.shape), tensor.numel(), 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    hdr = HDR.pack(
+        Kind.BROADCAST,
+        _nh(name),
+        _dcode(tensor),
+        0,
+        int(root_rank),
+        hash(tensor.shape),
+        tensor.numel(),
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
 
     ranks = ps.ranks if ps.ranks is not None else list(range(tr.size))
 
@@ -241,8 +394,9 @@ def _broadcast_op(tensor: torch.Tensor, root_rank: int, name: str | None, ps: Pr
     return tr, Op(name, hdr, _desc(Kind.BROADCAST, name, tensor, root_rank=root_rank), start)
 
 
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet,
-               inplace: bool) -> torch.Tensor:
+def _broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet, inplace: bool
+) -> torch.Tensor:
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
     tr, o = _broadcast_op(tensor, root_rank, name, ps, inplace)
     out = blocking(tr, o).wait()
@@ -252,8 +406,9 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, ps: Proce
 
 class _BroadcastGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, root: int, name: str | None,
-                ps: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any, t: torch.Tensor, root: int, name: str | None, ps: ProcessSet
+    ) -> torch.Tensor:
         ctx.root, ctx.ps = root, ps
         return _broadcast(t, root, name, ps, False)
 
@@ -269,8 +424,12 @@ class _BroadcastGrad(torch.autograd.Function):
         return g, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Return a copy of ``root_rank``'s ``tensor`` on every rank. Differentiable.
 
     SPMD contract: same name, shape, dtype and ``root_rank`` on every rank; ``root_rank``
@@ -282,29 +441,42 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return _broadcast(tensor, root_rank, name, process_set, False)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """In-place ``broadcast``: ``tensor`` receives root's values. Same SPMD contract."""
     return _broadcast(tensor, root_rank, name, process_set, True)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Queue a ``broadcast``; ``synchronize`` returns root's tensor."""
     tr, o = _broadcast_op(tensor, root_rank, name, process_set, False)
     return _async(tr, o)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Queue an in-place ``broadcast``; ``tensor`` holds root's values after ``synchronize``."""
     tr, o = _broadcast_op(tensor, root_rank, name, process_set, True)
     return _async(tr, o)
 
 
 # -- alltoall --------------------------------------------------------------------------------
-def _alltoall_op(tensor: torch.Tensor, splits: Any, name: str | None,
-                 ps: ProcessSet) -> tuple[Any, Op]:
+def _alltoall_op(
+    tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet
+) -> tuple[Any, Op]:
     tr = _transport(ps, tensor)
     x = tensor.contiguous()
     if x.dim() == 0:
@@ -318,8 +490,7 @@ def _alltoall_op(tensor: torch.Tensor, splits: Any, name: str | None,
             )
         s = [x.shape[0] // n] * n
     else:
-        if isinstance(splits, torch.Tensor) and (splits.is_floating_point()
-                                                 or splits.is_complex()):
+        if isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex()):
             raise ValueError(f"alltoall splits must be integers, not {splits.dtype}")
         s = [int(v) for v in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
         if len(s) != n or sum(s) != x.shape[0] or min(s) < 0:
@@ -329,8 +500,24 @@ def _alltoall_op(tensor: torch.Tensor, splits: Any, name: str | None,
     if name is None:
         name = _auto_name(ps, Kind.ALLTOALL)
     trailing = tuple(x.shape[1:])
-    hdr = HDR.pack(Kind.ALLTOALL, _nh(name), _dcode(x), 0, 0, hash(trailing), len(trailing),
-                   0, 0, 0, 0, 0, x.shape[0], 0, 0, 0)
+    hdr = HDR.pack(
+        Kind.ALLTOALL,
+        _nh(name),
+        _dcode(x),
+        0,
+        0,
+        hash(trailing),
+        len(trailing),
+        0,
+        0,
+        0,
+        0,
+        0,
+        x.shape[0],
+        0,
+        0,
+        0,
+    )
 
     # received splits where the splits were (Horovod: a CUDA splits tensor gets CUDA ones)
     sdev = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
@@ -345,8 +532,9 @@ def _alltoall_op(tensor: torch.Tensor, splits: Any, name: str | None,
     return tr, Op(name, hdr, _desc(Kind.ALLTOALL, name, tensor, trailing_shape=trailing), start)
 
 
-def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None,
-              ps: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+def _alltoall(
+    tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet
+) -> tuple[torch.Tensor, torch.Tensor]:
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
     tr, o = _alltoall_op(tensor, splits, name, ps)
     out = blocking(tr, o).wait()
@@ -356,8 +544,7 @@ def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None,
 
 class _AlltoallGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, splits: Any, name: str | None,
-                ps: ProcessSet) -> Any:
+    def forward(ctx: Any, t: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Any:
         out, rs = _alltoall(t, splits, name, ps)
         ctx.rs, ctx.ps = rs, ps
         ctx.mark_non_differentiable(rs)
@@ -369,8 +556,12 @@ class _AlltoallGrad(torch.autograd.Function):
         return g, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Scatter slices of ``tensor`` (dim 0) to every rank and gather what they send.
 
     SPMD contract: same name, dtype and trailing shape on every rank; ``splits[i]`` rows go
@@ -384,8 +575,12 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     return out if splits is None else (out, rs)
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Queue an ``alltoall``; ``synchronize`` returns what ``alltoall`` would."""
     tr, o = _alltoall_op(tensor, splits, name, process_set)
     return _async(tr, o, (lambda r: r[0]) if splits is None else None)
@@ -398,14 +593,16 @@ def _rows(dim0: int, n: int, r: int) -> slice:
     return slice(start, start + base + (1 if r < extra else 0))
 
 
-def _reducescatter_op(tensor: torch.Tensor, name: str | None, op: int, pre: float,
-                      post: float, ps: ProcessSet) -> tuple[Any, Op, Callable[[Any], Any]]:
+def _reducescatter_op(
+    tensor: torch.Tensor, name: str | None, op: int, pre: float, post: float, ps: ProcessSet
+) -> tuple[Any, Op, Callable[[Any], Any]]:
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     if op == Adasum:
         raise NotImplementedError("reducescatter does not support Adasum (nor does Horovod)")
-    tr, o, _ = _allreduce_op(tensor, False, name or _auto_name(ps, Kind.REDUCESCATTER), op,
-                             pre, post, ps)
+    tr, o, _ = _allreduce_op(
+        tensor, False, name or _auto_name(ps, Kind.REDUCESCATTER), op, pre, post, ps
+    )
     o.hdr = Kind.REDUCESCATTER.to_bytes(8, "little") + o.hdr[8:]
     o.inline = None  # its one-message form would send the allreduce header
     rows = _rows(tensor.shape[0], tr.size, tr.rank)
@@ -414,8 +611,15 @@ def _reducescatter_op(tensor: torch.Tensor, name: str | None, op: int, pre: floa
 
 class _ReducescatterGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, name: str | None, op: int, pre: float, post: float,
-                ps: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        t: torch.Tensor,
+        name: str | None,
+        op: int,
+        pre: float,
+        post: float,
+        ps: ProcessSet,
+    ) -> torch.Tensor:
         # Horovod's gradient: the gathered incoming gradients, times size for Sum (each
         # rank's loss is taken as the same average over ranks as Average's)
         ctx.scale = pre * post * (1 if op == Average else ps.size())
@@ -429,9 +633,15 @@ class _ReducescatterGrad(torch.autograd.Function):
         return g * ctx.scale, None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None,
-                  op: int = Average, process_set: ProcessSet = global_process_set,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's slice of dim 0. Differentiable.
 
     SPMD contract: as ``allreduce``. Rank i gets rows ``[start_i, start_i + rows_i)``, the
@@ -441,55 +651,80 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     if compression is not None:
         comp, ctx = compression.compress(tensor)
         if comp is not tensor:
-            out = reducescatter(comp, name, None, op, process_set, prescale_factor,
-                                postscale_factor)
+            out = reducescatter(
+                comp, name, None, op, process_set, prescale_factor, postscale_factor
+            )
             return compression.decompress(out, ctx)  # type: ignore[no-any-return]
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _ReducescatterGrad.apply(tensor, name, op, prescale_factor,  # type: ignore
-                                        postscale_factor, process_set)
+        return _ReducescatterGrad.apply(
+            tensor,
+            name,
+            op,
+            prescale_factor,  # type: ignore
+            postscale_factor,
+            process_set,
+        )
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
-    tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor,
-                                   process_set)
+    tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor, process_set)
     out = cut(blocking(tr, o).wait())
     _done(o.name, tensor.numel() * tensor.element_size(), t0, tr.backend)
     return out  # type: ignore[no-any-return]
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
-                        process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Queue a ``reducescatter``; ``synchronize`` returns this rank's rows."""
-    tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor,
-                                   process_set)
+    tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor, process_set)
     return _async(tr, o, cut)
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
-                          compression: Any = None, op: int = Average,
-                          process_set: ProcessSet = global_process_set,
-                          prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
     """``reducescatter`` of each tensor of a list, as one group. Same SPMD contract."""
     names = _grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
-    return [reducescatter(t, nm, compression, op, process_set, prescale_factor,
-                          postscale_factor) for t, nm in zip(tensors, names)]
+    return [
+        reducescatter(t, nm, compression, op, process_set, prescale_factor, postscale_factor)
+        for t, nm in zip(tensors, names)
+    ]
 
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                                op: int = Average,
-                                process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Queue a ``grouped_reducescatter``; ``synchronize`` returns the list."""
     names = _grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
-    return _register(_Group([reducescatter_async(t, nm, op, process_set, prescale_factor,
-                                                 postscale_factor)
-                             for t, nm in zip(tensors, names)]))
+    return _register(
+        _Group(
+            [
+                reducescatter_async(t, nm, op, process_set, prescale_factor, postscale_factor)
+                for t, nm in zip(tensors, names)
+            ]
+        )
+    )
 
 
 # -- sparse ------------------------------------------------------------------------------------
-def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], Any]:
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
+) -> Callable[[], Any]:
     """Allreduce a sparse COO tensor by gathering every rank's indices and values.
 
     Returns a function (Horovod's contract): calling it waits and returns the sparse sum
@@ -540,8 +775,15 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of the process set calls ``barrier``."""
     tr = _transport(process_set, torch.empty(0))
     hdr = HDR.pack(Kind.BARRIER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    blocking(tr, Op("barrier", hdr, lambda: {"collective": "barrier", "name": "barrier"},
-                    lambda hdrs: Handle(None, None, None))).wait()
+    blocking(
+        tr,
+        Op(
+            "barrier",
+            hdr,
+            lambda: {"collective": "barrier", "name": "barrier"},
+            lambda hdrs: Handle(None, None, None),
+        ),
+    ).wait()
 
 
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:

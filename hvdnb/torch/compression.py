@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
 class Compressor:

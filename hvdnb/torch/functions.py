@@ -9,7 +9,8 @@ element by element (objects travel as one byte tensor).
 from __future__ import annotations
 
 import io
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -18,13 +19,18 @@ from hvdnb.torch.collectives import allgather, broadcast_
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = [
-    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "allgather_object",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
 ]
 
 
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int = 0,
-                         process_set: ProcessSet = global_process_set) -> None:
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    root_rank: int = 0,
+    process_set: ProcessSet = global_process_set,
+) -> None:
     """Copy ``root_rank``'s tensors into every rank's tensors, in place.
 
     SPMD contract: every rank passes the same names in the same order (a ``state_dict()``
@@ -39,10 +45,16 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     with torch.no_grad():
         for name, p in items:
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"broadcast_parameters: {name} is a {type(p).__name__}, "
-                                "not a tensor; pass state_dict() or named_parameters()")
-            broadcast_(p.data if p.requires_grad else p, root_rank,
-                       name=f"broadcast.param.{name}", process_set=process_set)
+                raise TypeError(
+                    f"broadcast_parameters: {name} is a {type(p).__name__}, "
+                    "not a tensor; pass state_dict() or named_parameters()"
+                )
+            broadcast_(
+                p.data if p.requires_grad else p,
+                root_rank,
+                name=f"broadcast.param.{name}",
+                process_set=process_set,
+            )
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
@@ -55,8 +67,12 @@ def _from_bytes(t: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``).
 
     SPMD contract: every rank calls it with the same ``name`` and ``root_rank``; the
@@ -64,21 +80,27 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """
     name = name or "broadcast_object"
     data = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    n = broadcast_(torch.tensor([data.numel()], dtype=torch.int64), root_rank,
-                   name=f"{name}.len", process_set=process_set)
+    n = broadcast_(
+        torch.tensor([data.numel()], dtype=torch.int64),
+        root_rank,
+        name=f"{name}.len",
+        process_set=process_set,
+    )
     if rank() != root_rank:
         data = torch.empty(int(n.item()), dtype=torch.uint8)
     broadcast_(data, root_rank, name=f"{name}.data", process_set=process_set)
     return obj if rank() == root_rank else _from_bytes(data)
 
 
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
     """Return the list of every rank's ``obj``, in rank order. Same name on every rank."""
     name = name or "allgather_object"
     data = _to_bytes(obj)
-    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.len",
-                      process_set=process_set).tolist()
+    sizes = allgather(
+        torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.len", process_set=process_set
+    ).tolist()
     flat = allgather(data, name=f"{name}.data", process_set=process_set)
     out, pos = [], 0
     for s in sizes:
@@ -87,8 +109,11 @@ def allgather_object(obj: Any, name: str | None = None,
     return out
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              process_set: ProcessSet = global_process_set) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int = 0,
+    process_set: ProcessSet = global_process_set,
+) -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal to ``root_rank``'s.
 
     SPMD contract: the same optimizer class over the same parameters on every rank.
@@ -102,8 +127,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     p.grad = torch.zeros_like(p)
                     if isinstance(optimizer, torch.optim.SparseAdam):
                         p.grad = p.grad.to_sparse()
-    state = broadcast_object(optimizer.state_dict() if rank() == root_rank
-                             else None, root_rank, name="broadcast_optimizer_state",
-                             process_set=process_set)
+    state = broadcast_object(
+        optimizer.state_dict() if rank() == root_rank else None,
+        root_rank,
+        name="broadcast_optimizer_state",
+        process_set=process_set,
+    )
     if rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -8,9 +8,10 @@ collective, call ``cuda.synchronize``, or let a listener's exception break train
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["add_comm_listener", "remove_comm_listener", "CommListener"]
+__all__ = ["CommListener", "add_comm_listener", "remove_comm_listener"]
 
 #: fn(name, nbytes, seconds, backend, exposed); see ``add_comm_listener``
 CommListener = Callable[[str, int, Any, str, Any], None]

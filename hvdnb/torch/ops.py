@@ -20,20 +20,43 @@ import itertools
 import time
 import warnings
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from hvdnb.torch import listeners as _lst
 from hvdnb.torch.process_sets import STATE, ProcessSet, global_process_set
-from hvdnb.torch.rounds import DTYPES, CollectiveMismatchError, Handle, Op, after_exchange, blocking, defer, rounds, wire_dtype
+from hvdnb.torch.rounds import (
+    DTYPES,
+    CollectiveMismatchError,
+    Handle,
+    Op,
+    after_exchange,
+    blocking,
+    defer,
+    rounds,
+    wire_dtype,
+)
 from hvdnb.torch.transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
 
 __all__ = [
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "CollectiveMismatchError",
-    "HorovodInternalError", "HostsUpdatedInterrupt",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize",
+    "Adasum",
+    "Average",
+    "CollectiveMismatchError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "poll",
+    "synchronize",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -93,8 +116,13 @@ def _transport(ps: ProcessSet, t: torch.Tensor) -> Any:
 
 def _desc(kind: int, name: str, t: torch.Tensor, **kw: Any) -> Callable[[], dict[str, Any]]:
     def build() -> dict[str, Any]:
-        d = {"collective": Kind.NAMES[kind], "name": name, "dtype": str(t.dtype),
-             "shape": tuple(t.shape), "device": t.device.type}
+        d = {
+            "collective": Kind.NAMES[kind],
+            "name": name,
+            "dtype": str(t.dtype),
+            "shape": tuple(t.shape),
+            "device": t.device.type,
+        }
         d.update(kw)
         return d
 
@@ -128,9 +156,14 @@ def _op(op: int | None, average: bool | None) -> int:
                 f"(deprecated), not the name: pass name={average!r}"
             )
         if op is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed "
-                      "in v1.0", DeprecationWarning, stacklevel=3)
+            raise ValueError(
+                "The op parameter supersedes average. Please provide only one of them."
+            )
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return Average if average else Sum
     return Average if op is None else int(op)
 
@@ -150,7 +183,7 @@ def _done(name: str, nbytes: int, t0: float, backend: str) -> None:
 class _Async:
     """What ``*_async`` returns a number for: a queued op, then its started Handle."""
 
-    __slots__ = ("op", "tr", "post")
+    __slots__ = ("op", "post", "tr")
 
     def __init__(self, op: Op, tr: Any, post: Callable[[Any], Any] | None = None) -> None:
         self.op, self.tr, self.post = op, tr, post
@@ -218,13 +251,21 @@ def synchronize(handle: int) -> Any:
 # -- allreduce ----------------------------------------------------------------------------
 def _check_op(op: int) -> None:
     if op not in _OPNAMES:
-        raise ValueError(f"op {op!r} is not an hvd op; use hvd.Average, Sum, Adasum, Min, Max "
-                         "or Product")
+        raise ValueError(
+            f"op {op!r} is not an hvd op; use hvd.Average, Sum, Adasum, Min, Max or Product"
+        )
 
 
 def _allreduce_op(
-    tensor: torch.Tensor, inplace: bool, name: str | None, op: int, pre: float,
-    post: float, ps: ProcessSet, shape_key: int | None = None, tr: Any = None,
+    tensor: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: int,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    shape_key: int | None = None,
+    tr: Any = None,
 ) -> tuple[Any, Op, Callable[[], Handle | None]]:
     """Build one allreduce: (transport, Op, inline attempt or None).
 
@@ -255,9 +296,22 @@ def _allreduce_op(
         wire = _scale(wire, pre, inplace=wire is not tensor)
     nbytes = x.numel() * x.element_size()
     hdr = HDR.pack(
-        Kind.ALLREDUCE, _nh(name), dcode, op, 0,
-        hash(x.shape) if shape_key is None else shape_key, x.numel(), hash(pre), hash(post),
-        0, 0, 0, 0, nbytes, 0, 0,
+        Kind.ALLREDUCE,
+        _nh(name),
+        dcode,
+        op,
+        0,
+        hash(x.shape) if shape_key is None else shape_key,
+        x.numel(),
+        hash(pre),
+        hash(post),
+        0,
+        0,
+        0,
+        0,
+        nbytes,
+        0,
+        0,
     )
     n = tr.size
     direct = inplace and wire is tensor
@@ -299,8 +353,12 @@ def _allreduce_op(
             h.gloo = tr.clock.attach(work)
         return h
 
-    o = Op(name, hdr, _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre,
-                            postscale=post), start)
+    o = Op(
+        name,
+        hdr,
+        _desc(Kind.ALLREDUCE, name, tensor, op=_OPNAMES[op], prescale=pre, postscale=post),
+        start,
+    )
     nbw = wire.numel() * wire.element_size()
 
     def inline() -> Any:
@@ -324,8 +382,14 @@ def _allreduce_op(
     return tr, o, None
 
 
-def _nccl_timed(tr: Any, wire: torch.Tensor, res: torch.Tensor, op: int,
-                finish: Callable[[torch.Tensor], Any], meta: Any) -> Handle:
+def _nccl_timed(
+    tr: Any,
+    wire: torch.Tensor,
+    res: torch.Tensor,
+    op: int,
+    finish: Callable[[torch.Tensor], Any],
+    meta: Any,
+) -> Handle:
     """NCCL, its own kernel time read later from the Work (never here)."""
     from hvdnb.torch.rounds import _NcclSeconds
 
@@ -335,9 +399,16 @@ def _nccl_timed(tr: Any, wire: torch.Tensor, res: torch.Tensor, op: int,
     return h
 
 
-def _allreduce_launch(tensor: torch.Tensor, inplace: bool, name: str | None, op: int,
-                      pre: float, post: float, ps: ProcessSet,
-                      shape_key: int | None = None) -> Handle:
+def _allreduce_launch(
+    tensor: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: int,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    shape_key: int | None = None,
+) -> Handle:
     """Negotiate now and start the data phase (the caller waits on the Handle)."""
     tr, o, _ = _allreduce_op(tensor, inplace, name, op, pre, post, ps, shape_key)
     return blocking(tr, o)
@@ -350,8 +421,15 @@ def _allreduce_launch(tensor: torch.Tensor, inplace: bool, name: str | None, op:
 # general path's ~25 small steps cost 10-25 us per call after a large reduction has
 # flushed the caches, more than the header exchange itself.
 _PLAN_OPS = (Average, Sum, Min, Max, Product)
-_PLAN_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
-                torch.uint8)
+_PLAN_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+)
 _NO_PLAN = object()
 _LAST: list[Any] = [None]  # every rank's header after a planned exchange that differed
 # numpy reductions of the inline path (half the cost of MPI's Reduce_local from Python);
@@ -360,15 +438,32 @@ _UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Produ
 warnings.filterwarnings("ignore", r"overflow encountered", RuntimeWarning, __name__)
 
 
-def _header(t: torch.Tensor, name: str, op: int, post: float, nbytes: int,
-            blocking: int = 0) -> bytes:
+def _header(
+    t: torch.Tensor, name: str, op: int, post: float, nbytes: int, blocking: int = 0
+) -> bytes:
     """The header the general path sends for this call: ranks on either path still match.
 
     ``blocking`` (outside the signature) is 1 when this rank may use a blocking
     MPI_Allreduce; only when every rank says so do they all use it (see ``_run_big``).
     """
-    return HDR.pack(Kind.ALLREDUCE, _nh(name), _DCODE[t.dtype], op, 0, hash(t.shape),
-                    t.numel(), hash(1.0), hash(post), 0, 0, 0, 0, nbytes, blocking, 0)
+    return HDR.pack(
+        Kind.ALLREDUCE,
+        _nh(name),
+        _DCODE[t.dtype],
+        op,
+        0,
+        hash(t.shape),
+        t.numel(),
+        hash(1.0),
+        hash(post),
+        0,
+        0,
+        0,
+        0,
+        nbytes,
+        blocking,
+        0,
+    )
 
 
 _BLOCKING_AT = 14 * 8  # byte offset of the header's ``blocking`` field
@@ -382,8 +477,24 @@ class _Plan:
     and only small tensors are planned this way).
     """
 
-    __slots__ = ("tr", "spec", "nb", "hdr", "mine", "peer", "ufunc", "scale", "ptr", "shape",
-                 "hbuf", "dt", "sig", "rsig", "rreq", "sreq")
+    __slots__ = (
+        "dt",
+        "hbuf",
+        "hdr",
+        "mine",
+        "nb",
+        "peer",
+        "ptr",
+        "rreq",
+        "rsig",
+        "scale",
+        "shape",
+        "sig",
+        "spec",
+        "sreq",
+        "tr",
+        "ufunc",
+    )
 
     def __init__(self, tr: MPITransport, t: torch.Tensor, name: str, op: int, post: float):
         self.tr = tr
@@ -429,8 +540,27 @@ class _BigPlan:
     memory). ``t.numpy()`` alone costs 1.5 us.
     """
 
-    __slots__ = ("comm", "peer", "rspec", "rsig", "hdr", "hspec", "sig", "mop", "scale",
-                 "buf", "mtype", "count", "desc", "tr", "in_place", "rreq", "sreq", "rblock", "div")
+    __slots__ = (
+        "buf",
+        "comm",
+        "count",
+        "desc",
+        "div",
+        "hdr",
+        "hspec",
+        "in_place",
+        "mop",
+        "mtype",
+        "peer",
+        "rblock",
+        "rreq",
+        "rsig",
+        "rspec",
+        "scale",
+        "sig",
+        "sreq",
+        "tr",
+    )
 
     def __init__(self, tr: MPITransport, t: torch.Tensor, name: str, op: int, post: float):
         MPI = tr.MPI
@@ -451,8 +581,7 @@ class _BigPlan:
         self.count = t.numel()
         self.buf = [MPI.buffer.fromaddress(t.data_ptr(), nb), self.count, self.mtype]
         # what a mismatch report says, built now: a closure would keep the tensor alive
-        self.desc = _desc(Kind.ALLREDUCE, name, t, op=_OPNAMES[op], prescale=1.0,
-                          postscale=post)()
+        self.desc = _desc(Kind.ALLREDUCE, name, t, op=_OPNAMES[op], prescale=1.0, postscale=post)()
         if tr.peer >= 0:  # two ranks: the header swap as persistent requests (see _Plan)
             self.rreq = tr.comm.Recv_init(tr.rspec, tr.peer, TAG)
             self.sreq = tr.comm.Send_init(self.hspec, tr.peer, TAG)
@@ -469,16 +598,30 @@ class _BigPlan:
 
 
 def _mpi_type(MPI: Any, dtype: torch.dtype) -> Any:
-    return {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
-            torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
-            torch.uint8: MPI.UINT8_T}[dtype]
+    return {
+        torch.float32: MPI.FLOAT,
+        torch.float64: MPI.DOUBLE,
+        torch.int64: MPI.INT64_T,
+        torch.int32: MPI.INT32_T,
+        torch.int16: MPI.INT16_T,
+        torch.int8: MPI.INT8_T,
+        torch.uint8: MPI.UINT8_T,
+    }[dtype]
 
 
-def _plan(t: torch.Tensor, name: str, op: int, pre: float, post: float,
-          ps: ProcessSet) -> _Plan | _BigPlan | None:
+def _plan(
+    t: torch.Tensor, name: str, op: int, pre: float, post: float, ps: ProcessSet
+) -> _Plan | _BigPlan | None:
     tr = ps.mpi
-    if (tr is None or t.is_cuda or t.dtype not in _PLAN_DTYPES or not t.is_contiguous()
-            or pre != 1.0 or op not in _PLAN_OPS or tr.size < 2):
+    if (
+        tr is None
+        or t.is_cuda
+        or t.dtype not in _PLAN_DTYPES
+        or not t.is_contiguous()
+        or pre != 1.0
+        or op not in _PLAN_OPS
+        or tr.size < 2
+    ):
         return None
     if not t.is_floating_point() and (op == Average or post != 1.0):
         return None  # integer scaling truncates: the general path does it
@@ -549,8 +692,15 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None
     return out
 
 
-def _fast(t: torch.Tensor, inplace: bool, name: str | None, op: int | None, pre: float,
-          post: float, ps: ProcessSet) -> torch.Tensor | None:
+def _fast(
+    t: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+) -> torch.Tensor | None:
     """A planned path, or None when this call needs the general one."""
     if _lst.LISTENERS or name is None or t.requires_grad or ps.mpi.pending:  # type: ignore
         return None
@@ -579,8 +729,15 @@ def _fast(t: torch.Tensor, inplace: bool, name: str | None, op: int | None, pre:
 
 class _AllreduceGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, name: str | None, op: int, pre: float, post: float,
-                ps: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        t: torch.Tensor,
+        name: str | None,
+        op: int,
+        pre: float,
+        post: float,
+        ps: ProcessSet,
+    ) -> torch.Tensor:
         ctx.args = (op, pre, post, ps)
         return _allreduce_launch(t, False, name, op, pre, post, ps).wait()  # type: ignore
 
@@ -592,9 +749,14 @@ class _AllreduceGrad(torch.autograd.Function):
 
 
 def allreduce(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-    compression: Any = None, op: int | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks of the process set and return the result.
 
@@ -622,23 +784,40 @@ def allreduce(
     if compression is not None:
         comp, ctx = compression.compress(tensor)
         if comp is not tensor:
-            out = allreduce(comp, name=name, op=op, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, process_set=process_set)
+            out = allreduce(
+                comp,
+                name=name,
+                op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                process_set=process_set,
+            )
             return compression.decompress(out, ctx)  # type: ignore[no-any-return]
     if process_set.mpi is not None:
         r = _fast(tensor, False, name, op, prescale_factor, postscale_factor, process_set)
         if r is not None:
             return r
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceGrad.apply(tensor, name, op, prescale_factor,  # type: ignore
-                                    postscale_factor, process_set)
-    return _allreduce_launch(tensor, False, name, op, prescale_factor, postscale_factor,
-                             process_set).wait()  # type: ignore[no-any-return]
+        return _AllreduceGrad.apply(
+            tensor,
+            name,
+            op,
+            prescale_factor,  # type: ignore
+            postscale_factor,
+            process_set,
+        )
+    return _allreduce_launch(
+        tensor, False, name, op, prescale_factor, postscale_factor, process_set
+    ).wait()  # type: ignore[no-any-return]
 
 
 def allreduce_(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place ``allreduce``: ``tensor`` holds the result. Same SPMD contract."""
@@ -647,20 +826,32 @@ def allreduce_(
         r = _fast(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
         if r is not None:
             return r
-    return _allreduce_launch(tensor, True, name, op, prescale_factor, postscale_factor,
-                             process_set).wait()  # type: ignore[no-any-return]
+    return _allreduce_launch(
+        tensor, True, name, op, prescale_factor, postscale_factor, process_set
+    ).wait()  # type: ignore[no-any-return]
 
 
-def _allreduce_async(tensor: torch.Tensor, inplace: bool, average: bool | None,
-                     name: str | None, op: int | None, pre: float, post: float,
-                     ps: ProcessSet) -> int:
+def _allreduce_async(
+    tensor: torch.Tensor,
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+) -> int:
     tr, o, _ = _allreduce_op(tensor, inplace, name, _op(op, average), pre, post, ps)
     return _async(tr, o)
 
 
 def allreduce_async(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Queue an ``allreduce``; returns a handle for ``poll`` / ``synchronize``.
@@ -671,15 +862,21 @@ def allreduce_async(
     while the first is queued raises ValueError. Do not modify ``tensor`` before
     ``synchronize``.
     """
-    return _allreduce_async(tensor, False, average, name, op, prescale_factor,
-                            postscale_factor, process_set)
+    return _allreduce_async(
+        tensor, False, average, name, op, prescale_factor, postscale_factor, process_set
+    )
 
 
 def allreduce_async_(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """In-place ``allreduce_async``: after ``synchronize`` the tensor holds the result."""
-    return _allreduce_async(tensor, True, average, name, op, prescale_factor,
-                            postscale_factor, process_set)
+    return _allreduce_async(
+        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set
+    )

@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 import zlib
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from hvdnb.rank import nvtx as _nvtx
 from hvdnb.config import get_config
+from hvdnb.rank import nvtx as _nvtx
 from hvdnb.torch import ops
 from hvdnb.torch.collectives import sparse_allreduce_async as ops_sparse
 from hvdnb.torch.compression import Compression
@@ -28,7 +29,7 @@ __all__ = ["DistributedOptimizer"]
 
 
 class _Bucket:
-    __slots__ = ("params", "sizes", "name", "key", "ready", "handle", "flat", "ctx", "nvtx")
+    __slots__ = ("ctx", "flat", "handle", "key", "name", "nvtx", "params", "ready", "sizes")
 
     def __init__(self, params: list[torch.nn.Parameter], name: str, names: list[str]) -> None:
         self.params = params
@@ -46,10 +47,17 @@ class _Bucket:
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin placed before the user's optimizer class; see ``DistributedOptimizer``."""
 
-    def _hvd_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
-                   compression: Any, backward_passes_per_step: int, op: int,
-                   gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
-                   process_set: ProcessSet) -> None:
+    def _hvd_setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: Any,
+        backward_passes_per_step: int,
+        op: int,
+        gradient_predivide_factor: float,
+        groups: Any,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+    ) -> None:
         if op == ops.Adasum:
             raise NotImplementedError(
                 "DistributedOptimizer(op=hvd.Adasum) is not implemented: Horovod's Adasum "
@@ -100,7 +108,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if old is not None:
                 old.remove()
             p._hvdnb_hook = p.register_post_accumulate_grad_hook(  # type: ignore[union-attr]
-                self._hvd_hook)
+                self._hvd_hook
+            )
 
     @staticmethod
     def _hvd_plan(params: list[torch.Tensor], pname: list[str], groups: Any) -> list[_Bucket]:
@@ -121,8 +130,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for i in order:
                 p = params[i]
                 sz = p.numel() * p.element_size()
-                if cur and (nbytes + sz > limit or p.dtype != params[cur[0]].dtype
-                            or p.device != params[cur[0]].device):
+                if cur and (
+                    nbytes + sz > limit
+                    or p.dtype != params[cur[0]].dtype
+                    or p.device != params[cur[0]].device
+                ):
                     plans.append(cur)
                     cur, nbytes = [], 0
                 cur.append(i)
@@ -133,8 +145,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k, idx in enumerate(plans):
             if len({(params[i].dtype, params[i].device) for i in idx}) > 1:
                 raise ValueError(f"fusion group {k} mixes dtypes or devices; split it")
-            out.append(_Bucket([params[i] for i in idx], f"DistributedOptimizer.bucket.{k}",
-                               [pname[i] for i in idx]))
+            out.append(
+                _Bucket(
+                    [params[i] for i in idx],
+                    f"DistributedOptimizer.bucket.{k}",
+                    [pname[i] for i in idx],
+                )
+            )
         return out
 
     # -- hooks and buckets -------------------------------------------------------------------
@@ -167,8 +184,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif g.is_sparse:
                 if not self._hvd_dense:
                     # Horovod: sparse gradients travel as gathered indices and values
-                    self._hvd_sparse[p] = ops_sparse(g, self._parameter_names[p],
-                                                     self._hvd_op, self._hvd_ps)
+                    self._hvd_sparse[p] = ops_sparse(
+                        g, self._parameter_names[p], self._hvd_op, self._hvd_ps
+                    )
                     g = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                 else:
                     g = g.to_dense()
@@ -177,8 +195,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         wire, b.ctx = self._hvd_comp.compress(b.flat)
         pre, post = self._hvd_scale
         b.nvtx = _nvtx.start("allreduce " + b.name.replace("DistributedOptimizer.", ""))
-        b.handle = ops._allreduce_launch(wire, True, b.name, self._hvd_op, pre, post,
-                                         self._hvd_ps, shape_key=b.key)
+        b.handle = ops._allreduce_launch(
+            wire, True, b.name, self._hvd_op, pre, post, self._hvd_ps, shape_key=b.key
+        )
 
     def synchronize(self) -> None:
         """Finish every bucket's allreduce and write the averaged gradients into ``.grad``.
@@ -231,7 +250,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "optimizer.step() called without optimizer.skip_synchronize() context "
                     "after optimizer.synchronize(). This can cause training slowdown. You may "
                     "want to consider using optimizer.skip_synchronize() context if you use "
-                    "optimizer.synchronize() in your code.", stacklevel=2)
+                    "optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
             else:
                 self.synchronize()
         self._hvd_synced = False
@@ -298,6 +319,14 @@ def DistributedOptimizer(
             raise ValueError("pass groups= or num_groups= (deprecated), not both")
         warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning, stacklevel=2)
         groups = int(num_groups)
-    dist_opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                        gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    dist_opt._hvd_setup(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
     return dist_opt  # type: ignore[no-any-return]

@@ -8,11 +8,12 @@ group on some ranks only (group creation is collective on every rank of the job)
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hvdnb.torch.transport import MPITransport, TorchTransport
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+__all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]
 
 
 class _State:

@@ -34,19 +34,39 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hvdnb.torch import listeners as _lst
 from hvdnb.torch.transport import HDR, HDR_BYTES, SIG_BYTES, Kind
 
-__all__ = ["CollectiveMismatchError", "Handle", "Op", "blocking", "defer", "settle", "rounds",
-           "full_round", "mismatch_error", "wire_dtype", "DTYPES"]
+__all__ = [
+    "DTYPES",
+    "CollectiveMismatchError",
+    "Handle",
+    "Op",
+    "blocking",
+    "defer",
+    "full_round",
+    "mismatch_error",
+    "rounds",
+    "settle",
+    "wire_dtype",
+]
 
 DTYPES = (
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
 )
 HALF = (torch.float16, torch.bfloat16)
 
@@ -79,7 +99,7 @@ class _NcclSeconds:
     the timeline's flush), never in the step; read once, then kept; NaN ("n/a") when the
     group was made without timing. Seen on an H100: 7.8 us for a 4 MB one-rank allreduce."""
 
-    __slots__ = ("work", "value")
+    __slots__ = ("value", "work")
 
     def __init__(self, work: Any) -> None:
         self.work = work
@@ -114,7 +134,7 @@ class _CudaGap:
     """How long the compute stream waited for a collective: CUDA events on the current
     stream just before and just after it was made to wait for the collective's end."""
 
-    __slots__ = ("before", "after")
+    __slots__ = ("after", "before")
 
     def __init__(self, before: Any, after: Any) -> None:
         self.before, self.after = before, after
@@ -179,10 +199,11 @@ class Handle:
     the exposed time is then a _CudaGap on the compute stream).
     """
 
-    __slots__ = ("work", "finish", "result", "meta", "own", "exp", "gloo", "cuda")
+    __slots__ = ("cuda", "exp", "finish", "gloo", "meta", "own", "result", "work")
 
-    def __init__(self, work: Any, finish: Callable[[], Any] | None, result: Any,
-                 meta: Any = None) -> None:
+    def __init__(
+        self, work: Any, finish: Callable[[], Any] | None, result: Any, meta: Any = None
+    ) -> None:
         self.work, self.finish, self.result, self.meta = work, finish, result, meta
         self.own = self.exp = 0.0
         self.gloo: Any = None
@@ -234,10 +255,15 @@ class Op:
     """One collective as negotiated: header (signature + per-rank words), a description
     for error messages, and ``start(headers)`` running the data phase (headers by rank)."""
 
-    __slots__ = ("name", "hdr", "desc", "start", "handle", "error", "inline")
+    __slots__ = ("desc", "error", "handle", "hdr", "inline", "name", "start")
 
-    def __init__(self, name: str, hdr: bytes, desc: Callable[[], dict[str, Any]],
-                 start: Callable[[list[bytes]], Handle]) -> None:
+    def __init__(
+        self,
+        name: str,
+        hdr: bytes,
+        desc: Callable[[], dict[str, Any]],
+        start: Callable[[list[bytes]], Handle],
+    ) -> None:
         self.name, self.hdr, self.desc, self.start = name, hdr, desc, start
         self.handle: Handle | None = None
         self.error: BaseException | None = None
@@ -264,8 +290,9 @@ def mismatch_error(tr: Any, mine: dict[str, Any]) -> CollectiveMismatchError:
     return _describe(mine, descs)
 
 
-def _describe(mine: dict[str, Any], descs: list[dict[str, Any]],
-              ranks: list[int] | None = None) -> CollectiveMismatchError:
+def _describe(
+    mine: dict[str, Any], descs: list[dict[str, Any]], ranks: list[int] | None = None
+) -> CollectiveMismatchError:
     ranks = list(range(len(descs))) if ranks is None else ranks
     diffs = []
     for key in mine:
@@ -358,8 +385,7 @@ def rounds(tr: Any, cur: Op | None, target: Op) -> None:
             hdr = ops[0].hdr
         else:
             digest = zlib.crc32(b"".join(o.hdr[:SIG_BYTES] for o in ops))
-            hdr = HDR.pack(Kind.ROUND, digest, len(ops), 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                           0, 0, 0, 0)
+            hdr = HDR.pack(Kind.ROUND, digest, len(ops), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         hdrs = tr.exchange(hdr)
         if len(ops) == 1 and all(h[:SIG_BYTES] == hdr[:SIG_BYTES] for h in hdrs):
             only = ops[0]
@@ -446,8 +472,15 @@ def _desc_from_header(name: str, h: bytes) -> dict[str, Any]:
     w = HDR.unpack(h)
     kind = Kind.NAMES.get(w[0], str(w[0]))
     dt = DTYPES[w[2] - 1] if 0 < w[2] <= len(DTYPES) else None
-    return {"collective": kind, "name": name, "dtype": str(dt), "shape": f"#{w[5]:x}",
-            "numel": w[6], "op": w[3], "root_rank": w[4]}
+    return {
+        "collective": kind,
+        "name": name,
+        "dtype": str(dt),
+        "shape": f"#{w[5]:x}",
+        "numel": w[6],
+        "op": w[3],
+        "root_rank": w[4],
+    }
 
 
 def _serve_zeros(tr: Any, hdr: bytes) -> None:
@@ -457,8 +490,9 @@ def _serve_zeros(tr: Any, hdr: bytes) -> None:
     wd = wire_dtype(dtype, tr.backend)
     z = torch.zeros(w[6], dtype=wd)
     if w[3] == 2:  # Adasum gathers every rank's vector
-        tr.allgatherv(z, torch.empty(z.numel() * tr.size, dtype=wd),
-                      [z.numel() * z.element_size()] * tr.size)
+        tr.allgatherv(
+            z, torch.empty(z.numel() * tr.size, dtype=wd), [z.numel() * z.element_size()] * tr.size
+        )
         return
     work = tr.allreduce(z, z, w[3], True)
     if work is not None:

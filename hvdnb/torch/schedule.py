@@ -8,12 +8,13 @@ every rank computes the same schedule from the same inputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["scale_lr", "warmup_lr", "LinearWarmup", "LARS"]
+__all__ = ["LARS", "LinearWarmup", "scale_lr", "warmup_lr"]
 
 
 def scale_lr(base_lr: float, size: int | None = None) -> float:
@@ -59,8 +60,13 @@ class LinearWarmup(LambdaLR):
     the scaled lr after ``warmup_steps`` calls to ``step()``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int,
-                 start_factor: float | None = None, last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int,
+        start_factor: float | None = None,
+        last_epoch: int = -1,
+    ) -> None:
         if start_factor is None:
             from hvdnb.torch.basics import is_initialized, size
 
@@ -86,13 +92,25 @@ class LARS(torch.optim.Optimizer):
     (e.g. biases and norms) get plain SGD with momentum.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
-                 weight_decay: float = 0.0, trust_coefficient: float = 0.001,
-                 eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+    ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError("LARS needs lr, momentum and weight_decay >= 0")
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        trust_coefficient=trust_coefficient, eps=eps, lars=True)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            lars=True,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -111,8 +129,9 @@ class LARS(torch.optim.Optimizer):
                 if group["lars"]:
                     wn, gn = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
                     if wn > 0 and gn > 0:
-                        local_lr = float(group["trust_coefficient"] * wn
-                                         / (gn + wd * wn + group["eps"]))
+                        local_lr = float(
+                            group["trust_coefficient"] * wn / (gn + wd * wn + group["eps"])
+                        )
                 d = g.add(p, alpha=wd) if wd else g.clone()
                 d.mul_(group["lr"] * local_lr)
                 st = self.state[p]

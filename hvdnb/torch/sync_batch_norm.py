@@ -26,9 +26,15 @@ class SyncBatchNorm(_BatchNorm):
     process_set : ranks whose batches form the global batch (default: all)
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True,
-                 process_set: ProcessSet = global_process_set) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
@@ -55,8 +61,11 @@ class SyncBatchNorm(_BatchNorm):
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.num_batches_tracked += 1
-                m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                     else self.momentum)
+                m = (
+                    1.0 / float(self.num_batches_tracked)
+                    if self.momentum is None
+                    else self.momentum
+                )
                 unbiased = var * total / (total - 1).clamp_min(1)
                 self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)
                 self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)
@@ -67,13 +76,20 @@ class SyncBatchNorm(_BatchNorm):
         return y.to(x.dtype)
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module,
-                               process_set: ProcessSet = global_process_set) -> torch.nn.Module:
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_set: ProcessSet = global_process_set
+    ) -> torch.nn.Module:
         """Return ``module`` with every BatchNorm layer replaced by a SyncBatchNorm."""
         out = module
         if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-            out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats, process_set)
+            out = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_set,
+            )
             if module.affine:
                 with torch.no_grad():
                     out.weight.copy_(module.weight)
@@ -85,5 +101,3 @@ class SyncBatchNorm(_BatchNorm):
         for name, child in module.named_children():
             out.add_module(name, cls.convert_sync_batchnorm(child, process_set))
         return out
-
-

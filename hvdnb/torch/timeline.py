@@ -21,7 +21,7 @@ from typing import Any
 from hvdnb.config import get_config
 from hvdnb.torch import listeners
 
-__all__ = ["start_timeline", "stop_timeline", "merge_timelines", "TimelineWriter"]
+__all__ = ["TimelineWriter", "merge_timelines", "start_timeline", "stop_timeline"]
 
 
 class TimelineWriter:
@@ -32,8 +32,13 @@ class TimelineWriter:
     ``[...]``; a process killed mid-run loses at most one interval.
     """
 
-    def __init__(self, path: str | os.PathLike[str], pid: int, max_bytes: int | None = None,
-                 flush_interval: float = 0.5) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        pid: int,
+        max_bytes: int | None = None,
+        flush_interval: float = 0.5,
+    ) -> None:
         self.path = Path(path)
         self.pid = pid
         self.max_bytes = get_config().timeline_max_bytes if max_bytes is None else max_bytes
@@ -55,14 +60,23 @@ class TimelineWriter:
         """Record one complete event ("ph": "X"); drops events past the size bound."""
         if self.closed or self.truncated:
             return
-        ev = {"name": name, "cat": cat, "ph": "X", "ts": round(ts_us, 1),
-              "dur": round(dur_us, 1), "pid": self.pid, "tid": 0, "args": args}
+        ev = {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "ts": round(ts_us, 1),
+            "dur": round(dur_us, 1),
+            "pid": self.pid,
+            "tid": 0,
+            "args": args,
+        }
         self._buf.append(json.dumps(ev, separators=(",", ":")).encode())
         if time.monotonic() - self._last > self.flush_interval:
             self.flush()
 
-    def defer(self, name: str, cat: str, end_us: float, seconds: Any, exposed: Any,
-              **args: Any) -> None:
+    def defer(
+        self, name: str, cat: str, end_us: float, seconds: Any, exposed: Any, **args: Any
+    ) -> None:
         """An event whose duration (and exposed time) are CUDA timings: written at a flush
         once the GPU has finished them, so recording never waits for the device."""
         if not (self.closed or self.truncated):
@@ -74,16 +88,24 @@ class TimelineWriter:
         keep = []
         for item in self._deferred:
             name, cat, end_us, seconds, exposed, args = item
-            if not force and not all(getattr(v, "ready", lambda: True)() for v in
-                                     (seconds, exposed)):
+            if not force and not all(
+                getattr(v, "ready", lambda: True)() for v in (seconds, exposed)
+            ):
                 keep.append(item)
                 continue
             sec, exp = _seconds(seconds), _seconds(exposed)
             if sec != sec:
                 sec = exp if exp == exp else 0.0
-            ev = {"name": name, "cat": cat, "ph": "X", "ts": round(end_us - sec * 1e6, 1),
-                  "dur": round(sec * 1e6, 1), "pid": self.pid, "tid": 0,
-                  "args": {**args, "exposed_us": round(exp * 1e6, 1) if exp == exp else None}}
+            ev = {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": round(end_us - sec * 1e6, 1),
+                "dur": round(sec * 1e6, 1),
+                "pid": self.pid,
+                "tid": 0,
+                "args": {**args, "exposed_us": round(exp * 1e6, 1) if exp == exp else None},
+            }
             self._buf.append(json.dumps(ev, separators=(",", ":")).encode())
         self._deferred = keep
 
@@ -97,10 +119,17 @@ class TimelineWriter:
         chunk = b"".join(b",\n" + e for e in self._buf)
         self._buf = []
         if self._size + len(chunk) > self.max_bytes:
-            marker = {"name": "timeline truncated", "ph": "i", "s": "g", "pid": self.pid,
-                      "ts": time.time() * 1e6,
-                      "args": {"max_bytes": self.max_bytes,
-                               "fix": "raise HVDNB_TIMELINE_MAX_BYTES or trace fewer steps"}}
+            marker = {
+                "name": "timeline truncated",
+                "ph": "i",
+                "s": "g",
+                "pid": self.pid,
+                "ts": time.time() * 1e6,
+                "args": {
+                    "max_bytes": self.max_bytes,
+                    "fix": "raise HVDNB_TIMELINE_MAX_BYTES or trace fewer steps",
+                },
+            }
             chunk = b",\n" + json.dumps(marker).encode()
             self.truncated = True
         self._f.seek(self._size - 3)  # the "\n]\n" tail
@@ -138,8 +167,15 @@ def _listener(name: str, nbytes: int, seconds: Any, backend: str, exposed: Any) 
         return
     if seconds != seconds:
         seconds = exposed
-    w.event(name, cat, now - seconds * 1e6, seconds * 1e6,
-            bytes=nbytes, backend=backend, exposed_us=round(exposed * 1e6, 1))
+    w.event(
+        name,
+        cat,
+        now - seconds * 1e6,
+        seconds * 1e6,
+        bytes=nbytes,
+        backend=backend,
+        exposed_us=round(exposed * 1e6, 1),
+    )
 
 
 def _rank_path(path: Path, rank: int) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HDR", "HDR_BYTES", "SIG_BYTES", "TAG", "MPITransport", "TorchTransport", "Kind"]
+__all__ = ["HDR", "HDR_BYTES", "SIG_BYTES", "TAG", "Kind", "MPITransport", "TorchTransport"]
 
 #: 12 signature words (must be equal on every rank) + 4 per-rank words
 HDR = struct.Struct("<16q")
@@ -41,8 +41,16 @@ class Kind:
     JOIN = 7
     #: a rank with queued async ops (or several ops to settle) asks for a full round
     ROUND = 8
-    NAMES = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall",
-             5: "reducescatter", 6: "barrier", 7: "join", 8: "round"}
+    NAMES = {
+        1: "allreduce",
+        2: "allgather",
+        3: "broadcast",
+        4: "alltoall",
+        5: "reducescatter",
+        6: "barrier",
+        7: "join",
+        8: "round",
+    }
 
 
 class MPITransport:
@@ -95,8 +103,13 @@ class MPITransport:
                 ctypes.memmove(self.saddr + HDR_BYTES, payload.data_ptr(), nb)
                 n += nb
             self.comm.Sendrecv(
-                [self.sbuf[:n], self.MPI.BYTE], self.peer, TAG,
-                [self.rbuf, self.MPI.BYTE], self.peer, TAG, self.status,
+                [self.sbuf[:n], self.MPI.BYTE],
+                self.peer,
+                TAG,
+                [self.rbuf, self.MPI.BYTE],
+                self.peer,
+                TAG,
+                self.status,
             )
             peer = self.rbuf[:HDR_BYTES].tobytes()
             return [hdr, peer] if self.rank == 0 else [peer, hdr]

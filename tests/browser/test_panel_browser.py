@@ -28,8 +28,15 @@ import pytest
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 TRAIN = """%%distributed
@@ -78,18 +85,38 @@ def _free_port() -> int:
 
 
 def _notebook(path: Path) -> None:
-    filler = "\n\n".join(f"Paragraph {i}: text a real lesson has between the start and the "
-                         "training cell, long enough to push that cell below the fold."
-                         for i in range(14))
-    cells = [("code", "%load_ext hvdnb\n%dist start -n 2"), ("markdown", filler),
-             ("code", TRAIN), ("code", "print('after the training cell')"), ("code", RUN2)]
+    filler = "\n\n".join(
+        f"Paragraph {i}: text a real lesson has between the start and the "
+        "training cell, long enough to push that cell below the fold."
+        for i in range(14)
+    )
+    cells = [
+        ("code", "%load_ext hvdnb\n%dist start -n 2"),
+        ("markdown", filler),
+        ("code", TRAIN),
+        ("code", "print('after the training cell')"),
+        ("code", RUN2),
+    ]
     nb = {
-        "cells": [{"cell_type": kind, "id": f"c{i}", "metadata": {}, "source": src,
-                   **({"execution_count": None, "outputs": []} if kind == "code" else {})}
-                  for i, (kind, src) in enumerate(cells)],
-        "metadata": {"kernelspec": {"name": "hvdnb", "display_name": "Python 3 (hvdnb)",
-                                    "language": "python"}},
-        "nbformat": 4, "nbformat_minor": 5,
+        "cells": [
+            {
+                "cell_type": kind,
+                "id": f"c{i}",
+                "metadata": {},
+                "source": src,
+                **({"execution_count": None, "outputs": []} if kind == "code" else {}),
+            }
+            for i, (kind, src) in enumerate(cells)
+        ],
+        "metadata": {
+            "kernelspec": {
+                "name": "hvdnb",
+                "display_name": "Python 3 (hvdnb)",
+                "language": "python",
+            }
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
     }
     path.write_text(json.dumps(nb))
 
@@ -98,8 +125,11 @@ def _notebook(path: Path) -> None:
 def lab(tmp_path_factory):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not found: apt-get install chromium to run the browser tests")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright (never "
-                        "`playwright install`: the tests use Debian's chromium)")
+    pytest.importorskip(
+        "playwright.sync_api",
+        reason="pip install playwright (never "
+        "`playwright install`: the tests use Debian's chromium)",
+    )
     from kernels_ext.kernelspec import get_kernel_dict
 
     root = tmp_path_factory.mktemp("lab")
@@ -113,17 +143,31 @@ def lab(tmp_path_factory):
     port = _free_port()
     env = dict(os.environ)
     bindir = str(Path(sys.executable).parent)
-    env.update(PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", JUPYTER_PATH=str(data),
-               JUPYTER_RUNTIME_DIR=str(root / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
-               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.update(
+        PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}",
+        JUPYTER_PATH=str(data),
+        JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
     log = (root / "lab.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={work}", "--LabApp.news_url=None",
-         "--allow-root"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={work}",
+            "--LabApp.news_url=None",
+            "--allow-root",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -141,8 +185,12 @@ def lab(tmp_path_factory):
     try:
         req = urllib.request.Request(f"{url}/api/kernels?token={token}")
         for k in json.loads(urllib.request.urlopen(req, timeout=5).read()):
-            urllib.request.urlopen(urllib.request.Request(
-                f"{url}/api/kernels/{k['id']}?token={token}", method="DELETE"), timeout=10)
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{url}/api/kernels/{k['id']}?token={token}", method="DELETE"
+                ),
+                timeout=10,
+            )
     except Exception:
         pass
     proc.terminate()
@@ -161,7 +209,8 @@ def _shot(page, name: str) -> None:
 def _loss_svg(page) -> str:
     return page.evaluate(
         "() => { const s = document.querySelector('.hvdnb-view svg.hvdnb-chart');"
-        " return s ? s.outerHTML : ''; }")
+        " return s ? s.outerHTML : ''; }"
+    )
 
 
 def _cell_busy(page, index: int) -> bool:
@@ -171,11 +220,15 @@ def _cell_busy(page, index: int) -> bool:
 
 def _on_screen(page, selector: str) -> bool:
     """Whether the element is laid out inside the window (not scrolled away, not hidden)."""
-    return bool(page.evaluate(
-        "(sel) => { const e = document.querySelector(sel); if (!e) return false;"
-        " const r = e.getBoundingClientRect();"
-        " return r.width > 0 && r.height > 0 && r.top < window.innerHeight && r.bottom > 0"
-        " && r.left < window.innerWidth && r.right > 0; }", selector))
+    return bool(
+        page.evaluate(
+            "(sel) => { const e = document.querySelector(sel); if (!e) return false;"
+            " const r = e.getBoundingClientRect();"
+            " return r.width > 0 && r.height > 0 && r.top < window.innerHeight && r.bottom > 0"
+            " && r.left < window.innerWidth && r.right > 0; }",
+            selector,
+        )
+    )
 
 
 def test_live_tuning_journey(lab):
@@ -198,7 +251,9 @@ def test_live_tuning_journey(lab):
             page.wait_for_selector(".hvdnb-panel", timeout=120_000)
             page.wait_for_function(
                 "() => ![...document.querySelectorAll('.jp-InputPrompt')][0]"
-                ".innerText.includes('*')", timeout=120_000)
+                ".innerText.includes('*')",
+                timeout=120_000,
+            )
             # in the side area, not in the notebook's cell output
             assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0
             assert page.locator(".jp-Notebook .hvdnb-show-panel").count() == 1
@@ -229,8 +284,10 @@ def test_live_tuning_journey(lab):
             assert len(set(seen)) >= 3, f"panel redrew {len(set(seen))} times while running"
             assert len(set(lines)) >= 3, f"live line: {lines}"
             assert lines[-1].startswith("run 1") and "loss r0" in lines[-1], lines[-1]
-            page.evaluate("(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
-                          f"{train} .hvdnb-liveline")  # updates replace the element: no locator
+            page.evaluate(
+                "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
+                f"{train} .hvdnb-liveline",
+            )  # updates replace the element: no locator
             assert _on_screen(page, f"{train} .hvdnb-liveline"), "running cell off-screen"
             assert _on_screen(page, ".hvdnb-panel .hvdnb-view"), "panel off-screen"
             _shot(page, "2-live-beside-running-cell")
@@ -248,7 +305,9 @@ def test_live_tuning_journey(lab):
             try:
                 page.wait_for_function(
                     "() => (document.querySelector('.hvdnb-knob-status')||{}).innerText"
-                    "?.includes('applied on ranks 0,1 at step')", timeout=30_000)
+                    "?.includes('applied on ranks 0,1 at step')",
+                    timeout=30_000,
+                )
             except Exception:
                 _shot(page, "knob-timeout")
                 raise AssertionError(f"knob not applied; status: {status.inner_text()!r}")
@@ -256,19 +315,26 @@ def test_live_tuning_journey(lab):
             text = status.inner_text()
             _shot(page, "3-knob-applied")
             assert " at step " in text and "late" not in text, text
-            applied_step = int(text.split("applied on ranks 0,1 at step ")[1].split()[0].strip(",;"))
+            applied_step = int(
+                text.split("applied on ranks 0,1 at step ")[1].split()[0].strip(",;")
+            )
             # the plot marks the step
             page.wait_for_selector(".hvdnb-view .hvdnb-mark", state="attached", timeout=10_000)
             # the cell ends, then the queued one runs (no message was lost)
-            page.wait_for_selector(".jp-OutputArea-output:has-text('after the training cell')",
-                                   state="attached", timeout=120_000)
+            page.wait_for_selector(
+                ".jp-OutputArea-output:has-text('after the training cell')",
+                state="attached",
+                timeout=120_000,
+            )
             page.wait_for_selector("text=/applied \\[\\(/", state="attached", timeout=30_000)
             out = cells.nth(2).locator(".jp-OutputArea").inner_text()
             assert f"[0,1] applied [({applied_step}," in out, out
             # a second run: overlaid on the runs chart, its knob values in the legend
             page.wait_for_function(
                 "() => [...document.querySelectorAll('.hvdnb-runs .hvdnb-legend')]"
-                ".some(e => e.innerText.includes('run 2: batch_size=64'))", timeout=120_000)
+                ".some(e => e.innerText.includes('run 2: batch_size=64'))",
+                timeout=120_000,
+            )
             legend = page.locator(".hvdnb-runs").first.inner_text()
             assert "run 1: batch_size=32 warmup_steps=20" in legend, legend
             assert f"@ {applied_step}" in legend, legend  # run 1's change, in its label
@@ -277,7 +343,9 @@ def test_live_tuning_journey(lab):
             page.locator(".hvdnb-runs").first.scroll_into_view_if_needed()
             _shot(page, "4-runs-compared")
             # one click closes the side panel (its tab), one click brings it back
-            page.locator(".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon").first.click()
+            page.locator(
+                ".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon"
+            ).first.click()
             page.wait_for_selector(".hvdnb-panel", state="detached", timeout=10_000)
             # click() scrolls it into view itself and re-finds the button when the cell's
             # output is redrawn meanwhile (a separate scroll call fails if it is replaced)

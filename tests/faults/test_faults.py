@@ -45,7 +45,8 @@ def report(capsys, text):
 
 def _collective_ok(shell):
     shell.run_cell_magic(
-        "distributed", "-q -o ok",
+        "distributed",
+        "-q -o ok",
         "import torch, torch.distributed as dist\ny = torch.ones(2); dist.all_reduce(y); y.tolist()",
     )
     return shell.user_ns["ok"] == {0: [2.0, 2.0], 1: [2.0, 2.0]}
@@ -68,7 +69,9 @@ def test_failing_rank_ends_the_cell_everywhere(ready, shell, capsys, place):
         elapsed = time.monotonic() - t0
         slowest = max(slowest, elapsed)
         text = "\n".join(info.value._render_traceback_())
-        named = f"--- rank {bad} raised ValueError ---" in text and f"bad input on rank {bad}" in text
+        named = (
+            f"--- rank {bad} raised ValueError ---" in text and f"bad input on rank {bad}" in text
+        )
         once = text.count(f"ValueError: bad input on rank {bad}") == 1
         if elapsed < 5.0 and named and once and _collective_ok(shell):
             ok += 1
@@ -93,14 +96,21 @@ def test_notebook_interrupt_stops_every_rank(ready, shell, capsys, where, kernel
             shell.run_cell_magic("distributed", "", code)
         stop = time.monotonic() - t0 - delay
         slowest = max(slowest, stop)
-        if stop < 2.0 and "interrupted from the notebook" in str(info.value) and _collective_ok(shell):
+        if (
+            stop < 2.0
+            and "interrupted from the notebook" in str(info.value)
+            and _collective_ok(shell)
+        ):
             ok += 1
-    report(capsys, f"interrupt ({where}): {ok}/{TRIALS} stopped within 2 s, slowest {slowest:.2f} s")
+    report(
+        capsys, f"interrupt ({where}): {ok}/{TRIALS} stopped within 2 s, slowest {slowest:.2f} s"
+    )
     assert ok == TRIALS
 
 
-def test_interrupt_lost_while_submitting_still_stops_the_cell(ready, shell, monkeypatch,
-                                                              kernel_sigint):
+def test_interrupt_lost_while_submitting_still_stops_the_cell(
+    ready, shell, monkeypatch, kernel_sigint
+):
     """A Ctrl-C whose KeyboardInterrupt Python drops (raised inside a ``__del__`` that the
     garbage collector runs while the cell is being submitted) must still stop the cell.
     Seen in a full-suite run after many earlier cells: the stop button did nothing, and a
@@ -135,7 +145,8 @@ def test_interrupt_lost_while_submitting_still_stops_the_cell(ready, shell, monk
 
 def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys):
     shell.run_cell_magic(
-        "distributed", "-q",
+        "distributed",
+        "-q",
         "import os, signal, time, torch, torch.distributed as dist, hvdnb\n"
         "torch.manual_seed(0)\nmodel = torch.nn.Linear(4, 2)\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
@@ -148,7 +159,8 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
         t0 = time.monotonic()
         with pytest.raises(hvdnb.DistributedCellError) as info:
             shell.run_cell_magic(
-                "distributed", "",
+                "distributed",
+                "",
                 f"state.step = {step}\nwith torch.no_grad(): model.weight.fill_({step})\n"
                 f"state.commit()\n"
                 f"if dist.get_rank() == {victim}:\n    time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -166,7 +178,8 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
         if took < 10.0 and _collective_ok(shell):
             restarted += 1
         shell.run_cell_magic(
-            "distributed", "-q -o got",
+            "distributed",
+            "-q -o got",
             "import os, signal, time, torch, torch.distributed as dist, hvdnb\n"
             "model = torch.nn.Linear(4, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
             "state = hvdnb.State(model=model, optimizer=opt, step=0)\n"
@@ -187,7 +200,8 @@ def test_stall_names_which_rank_is_where(ready, shell, capsys):
     t0 = time.monotonic()
     with pytest.raises(hvdnb.DistributedCellError):
         shell.run_cell_magic(
-            "distributed", "--timeout 9",
+            "distributed",
+            "--timeout 9",
             "x = torch.ones(1)\nif dist.get_rank() == 0:\n    dist.all_reduce(x)\nelse:\n    time.sleep(30)",
         )
     stall = ready.last_stall
@@ -203,7 +217,8 @@ def test_rank_ignoring_sigint_escalates_to_a_restart(ready, shell, capsys):
     t0 = time.monotonic()
     with pytest.raises(hvdnb.DistributedCellError) as info:
         shell.run_cell_magic(
-            "distributed", "--timeout 1",
+            "distributed",
+            "--timeout 1",
             "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "t = time.time()\nwhile time.time() - t < 60: pass",
         )
@@ -223,7 +238,8 @@ def test_a_busy_training_loop_is_not_called_a_stall(ready, shell, capsys, monkey
     # a fixed step count: a time-based loop lets the ranks run different numbers of steps
     # and meet in different collectives, a real deadlock (the kind this detector reports)
     shell.run_cell_magic(
-        "distributed", "-q --timeout 90",
+        "distributed",
+        "-q --timeout 90",
         "import time, torch, torch.distributed as dist, hvdnb.torch as hvd\nhvd.init()\n"
         "torch.manual_seed(0)\n"
         "model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))\n"

@@ -48,11 +48,14 @@ def run(c, code: str) -> dict:
 
 
 def test_one_engine_per_gpu_with_nccl_and_torchrun_variables(gpu_cluster):
-    vals = run(gpu_cluster, """
+    vals = run(
+        gpu_cluster,
+        """
 import os, torch, torch.distributed as dist
 (dist.get_backend(), torch.cuda.current_device(), int(os.environ["LOCAL_RANK"]),
  int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-""")
+""",
+    )
     n = gpu_cluster.n
     for rank, (backend, dev, local, world, addr, port) in vals.items():
         assert backend == "nccl"
@@ -62,7 +65,9 @@ import os, torch, torch.distributed as dist
 
 def test_nccl_allreduce_and_hvdnb_collectives_on_cuda_tensors(gpu_cluster):
     n = gpu_cluster.n
-    vals = run(gpu_cluster, """
+    vals = run(
+        gpu_cluster,
+        """
 import torch, torch.distributed as dist
 import hvdnb.torch as hvd
 hvd.init()
@@ -77,7 +82,8 @@ h = hvd.allreduce_async(torch.ones(10, device="cuda"), op=hvd.Sum, name="h")
 hs = hvd.synchronize(h)
 (x[0].item(), x.device.type, s[0].item(), s.device.type, a[0].item(), g.shape[0],
  g[:, 0].tolist(), b.sum().item(), hs.sum().item(), hs.device.type)
-""")
+""",
+    )
     total = n * (n + 1) / 2
     for x0, xdev, s0, sdev, a0, gn, gcol, bsum, hsum, hdev in vals.values():
         assert x0 == total and xdev == "cuda"
@@ -169,7 +175,9 @@ def test_training_on_gpu_reports_gpu_memory_and_nccl_times(gpu_cluster):
 def test_ddp_comm_hook_reports_nccl_kernel_times(gpu_cluster):
     store = attach(gpu_cluster)
     store.clear()
-    run(gpu_cluster, """
+    run(
+        gpu_cluster,
+        """
 import torch, hvdnb
 from torch.nn.parallel import DistributedDataParallel as DDP
 dev = torch.device("cuda", torch.cuda.current_device())
@@ -183,10 +191,13 @@ for step in range(50):
     opt.zero_grad(); loss.backward(); opt.step()
     hvdnb.log(step, loss)
 hvdnb.metrics.get_recorder().flush()
-""")
+""",
+    )
     for rank in range(gpu_cluster.n):
         times = store.per_step("comm/ddp.", rank, 100)
-        assert len(times) >= 5 and all(math.isfinite(v) and 0 < v < 0.05 for v in times.values()), times
+        assert len(times) >= 5 and all(math.isfinite(v) and 0 < v < 0.05 for v in times.values()), (
+            times
+        )
         exposed = [v for _, v, _ in zip(*store.series("comm/ddp.bucket.0/exposed", rank, run=-1))]
         assert exposed and all(math.isnan(v) for v in exposed)  # n/a on CUDA, as documented
 
@@ -196,16 +207,23 @@ def test_nvml_reading_matches_nvidia_smi(gpu_cluster):
         pytest.skip("no nvidia-smi to compare with")
     store = attach(gpu_cluster)
     store.clear()
-    run(gpu_cluster, """
+    run(
+        gpu_cluster,
+        """
 import torch, hvdnb
 x = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
 for s in range(5):
     hvdnb.log(s, 1.0)
 hvdnb.metrics.get_recorder().flush()
-""")
+""",
+    )
     out = subprocess.run(
         ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-        capture_output=True, text=True, timeout=30, check=True).stdout
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     smi = float(out.split()[0]) * 2**20
     _, nvml, _ = store.series("mem/gpu_nvml_used", 0, run=-1)
     assert nvml
@@ -214,7 +232,9 @@ hvdnb.metrics.get_recorder().flush()
 
 def test_timeline_on_gpu_is_a_chrome_trace(gpu_cluster, tmp_path):
     path = tmp_path / "tl.json"
-    run(gpu_cluster, f"""
+    run(
+        gpu_cluster,
+        f"""
 import torch
 import hvdnb.torch as hvd
 hvd.init()
@@ -222,7 +242,8 @@ hvd.start_timeline({str(path)!r})
 for i in range(5):
     hvd.allreduce(torch.ones(4096, device="cuda"), name="tl.grad")
 hvd.stop_timeline()
-""")
+""",
+    )
     trace = json.loads(path.read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e.get("name") for e in events} | {e.get("args", {}).get("name") for e in events}
@@ -240,7 +261,9 @@ def test_ranks_sharing_one_gpu_use_gloo_on_cuda_tensors():
             hvdnb.Cluster(n=2)
     c = _start(2, oversubscribe=True)
     try:
-        vals = run(c, """
+        vals = run(
+            c,
+            """
 import torch, torch.distributed as dist
 import hvdnb.torch as hvd
 hvd.init()
@@ -258,7 +281,8 @@ for _ in range(5):
 w = hvd.allgather(model.weight.detach().reshape(1, -1))
 (dist.get_backend(), torch.cuda.current_device(), x[0].item(), y[0].item(),
  bool((w[0] - w[1]).abs().max() == 0))
-""")
+""",
+        )
     finally:
         c.stop()
     for backend, dev, x0, y0, same in vals.values():

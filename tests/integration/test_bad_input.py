@@ -93,8 +93,8 @@ def test_the_wrong_mpi_is_named(no_cluster, tmp_path):
     fake = tmp_path / "mpiexec"
     fake.write_text(
         "#!/bin/bash\nn=$2; shift 2; pids=()\n"
-        "for i in $(seq 0 $((n-1))); do OMPI_COMM_WORLD_SIZE=$n OMPI_COMM_WORLD_RANK=$i \"$@\" & pids+=($!); done\n"
-        "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=$?; done; exit $rc\n"
+        'for i in $(seq 0 $((n-1))); do OMPI_COMM_WORLD_SIZE=$n OMPI_COMM_WORLD_RANK=$i "$@" & pids+=($!); done\n'
+        'rc=0; for p in "${pids[@]}"; do wait $p || rc=$?; done; exit $rc\n'
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     import glob

@@ -99,11 +99,14 @@ def test_syntax_errors_show_the_users_line_only(dist2):
     assert "engine.py" not in text and "Traceback" not in text
 
 
-@pytest.mark.parametrize("line, message", [
-    ("debug 7", "unknown rank 7: the ranks are 0..1"),
-    ("debug one", "'one' is not a rank number"),
-    ("debug 0 1", "%dist debug takes one rank"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("debug 7", "unknown rank 7: the ranks are 0..1"),
+        ("debug one", "'one' is not a rank number"),
+        ("debug 0 1", "%dist debug takes one rank"),
+    ],
+)
 def test_bad_debug_arguments(dist2, shell, line, message):
     with pytest.raises(UsageError, match=message):
         shell.run_line_magic("dist", line)
@@ -126,8 +129,9 @@ print(f"sum {t.tolist()} x {globals().get('x')}")
 """
 
 
-def test_breakpoint_on_one_rank_while_the_other_waits_in_allreduce(dist2, shell, capsys,
-                                                                   monkeypatch):
+def test_breakpoint_on_one_rank_while_the_other_waits_in_allreduce(
+    dist2, shell, capsys, monkeypatch
+):
     asked: list[str] = []
     answers = iter(["p x", "n", "p x", "c"])
 
@@ -149,11 +153,14 @@ def test_breakpoint_on_one_rank_while_the_other_waits_in_allreduce(dist2, shell,
     assert "stalled" not in captured.err, captured.err
 
 
-@pytest.mark.parametrize("line, message", [
-    ("logs 9", "unknown rank 9: the ranks are 0..1"),
-    ("logs x", "'x' is not a rank number"),
-    ("logs 0 -n -1", "-n must be a number of lines >= 0"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("logs 9", "unknown rank 9: the ranks are 0..1"),
+        ("logs x", "'x' is not a rank number"),
+        ("logs 0 -n -1", "-n must be a number of lines >= 0"),
+    ],
+)
 def test_bad_logs_arguments(dist2, shell, line, message):
     with pytest.raises(UsageError, match=message):
         shell.run_line_magic("dist", line)

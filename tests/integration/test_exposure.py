@@ -19,7 +19,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
 def test_everything_listens_on_loopback_and_files_are_private(dist2, shell):
-    shell.run_cell_magic("distributed", "-q", "import torch, torch.distributed as dist\nx = torch.ones(1); dist.all_reduce(x)")
+    shell.run_cell_magic(
+        "distributed",
+        "-q",
+        "import torch, torch.distributed as dist\nx = torch.ones(1); dist.all_reduce(x)",
+    )
     listeners = []
     for pid in dist2.pids() + [os.getpid()]:
         try:
@@ -28,13 +32,17 @@ def test_everything_listens_on_loopback_and_files_are_private(dist2, shell):
                     listeners.append((pid, c.laddr.ip, c.laddr.port))
         except psutil.NoSuchProcess:
             pass
-    ours = [entry for entry in listeners if entry[0] != os.getpid() or entry[2] == dist2.channel.port]
+    ours = [
+        entry for entry in listeners if entry[0] != os.getpid() or entry[2] == dist2.channel.port
+    ]
     assert len(ours) >= 6  # controller, engines, rendezvous store, side channel
     assert all(ip == "127.0.0.1" for _, ip, _ in ours), ours
     sec = Path(dist2._ipp.profile_dir) / "security"
     files = list(sec.glob(f"*{dist2.cluster_id}*"))
     assert len(files) >= 3
-    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files), [(f.name, oct(f.stat().st_mode)) for f in files]
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files), [
+        (f.name, oct(f.stat().st_mode)) for f in files
+    ]
     assert oct(Path(dist2.state_dir).stat().st_mode & 0o777) == "0o700"
 
 
@@ -48,7 +56,9 @@ def test_killed_kernel_leaves_nothing_running_or_on_disk():
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit runs: the watchdog must clean up
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == -signal.SIGKILL
     head, tail = proc.stdout.splitlines()
     profile, cluster_id = head.split()

@@ -32,7 +32,9 @@ def test_stop_and_restart_leave_no_process_behind(shell, capsys):
     shell.run_line_magic("dist", "restart")
     assert alive(first) == []
     assert c.running and set(c.pids()).isdisjoint(first)
-    shell.run_cell_magic("distributed", "-q -o r", "import torch.distributed as dist\ndist.get_world_size()")
+    shell.run_cell_magic(
+        "distributed", "-q -o r", "import torch.distributed as dist\ndist.get_world_size()"
+    )
     assert shell.user_ns["r"] == {0: 2, 1: 2}
     second = c.pids()
     t0 = time.monotonic()
@@ -74,8 +76,11 @@ def _files_of(cluster_id: str) -> list[str]:
     from IPython.paths import get_ipython_dir
 
     profile = os.path.join(get_ipython_dir(), "profile_default")
-    return [p for sub in ("security", "log")
-            for p in glob.glob(os.path.join(profile, sub, f"*{cluster_id}*"))]
+    return [
+        p
+        for sub in ("security", "log")
+        for p in glob.glob(os.path.join(profile, sub, f"*{cluster_id}*"))
+    ]
 
 
 def test_interpreter_exit_leaves_no_orphans(tmp_path):
@@ -107,7 +112,8 @@ def _profile_files(c) -> set[str]:
     import os
 
     return {
-        p for sub in ("security", "log")
+        p
+        for sub in ("security", "log")
         for p in glob.glob(os.path.join(c._ipp.profile_dir, sub, f"*{c.cluster_id}*"))
     }
 

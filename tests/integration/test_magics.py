@@ -45,7 +45,8 @@ def test_allreduce_cell_and_torchrun_variables(dist2, shell, capsys):
 
 def test_engine_id_is_mpi_rank_and_mpi4py_is_there(dist2, shell):
     shell.run_cell_magic(
-        "distributed", "-o ranks -q",
+        "distributed",
+        "-o ranks -q",
         "from mpi4py import MPI\n(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), "
         "MPI.COMM_WORLD.allreduce(1))",
     )
@@ -107,7 +108,9 @@ def test_output_streams_while_the_cell_runs(dist2, shell, monkeypatch):
     rec = _TimedOut()
     monkeypatch.setattr(sys, "stdout", rec)
     shell.run_cell_magic(
-        "distributed", "", "import time\nprint('before', flush=True)\ntime.sleep(2.0)\nprint('after')"
+        "distributed",
+        "",
+        "import time\nprint('before', flush=True)\ntime.sleep(2.0)\nprint('after')",
     )
     end = time.monotonic()
     before = [t for t, s in rec.chunks if "before" in s]
@@ -122,14 +125,15 @@ def test_error_on_every_rank_is_shown_once(dist2, shell):
     text = "\n".join(info.value._render_traceback_())
     assert "ranks 0,1 raised NameError" in text
     assert text.count("name 'undefined_name_xyz' is not defined") == 1
-    assert '<cell ' in text  # the user's own frame, not the runner's
+    assert "<cell " in text  # the user's own frame, not the runner's
 
 
 def test_failing_rank_releases_peer_blocked_in_collective(dist2, shell):
     t0 = time.monotonic()
     with pytest.raises(hvdnb.DistributedCellError) as info:
         shell.run_cell_magic(
-            "distributed", "",
+            "distributed",
+            "",
             "x = torch.ones(4)\n"
             "if dist.get_rank() == 0:\n    raise ValueError('bad batch on rank 0')\n"
             "dist.all_reduce(x)\n",
@@ -140,7 +144,9 @@ def test_failing_rank_releases_peer_blocked_in_collective(dist2, shell):
     assert "bad batch on rank 0" in "\n".join(lines)
     assert elapsed < 5.0, f"cell took {elapsed:.1f} s to fail"
     # the group was rebuilt: collectives work again in the next cell
-    shell.run_cell_magic("distributed", "-q -o after", "y = torch.ones(2); dist.all_reduce(y); y.tolist()")
+    shell.run_cell_magic(
+        "distributed", "-q -o after", "y = torch.ones(2); dist.all_reduce(y); y.tolist()"
+    )
     assert shell.user_ns["after"] == {0: [2.0, 2.0], 1: [2.0, 2.0]}
 
 
@@ -148,7 +154,8 @@ def test_failing_rank_stops_busy_peers_fast(dist2, shell):
     t0 = time.monotonic()
     with pytest.raises(hvdnb.DistributedCellError) as info:
         shell.run_cell_magic(
-            "distributed", "",
+            "distributed",
+            "",
             "import time\nif dist.get_rank() == 1:\n    raise KeyError('missing')\ntime.sleep(60)\n",
         )
     assert time.monotonic() - t0 < 5.0
@@ -173,7 +180,9 @@ def test_notebook_interrupt_stops_every_rank(dist2, shell, kernel_sigint):
     assert time.monotonic() - t0 < 3.5
     assert "interrupted from the notebook" in str(info.value)
     assert "KeyboardInterrupt" in str(info.value)
-    shell.run_cell_magic("distributed", "-q -o ok", "z = torch.ones(1); dist.all_reduce(z); z.item()")
+    shell.run_cell_magic(
+        "distributed", "-q -o ok", "z = torch.ones(1); dist.all_reduce(z); z.item()"
+    )
     assert shell.user_ns["ok"] == {0: 2.0, 1: 2.0}
 
 
@@ -193,7 +202,9 @@ def test_bad_input_gets_one_clear_message(dist2, shell):
         shell.run_line_magic("dist", "launch")
     with pytest.raises(UsageError, match="unrecognized arguments: --frobnicate"):
         shell.run_line_magic("dist", "start --frobnicate")
-    with pytest.raises(UsageError, match=r"--targets names rank\(s\) 5 but the cluster has ranks 0,1"):
+    with pytest.raises(
+        UsageError, match=r"--targets names rank\(s\) 5 but the cluster has ranks 0,1"
+    ):
         shell.run_cell_magic("distributed", "--targets 5", "pass")
     with pytest.raises(UsageError, match="-o needs a variable name"):
         shell.run_cell_magic("distributed", "-o 1x", "pass")
@@ -216,7 +227,8 @@ def test_side_channel_answers_while_the_cell_runs(dist2, shell):
     channel.on(ping, pong)
     try:
         shell.run_cell_magic(
-            "distributed", "-q -o replies",
+            "distributed",
+            "-q -o replies",
             "import threading\nfrom hvdnb.rank import channel as _ch\n"
             "from hvdnb.protocol import kinds\n"
             "ping = kinds.register(kinds.Kind('test_ping', 'rank'))\n"
@@ -255,13 +267,16 @@ def test_engines_publish_idle_not_busy_and_never_lose_output(dist2, shell, capsy
     try:
         time.sleep(0.3)  # let the subscription reach the relay
         shell.run_cell_magic(
-            "distributed", "",
+            "distributed",
+            "",
             "import os, sys\nsys.stdout.write('tail-' + os.environ['RANK'])\n"
             "sys.stderr.write('err-tail')",
         )
         seen: dict[str, list[str]] = {}
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum(k == "idle" for v in seen.values() for k in v) < 2:
+        while (
+            time.monotonic() < deadline and sum(k == "idle" for v in seen.values() for k in v) < 2
+        ):
             if not sub.poll(200):
                 continue
             _, parts = session.feed_identities(sub.recv_multipart())
@@ -291,7 +306,9 @@ def test_output_below_python_is_in_the_cell_that_wrote_it(dist2):
     missing = []
     for i in range(24):
         fd, name = (1, "stdout") if i % 2 == 0 else (2, "stderr")
-        r = hvdnb.run_cell(dist2, f"import os\nos.write({fd}, b'fd-{i}\\n')", stream=False, quiet=True)
+        r = hvdnb.run_cell(
+            dist2, f"import os\nos.write({fd}, b'fd-{i}\\n')", stream=False, quiet=True
+        )
         for rank in (0, 1):
             if f"fd-{i}" not in getattr(r, name)[rank]:
                 missing.append((name, i, rank))

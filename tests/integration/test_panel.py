@@ -73,7 +73,8 @@ def test_a_cells_last_points_are_in_the_store_when_it_returns(dist2):
     for attempt in range(3):  # each cell ends a few ms after its last log()
         store.clear()
         cells.run_cell(
-            dist2, f"import hvdnb\nfor s in range(5):\n    hvdnb.log(s, 0.5 * s + {attempt})",
+            dist2,
+            f"import hvdnb\nfor s in range(5):\n    hvdnb.log(s, 0.5 * s + {attempt})",
             quiet=True,
         )
         loss = store.rows("loss")
@@ -137,7 +138,9 @@ def test_runs_segments_and_dist_knobs_at_step(dist2, shell, capsys):
     assert "every rank applies it at step 25" in capsys.readouterr().out
     res = cells.run_cell(dist2, RUN, quiet=True)  # a new knob set: the plan carries over
     assert {r: [h[:2] for h in v] for r, v in res.values.items()} == {
-        0: [(25, {"batch_size": 48})], 1: [(25, {"batch_size": 48})]}
+        0: [(25, {"batch_size": 48})],
+        1: [(25, {"batch_size": 48})],
+    }
     assert [r["id"] for r in store.runs] == [1, 2]
     rows = [r for r in store.rows("loss") if r.run == 2]
     for rank in (0, 1):
@@ -149,7 +152,8 @@ def test_runs_segments_and_dist_knobs_at_step(dist2, shell, capsys):
     assert set(df[df.name == "loss"].run) == {1, 2}
     # the runs chart's label names the change and where it happened
     assert store.run_curves()[-1]["label"] == (
-        "run 2: batch_size=16 warmup_steps=10 -> batch_size=48 @ 25")
+        "run 2: batch_size=16 warmup_steps=10 -> batch_size=48 @ 25"
+    )
 
 
 def hvdnb_metrics_frame():
@@ -158,16 +162,19 @@ def hvdnb_metrics_frame():
     return hvdnb.metrics().to_pandas()
 
 
-@pytest.mark.parametrize("line, message", [
-    ("knobs lr=-1", "out of range"),
-    ("knobs momentum=0.9", "unknown knob 'momentum'"),
-    ("knobs batch_size=abc", "batch_size: 'abc' is not a number"),
-    ("knobs batch_size", "cannot read 'batch_size': write name=value"),
-    ("knobs batch_size=2.5", "batch_size must be a whole number"),
-    ("knobs batch_size=64 --at-step -3", "at_step must be a step number >= 0"),
-    ("knobs batch_size=64 --after -1", "after must be a number of seconds >= 0"),
-    ("status batch_size=64", "%dist status takes no values"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("knobs lr=-1", "out of range"),
+        ("knobs momentum=0.9", "unknown knob 'momentum'"),
+        ("knobs batch_size=abc", "batch_size: 'abc' is not a number"),
+        ("knobs batch_size", "cannot read 'batch_size': write name=value"),
+        ("knobs batch_size=2.5", "batch_size must be a whole number"),
+        ("knobs batch_size=64 --at-step -3", "at_step must be a step number >= 0"),
+        ("knobs batch_size=64 --after -1", "after must be a number of seconds >= 0"),
+        ("status batch_size=64", "%dist status takes no values"),
+    ],
+)
 def test_dist_knobs_bad_input_is_one_clear_message(dist2, shell, line, message):
     from IPython.core.error import UsageError
 
@@ -281,7 +288,9 @@ def test_short_steps_time_their_collectives_on_one_step_in_k(dist2):
         b = store.breakdown()[rank]
         assert 0 < b["comm"] <= b["step"] and b["compute"] >= 0
     # k is a power of two from the same step time: the ranks time (nearly) the same steps
-    timed = [{s for s in store.per_step("comm/", r, 10_000, suffix="/exposed") if s < 3000}
-             for r in sorted(res.values)]
+    timed = [
+        {s for s in store.per_step("comm/", r, 10_000, suffix="/exposed") if s < 3000}
+        for r in sorted(res.values)
+    ]
     shared = len(timed[0] & timed[1]) / max(len(timed[0] | timed[1]), 1)
     assert shared >= 0.8, f"ranks timed different steps: {shared:.0%} in common"

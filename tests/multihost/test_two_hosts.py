@@ -67,9 +67,24 @@ class TwoHosts:
     def engine_sets(self) -> list[dict]:
         mpiexec = find_mpiexec(local=True)
         return [
-            {"n": 1, "host": addr,
-             "mpi_cmd": ["ip", "netns", "exec", ns, "unshare", "--uts", "--", "sh", "-c",
-                         'hostname "$0" && exec "$@"', name, mpiexec]}
+            {
+                "n": 1,
+                "host": addr,
+                "mpi_cmd": [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "unshare",
+                    "--uts",
+                    "--",
+                    "sh",
+                    "-c",
+                    'hostname "$0" && exec "$@"',
+                    name,
+                    mpiexec,
+                ],
+            }
             for ns, name, addr in zip(self.hosts, self.names, self.addrs)
         ]
 
@@ -97,8 +112,12 @@ def cluster(two_hosts, shell):
     running = hvdnb.current()
     if running is not None and running.running:
         running.stop()
-    c = hvdnb.Cluster(engine_sets=two_hosts.engine_sets(), ip=f"{NET}.1", timeout=120,
-                      engine_env={"HVDNB_COLLECTIVE_TIMEOUT": "6"})
+    c = hvdnb.Cluster(
+        engine_sets=two_hosts.engine_sets(),
+        ip=f"{NET}.1",
+        timeout=120,
+        engine_env={"HVDNB_COLLECTIVE_TIMEOUT": "6"},
+    )
     c.start()
     hvdnb.notebook.cluster.lifecycle._CURRENT = c  # what %dist start does: the magics act on it
     yield c
@@ -166,14 +185,18 @@ def test_cut_link_mid_cell_names_the_ranks(cluster, shell, two_hosts, capsys):
     t0 = time.monotonic()
     err = None
     try:
-        shell.run_cell_magic("distributed", "-q", r"""
+        shell.run_cell_magic(
+            "distributed",
+            "-q",
+            r"""
 import time
 x = torch.ones(1024)
 t_end = time.time() + 60
 while time.time() < t_end:
     dist.all_reduce(x)
     time.sleep(0.01)
-""")
+""",
+        )
     except DistributedCellError as exc:
         err = exc
     except Exception as exc:  # UsageError and friends: the message is what counts

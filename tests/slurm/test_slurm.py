@@ -39,19 +39,23 @@ def _slurm_up() -> bool:
 def slurm():
     if not _slurm_up():
         if os.geteuid() != 0:
-            pytest.skip("Slurm is not running and starting it needs root: "
-                        "sudo tests/slurm/setup_slurm.sh")
+            pytest.skip(
+                "Slurm is not running and starting it needs root: sudo tests/slurm/setup_slurm.sh"
+            )
         # start what is installed; installing is the CI set-up's job (.ci/run)
         subprocess.run(["bash", str(SETUP), "--no-install"], capture_output=True, timeout=90)
         if not _slurm_up():
-            pytest.skip("Slurm is not running and could not be started: run "
-                        "tests/slurm/setup_slurm.sh as root (it installs slurm-wlm + munge)")
+            pytest.skip(
+                "Slurm is not running and could not be started: run "
+                "tests/slurm/setup_slurm.sh as root (it installs slurm-wlm + munge)"
+            )
     return True
 
 
 def _jobs(name_part: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True,
-                         timeout=20).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=20
+    ).stdout
     return [line for line in out.splitlines() if name_part in line]
 
 
@@ -59,15 +63,19 @@ def test_cell_trains_on_two_ranks_through_slurm(slurm, shell, capsys):
     running = hvdnb.current()
     if running is not None and running.running:
         running.stop()
-    shell.run_line_magic("dist", "start -n 2 --launcher slurm --ip 127.0.0.1 --time 10 "
-                                 "--timeout 120")
+    shell.run_line_magic(
+        "dist", "start -n 2 --launcher slurm --ip 127.0.0.1 --time 10 --timeout 120"
+    )
     c = hvdnb.current()
     try:
         assert c is not None and c.launcher == "slurm"
         jobs = _jobs(c.cluster_id)
         assert len(jobs) == 1 and "RUNNING" in jobs[0], jobs
         job_id = jobs[0].split()[0]
-        shell.run_cell_magic("distributed", "-o res -q", r"""
+        shell.run_cell_magic(
+            "distributed",
+            "-o res -q",
+            r"""
 import os, torch, torch.distributed as dist
 import hvdnb.torch as hvd
 hvd.init()
@@ -92,7 +100,8 @@ dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
      env=(os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]),
      slurm=(os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_PROCID")),
      first=losses[0], last=losses[-1], same=all(torch.equal(ws[0], x) for x in ws))
-""")
+""",
+        )
         res = shell.user_ns["res"]  # {rank: value}
         assert sorted(res) == [0, 1]
         for rank, r in res.items():
@@ -116,8 +125,11 @@ dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
     from IPython.paths import get_ipython_dir
 
     profile = os.path.join(get_ipython_dir(), "profile_default")
-    assert [p for sub in ("security", "log")
-            for p in glob.glob(os.path.join(profile, sub, f"*{c.cluster_id}*"))] == []
+    assert [
+        p
+        for sub in ("security", "log")
+        for p in glob.glob(os.path.join(profile, sub, f"*{c.cluster_id}*"))
+    ] == []
 
 
 def test_killed_kernel_cancels_its_slurm_job(slurm, tmp_path):
@@ -136,8 +148,9 @@ def test_killed_kernel_cancels_its_slurm_job(slurm, tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=180, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     cluster_id = proc.stdout.split()[-1]
     assert cluster_id.startswith("hvdnb-")

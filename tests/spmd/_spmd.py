@@ -24,6 +24,5 @@ def _die(kind: type[BaseException], value: BaseException, tb: TracebackType | No
 
 
 def setup() -> None:
-    faulthandler.dump_traceback_later(float(os.environ.get("HVDNB_SPMD_TIMEOUT", "60")),
-                                      exit=True)
+    faulthandler.dump_traceback_later(float(os.environ.get("HVDNB_SPMD_TIMEOUT", "60")), exit=True)
     sys.excepthook = _die

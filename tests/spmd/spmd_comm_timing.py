@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 
-import _spmd  # noqa: E402
+import _spmd
 
 _spmd.setup()
 
@@ -34,18 +34,22 @@ SLACK = 0.002 if backend == "mpi" else 0.005
 torch.manual_seed(0)
 layers = [nn.Linear(256, 256) for _ in range(6)]
 model = nn.Sequential(*[m for lin in layers for m in (lin, nn.Tanh())])
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                               named_parameters=model.named_parameters(),
-                               groups=[[lin.weight, lin.bias] for lin in layers])
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01),
+    named_parameters=model.named_parameters(),
+    groups=[[lin.weight, lin.bias] for lin in layers],
+)
 x = torch.randn(512, 256)
 
 launched: dict[str, float] = {}
 # our hook runs after the optimizer's (registration order): the bucket was just launched
-first_of_bucket = {lin.weight: f"DistributedOptimizer.bucket.{len(layers) - 1 - i}"
-                   for i, lin in enumerate(layers)}
+first_of_bucket = {
+    lin.weight: f"DistributedOptimizer.bucket.{len(layers) - 1 - i}" for i, lin in enumerate(layers)
+}
 for p, bname in first_of_bucket.items():
     p.register_post_accumulate_grad_hook(
-        lambda _p, bname=bname: launched.__setitem__(bname, time.perf_counter()))
+        lambda _p, bname=bname: launched.__setitem__(bname, time.perf_counter())
+    )
 
 reports: list[tuple[str, int, float, str, float, float]] = []
 
@@ -101,12 +105,16 @@ for name, secs in sorted(per_bucket.items()):
     s = statistics.median(every.min(dim=0).values.tolist())
     assert s == s and s <= 2 * alone_s + SLACK, (
         f"{name}: reported {s * 1e3:.2f} ms (smallest over ranks) vs {alone_s * 1e3:.2f} ms "
-        f"alone ({backend}); this rank: {statistics.median(secs) * 1e3:.2f} ms")
+        f"alone ({backend}); this rank: {statistics.median(secs) * 1e3:.2f} ms"
+    )
 # the first bucket starts earliest in backward: its launch-to-report time is what the
 # old contract reported; it must be far above the collective's own time
 first = "DistributedOptimizer.bucket.0"
 own0, lag0 = statistics.median(per_bucket[first]), statistics.median(lag[first])
-assert lag0 > 3 * own0, (f"launch-to-report {lag0 * 1e3:.2f} ms vs own {own0 * 1e3:.2f} ms")
-print(f"{backend}: alone {alone_s * 1e3:.3f} ms, bucket.0 own {own0 * 1e3:.3f} ms, "
-      f"launch-to-report {lag0 * 1e3:.3f} ms", flush=True)
+assert lag0 > 3 * own0, f"launch-to-report {lag0 * 1e3:.2f} ms vs own {own0 * 1e3:.2f} ms"
+print(
+    f"{backend}: alone {alone_s * 1e3:.3f} ms, bucket.0 own {own0 * 1e3:.3f} ms, "
+    f"launch-to-report {lag0 * 1e3:.3f} ms",
+    flush=True,
+)
 print(f"OK spmd_comm_timing rank {r}", flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-import _spmd  # noqa: E402
+import _spmd
 
 _spmd.setup()
 
@@ -25,20 +25,34 @@ CASES = {
     # case: (call, words the message must contain)
     "shape": (lambda: hvd.allreduce(torch.ones(3 + odd), name="s"), ["shape", "(3,)", "(4,)"]),
     "shape, large path": (lambda: hvd.allreduce(torch.ones(100_000 + odd), name="L"), ["shape"]),
-    "inline vs large": (lambda: hvd.allreduce(torch.ones(10 if odd else 100_000), name="m"),
-                        ["shape"]),
-    "dtype": (lambda: hvd.allreduce(torch.ones(3, dtype=torch.float64 if odd else torch.float32),
-                                    name="d"), ["dtype", "float64"]),
-    "op": (lambda: hvd.allreduce(torch.ones(3), name="o", op=hvd.Max if odd else hvd.Sum),
-           ["op", "Max", "Sum"]),
+    "inline vs large": (
+        lambda: hvd.allreduce(torch.ones(10 if odd else 100_000), name="m"),
+        ["shape"],
+    ),
+    "dtype": (
+        lambda: hvd.allreduce(
+            torch.ones(3, dtype=torch.float64 if odd else torch.float32), name="d"
+        ),
+        ["dtype", "float64"],
+    ),
+    "op": (
+        lambda: hvd.allreduce(torch.ones(3), name="o", op=hvd.Max if odd else hvd.Sum),
+        ["op", "Max", "Sum"],
+    ),
     "root": (lambda: hvd.broadcast(torch.ones(3), root_rank=int(odd), name="b"), ["root_rank"]),
     "name": (lambda: hvd.allreduce(torch.ones(3), name=f"n{int(odd)}"), ["name", "n0", "n1"]),
-    "collective": (lambda: hvd.allgather(torch.ones(3)) if odd else hvd.allreduce(torch.ones(3)),
-                   ["collective", "allgather", "allreduce"]),
-    "allgather trailing": (lambda: hvd.allgather(torch.ones(2, 3 + odd), name="g"),
-                           ["trailing_shape"]),
+    "collective": (
+        lambda: hvd.allgather(torch.ones(3)) if odd else hvd.allreduce(torch.ones(3)),
+        ["collective", "allgather", "allreduce"],
+    ),
+    "allgather trailing": (
+        lambda: hvd.allgather(torch.ones(2, 3 + odd), name="g"),
+        ["trailing_shape"],
+    ),
     "broadcast_parameters": (
-        lambda: hvd.broadcast_parameters({"w": torch.ones(2 + odd)}, root_rank=0), ["shape"]),
+        lambda: hvd.broadcast_parameters({"w": torch.ones(2 + odd)}, root_rank=0),
+        ["shape"],
+    ),
 }
 
 for case, (call, words) in CASES.items():
@@ -59,8 +73,11 @@ for case, (call, words) in CASES.items():
 # Horovod lets one rank call allreduce_async and another allreduce for the same tensor
 for numel in (10, 100_000):
     t = torch.ones(numel)
-    got = hvd.synchronize(hvd.allreduce_async(t, name=f"mix{numel}", op=hvd.Sum)) if odd \
+    got = (
+        hvd.synchronize(hvd.allreduce_async(t, name=f"mix{numel}", op=hvd.Sum))
+        if odd
         else hvd.allreduce(t, name=f"mix{numel}", op=hvd.Sum)
+    )
     assert torch.equal(got, torch.full((numel,), float(n))), f"sync/async mix at {numel}"
     # in place too, on the planned path of rank 0 (which may block only when all can)
     t = torch.ones(numel)

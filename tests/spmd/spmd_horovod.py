@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-import _spmd  # noqa: E402
+import _spmd
 
 _spmd.setup()
 

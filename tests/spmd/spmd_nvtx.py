@@ -41,8 +41,9 @@ _nvtx.active = lambda: True  # type: ignore[assignment]
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                               named_parameters=model.named_parameters(), groups=2)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), groups=2
+)
 steps = 3
 for _ in range(steps):
     with hvdnb.phase("data"):

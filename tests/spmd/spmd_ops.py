@@ -11,7 +11,7 @@ import math
 import tempfile
 from pathlib import Path
 
-import _spmd  # noqa: E402
+import _spmd
 
 _spmd.setup()
 
@@ -21,8 +21,17 @@ import hvdnb.torch as hvd  # noqa: E402
 
 hvd.init()
 n, r = hvd.size(), hvd.rank()
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 # small shapes ride inline with the header (2 ranks, MPI); 70000 elements take the large path
 SHAPES = [(), (17,), (3, 5), (70000,)]
 
@@ -33,9 +42,11 @@ def full(shape: tuple[int, ...], v: float, dt: torch.dtype) -> torch.Tensor:
 
 def eq(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, (
-        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
     assert torch.equal(a, b), (
-        f"{what}: got {a.flatten()[:4].tolist()} expected {b.flatten()[:4].tolist()}")
+        f"{what}: got {a.flatten()[:4].tolist()} expected {b.flatten()[:4].tolist()}"
+    )
 
 
 total = n * (n + 1) // 2
@@ -60,16 +71,26 @@ for dt in DTYPES:
             hvd.allreduce_(yy, op=hvd.Max, name=f"p_.{dt}.{shape}")
             eq(yy, full(shape, n, dt), f"named allreduce_ {tag}")
             if is_float:
-                eq(hvd.allreduce(x, op=hvd.Sum, name=f"ps.{dt}.{shape}", postscale_factor=0.5),
-                   full(shape, total / 2, dt), f"named scaled {tag}")
-        for op, want in ((hvd.Sum, total), (hvd.Min, 1), (hvd.Max, n),
-                         (hvd.Product, math.factorial(n))):
+                eq(
+                    hvd.allreduce(x, op=hvd.Sum, name=f"ps.{dt}.{shape}", postscale_factor=0.5),
+                    full(shape, total / 2, dt),
+                    f"named scaled {tag}",
+                )
+        for op, want in (
+            (hvd.Sum, total),
+            (hvd.Min, 1),
+            (hvd.Max, n),
+            (hvd.Product, math.factorial(n)),
+        ):
             for rep in range(2):  # every op on the planned paths, in place and not
                 yy = x.clone()
                 assert hvd.allreduce_(yy, op=op, name=f"o_.{op}.{dt}.{shape}") is yy
                 eq(yy, full(shape, want, dt), f"named allreduce_ op {op} {tag}")
-                eq(hvd.allreduce(x, op=op, name=f"o.{op}.{dt}.{shape}"), full(shape, want, dt),
-                   f"named allreduce op {op} {tag}")
+                eq(
+                    hvd.allreduce(x, op=op, name=f"o.{op}.{dt}.{shape}"),
+                    full(shape, want, dt),
+                    f"named allreduce op {op} {tag}",
+                )
         y = x.clone()
         assert hvd.allreduce_(y, op=hvd.Sum) is y
         eq(y, full(shape, total, dt), f"allreduce_ {tag}")
@@ -89,23 +110,32 @@ for dt in DTYPES:
     g = hvd.allgather(full((r + 1, 3), r, dt))
     expect = torch.cat([full((k + 1, 3), k, dt) for k in range(n)])
     eq(g, expect, f"allgather {dt}")
-    eq(hvd.synchronize(hvd.allgather_async(full((2,), r, dt))),
-       torch.cat([full((2,), k, dt) for k in range(n)]), f"allgather_async {dt}")
+    eq(
+        hvd.synchronize(hvd.allgather_async(full((2,), r, dt))),
+        torch.cat([full((2,), k, dt) for k in range(n)]),
+        f"allgather_async {dt}",
+    )
     # alltoall: rank r sends k+1 rows of value 10*r+k to rank k
     send = torch.cat([full((k + 1, 2), 10 * r + k, dt) for k in range(n)])
     out, rsplits = hvd.alltoall(send, splits=[k + 1 for k in range(n)])
     eq(out, torch.cat([full((r + 1, 2), 10 * k + r, dt) for k in range(n)]), f"alltoall {dt}")
     assert rsplits.tolist() == [r + 1] * n, rsplits
-    eq(hvd.alltoall(full((2 * n,), r, dt)),
-       torch.cat([full((2,), k, dt) for k in range(n)]), f"alltoall even {dt}")
+    eq(
+        hvd.alltoall(full((2 * n,), r, dt)),
+        torch.cat([full((2,), k, dt) for k in range(n)]),
+        f"alltoall even {dt}",
+    )
     # reducescatter: 2n+1 rows; the first rank gets one more
     rs = hvd.reducescatter(full((2 * n + 1, 2), r + 1, dt), op=hvd.Sum)
     rows = 2 + (1 if r < 1 else 0)
     eq(rs, full((rows, 2), total, dt), f"reducescatter {dt}")
 
 # grouped allreduce: mixed shapes and dtypes, named, in place and async
-ts = [full((3,), r + 1, torch.float32), full((2, 2), r + 1, torch.int32),
-      full((), r, torch.float64)]
+ts = [
+    full((3,), r + 1, torch.float32),
+    full((2, 2), r + 1, torch.int32),
+    full((), r, torch.float64),
+]
 out = hvd.grouped_allreduce(ts, op=hvd.Sum, name="grouped")
 eq(out[0], full((3,), total, torch.float32), "grouped 0")
 eq(out[1], full((2, 2), total, torch.int32), "grouped 1")
@@ -117,8 +147,11 @@ eq(res[0], full((4,), float(n), torch.float32), "grouped async")
 
 # non-contiguous input, compression, autograd
 nc = torch.arange(6, dtype=torch.float32).view(2, 3).t() * (r + 1)
-eq(hvd.allreduce(nc, op=hvd.Sum), torch.arange(6, dtype=torch.float32).view(2, 3).t() * total,
-   "non-contiguous")
+eq(
+    hvd.allreduce(nc, op=hvd.Sum),
+    torch.arange(6, dtype=torch.float32).view(2, 3).t() * total,
+    "non-contiguous",
+)
 c = hvd.allreduce(torch.full((5,), 1.5 * (r + 1)), compression=hvd.Compression.fp16, op=hvd.Sum)
 assert c.dtype == torch.float32 and torch.allclose(c, torch.full((5,), 1.5 * total)), c
 w = torch.full((4,), float(r + 1), requires_grad=True)
@@ -139,8 +172,11 @@ assert 0 <= hvd.join() < n
 # process sets: {0} alone, and every rank but the last
 solo = hvd.add_process_set([0])
 if r == 0:
-    eq(hvd.allreduce(full((3,), 5.0, torch.float32), op=hvd.Sum, process_set=solo),
-       full((3,), 5.0, torch.float32), "process set {0}")
+    eq(
+        hvd.allreduce(full((3,), 5.0, torch.float32), op=hvd.Sum, process_set=solo),
+        full((3,), 5.0, torch.float32),
+        "process set {0}",
+    )
 else:
     try:
         hvd.allreduce(full((3,), 5.0, torch.float32), process_set=solo)
@@ -151,8 +187,11 @@ assert hvd.remove_process_set(solo) and not hvd.remove_process_set(solo)
 if n > 2:
     ps = hvd.add_process_set(list(range(n - 1)))
     if r < n - 1:
-        eq(hvd.allreduce(full((2,), 1.0, torch.float32), op=hvd.Sum, process_set=ps),
-           full((2,), float(n - 1), torch.float32), "process set")
+        eq(
+            hvd.allreduce(full((2,), 1.0, torch.float32), op=hvd.Sum, process_set=ps),
+            full((2,), float(n - 1), torch.float32),
+            "process set",
+        )
 assert hvd.global_process_set.size() == n and hvd.global_process_set.rank() == r
 
 # timing hook and timeline

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 
-import _spmd  # noqa: E402
+import _spmd
 
 _spmd.setup()
 
@@ -26,8 +26,9 @@ B = 8
 
 def model() -> nn.Module:
     # 20x1024 weights = 80 KB: above the inline size, so the large (nonblocking) path runs too
-    return nn.Sequential(nn.Linear(20, 1024), nn.Tanh(), nn.Linear(1024, 16), nn.ReLU(),
-                         nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(20, 1024), nn.Tanh(), nn.Linear(1024, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
 
 
 def flat(m: nn.Module) -> torch.Tensor:
@@ -48,8 +49,12 @@ X, Y = torch.randn(6, n * B, 20), torch.randint(0, 3, (6, n * B))
 mine = slice(r * B, (r + 1) * B)
 VARIANTS = [
     ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1), {}, 1e-5),
-    ("momentum, small buckets", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-     {"HVDNB_FUSION_THRESHOLD": "4096"}, 1e-5),
+    (
+        "momentum, small buckets",
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        {"HVDNB_FUSION_THRESHOLD": "4096"},
+        1e-5,
+    ),
     ("adam, predivide", lambda ps: torch.optim.Adam(ps, lr=1e-3), {}, 1e-4),
     ("fp16 compression", lambda ps: torch.optim.SGD(ps, lr=0.1), {}, 2e-3),
     ("two groups", lambda ps: torch.optim.SGD(ps, lr=0.1), {}, 1e-5),
@@ -86,8 +91,9 @@ torch.manual_seed(1)
 ref = model()
 dist_net = copy.deepcopy(ref)
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(dist_net.parameters(), lr=0.1),
-                               backward_passes_per_step=2)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(dist_net.parameters(), lr=0.1), backward_passes_per_step=2
+)
 for step in range(3):
     ref_opt.zero_grad()
     nn.functional.cross_entropy(ref(X[step]), Y[step]).backward()
@@ -111,8 +117,9 @@ nbytes = sum(p.numel() * 4 for p in dist_net.parameters())
 assert [(a[0], a[1]) for a in seen] == [("DistributedOptimizer.bucket.0", nbytes)], seen
 
 # zero_grad between backward and step is refused, as in Horovod
-opt = hvd.DistributedOptimizer(torch.optim.SGD(dist_net.parameters(), lr=0.1),
-                               backward_passes_per_step=2)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(dist_net.parameters(), lr=0.1), backward_passes_per_step=2
+)
 opt.zero_grad()
 for half in range(2):
     dist_net(X[0][mine]).sum().backward()
@@ -143,10 +150,10 @@ bn = nn.BatchNorm1d(4)
 sbn = hvd.SyncBatchNorm(4)
 xg = xs.clone().requires_grad_()
 ref_out = bn(xg)
-(ref_out ** 3).sum().backward()
+(ref_out**3).sum().backward()
 xl = xs[mine].clone().requires_grad_()
 yl = sbn(xl)
-(yl ** 3).sum().backward()
+(yl**3).sum().backward()
 assert torch.allclose(yl, ref_out[mine], atol=1e-4), "SyncBatchNorm output"
 assert torch.allclose(xl.grad, xg.grad[mine], atol=1e-3), (xl.grad - xg.grad[mine]).abs().max()
 assert torch.allclose(sbn.running_mean, bn.running_mean, atol=1e-5)

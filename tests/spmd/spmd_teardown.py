@@ -42,8 +42,9 @@ w = hvdnb.rank.script.init()
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                               named_parameters=model.named_parameters())
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 for _ in range(3):
     loss = F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1]))
@@ -53,7 +54,7 @@ for _ in range(3):
 hvd.allgather(torch.tensor([float(w.rank)]))
 try:  # ranks disagree on the shape: raises on every rank, the traceback forms a cycle
     hvd.allreduce(torch.ones(w.rank + 1), name="mismatch")
-except Exception as exc:  # noqa: BLE001 - kept: its frames reference the transport
+except Exception as exc:
     caught = exc
 assert "caught" in globals(), "a mismatched allreduce must raise"
 del caught  # the cycle (error -> traceback -> frames) stays: only gc can free it

@@ -24,9 +24,12 @@ HANG_S = 60  # a rank dumps its stack and exits after this (faulthandler)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["HVDNB_SPMD_TIMEOUT"] = str(HANG_S)
     env["PYTHONFAULTHANDLER"] = "1"
     env.update(extra)
@@ -34,8 +37,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _report(proc: subprocess.CompletedProcess[str]) -> str:
-    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
-            f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+        f"\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 @pytest.mark.mpi
@@ -43,9 +48,14 @@ def _report(proc: subprocess.CompletedProcess[str]) -> str:
 def test_spmd_under_mpiexec(script: Path) -> None:
     if not MPIEXEC.exists():
         pytest.skip(f"{MPIEXEC} not found: pip install mpich")
-    proc = subprocess.run([str(MPIEXEC), "-n", str(NP), sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=HANG_S + 30, env=_env(),
-                          cwd=HERE)
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", str(NP), sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S + 30,
+        env=_env(),
+        cwd=HERE,
+    )
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count(f"OK {script.stem}") == NP, _report(proc)
 
@@ -56,16 +66,22 @@ def test_spmd_three_ranks(script: str) -> None:
     """More than two ranks: headers go through Allgather, no inline data, no Sendrecv."""
     if not MPIEXEC.exists():
         pytest.skip(f"{MPIEXEC} not found: pip install mpich")
-    proc = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, f"{script}.py"],
-                          capture_output=True, text=True, timeout=HANG_S + 30, env=_env(),
-                          cwd=HERE)
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", "3", sys.executable, f"{script}.py"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S + 30,
+        env=_env(),
+        cwd=HERE,
+    )
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count(f"OK {script}") == 3, _report(proc)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors", "spmd_comm_timing",
-                                    "spmd_horovod", "spmd_teardown"])
+@pytest.mark.parametrize(
+    "script", ["spmd_ops", "spmd_errors", "spmd_comm_timing", "spmd_horovod", "spmd_teardown"]
+)
 def test_torchrun_style_gloo(script: str) -> None:
     """The same checks without MPI: torchrun's variables, every collective over gloo.
 
@@ -76,15 +92,27 @@ def test_torchrun_style_gloo(script: str) -> None:
 
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, NP, True, timeout=timedelta(seconds=60),
-                     wait_for_workers=False)
+    store = TCPStore(
+        "127.0.0.1", 0, NP, True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
     port = str(store.port)
     procs = [
-        subprocess.Popen([sys.executable, str(HERE / f"{script}.py")], cwd=HERE, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=_env(RANK=str(r), WORLD_SIZE=str(NP), LOCAL_RANK=str(r),
-                                  LOCAL_WORLD_SIZE=str(NP), MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True"))
+        subprocess.Popen(
+            [sys.executable, str(HERE / f"{script}.py")],
+            cwd=HERE,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_env(
+                RANK=str(r),
+                WORLD_SIZE=str(NP),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(NP),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                TORCHELASTIC_USE_AGENT_STORE="True",
+            ),
+        )
         for r in range(NP)
     ]
     outs = []
@@ -105,8 +133,14 @@ def test_torchrun_style_gloo(script: str) -> None:
 @pytest.mark.mpi
 def test_timeline_valid_after_sigkill(tmp_path: Path) -> None:
     path = tmp_path / "tl.json"
-    proc = subprocess.run([sys.executable, str(HERE / "timeline_killed.py"), str(path)],
-                          capture_output=True, text=True, timeout=60, env=_env(), cwd=HERE)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "timeline_killed.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+        cwd=HERE,
+    )
     assert proc.returncode == -9 and "recorded" in proc.stdout, _report(proc)
     events = json.loads((tmp_path / "tl.rank0.json").read_text())
     steps = [e for e in events if e.get("name", "").startswith("step.")]

@@ -9,8 +9,16 @@ from hvdnb.notebook.cells import CellResult, DistributedCellError, parse_targets
 
 @pytest.mark.parametrize(
     "spec, ranks",
-    [(None, [0, 1, 2, 3]), ("all", [0, 1, 2, 3]), ("0", [0]), ("0,2", [0, 2]), ("::2", [0, 2]),
-     ("1:3", [1, 2]), (3, [3]), ([2, 1], [1, 2])],
+    [
+        (None, [0, 1, 2, 3]),
+        ("all", [0, 1, 2, 3]),
+        ("0", [0]),
+        ("0,2", [0, 2]),
+        ("::2", [0, 2]),
+        ("1:3", [1, 2]),
+        (3, [3]),
+        ([2, 1], [1, 2]),
+    ],
 )
 def test_parse_targets(spec, ranks):
     assert parse_targets(spec, [0, 1, 2, 3]) == ranks
@@ -22,7 +30,7 @@ def test_bad_targets_name_the_problem(spec):
         parse_targets(spec, [0, 1, 2, 3])
 
 
-def _err(ename, evalue, tb="Traceback:\n  File \"<cell 1>\", line 1\n"):
+def _err(ename, evalue, tb='Traceback:\n  File "<cell 1>", line 1\n'):
     return {"ename": ename, "evalue": evalue, "traceback": tb + f"{ename}: {evalue}\n"}
 
 

@@ -9,8 +9,8 @@ import time
 
 import zmq
 
-from hvdnb.protocol import kinds
 from hvdnb.notebook.channel import ClientChannel
+from hvdnb.protocol import kinds
 from hvdnb.protocol.wire import decode, encode, sign
 from hvdnb.rank.channel import EngineChannel
 
@@ -46,11 +46,16 @@ def test_metrics_columns_travel_packed_and_come_back_exact():
 
     inf = float("inf")
     steps = [0, 1, 2**40]
-    cols = {"loss": [steps, [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0], [0.5, inf, -0.0]],
-            "samples": [array("q", steps), [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0],
-                        array("d", [32.0, 32.0, 32.0])],
-            "odd": [[1.5], [2.0], [3.0]],  # a float step: stays JSON, still arrives
-            "empty": [[], [], []]}
+    cols = {
+        "loss": [steps, [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0], [0.5, inf, -0.0]],
+        "samples": [
+            array("q", steps),
+            [1e9 + 0.123456, 1e9 + 0.5, 1e9 + 1.0],
+            array("d", [32.0, 32.0, 32.0]),
+        ],
+        "odd": [[1.5], [2.0], [3.0]],  # a float step: stays JSON, still arrives
+        "empty": [[], [], []],
+    }
     msg = {"kind": "metrics", "rank": 1, "seq": 3, "cols": cols}
     sig, body, blob = encode(KEY, msg)
     wire = json.loads(body)
@@ -60,7 +65,8 @@ def test_metrics_columns_travel_packed_and_come_back_exact():
     assert len(blob) == wire["blob"] == 8 * 3 * 4  # steps, times, two value columns
     back = decode(KEY, [sig, body, blob])
     assert {k: [list(c) for c in v] for k, v in back["cols"].items()} == {
-        k: [list(c) for c in v] for k, v in cols.items()}  # exact doubles and int64
+        k: [list(c) for c in v] for k, v in cols.items()
+    }  # exact doubles and int64
     assert type(back["cols"]["loss"][2]) is array and msg["cols"] is cols  # sender untouched
     nan = decode(KEY, encode(KEY, {"kind": "metrics", "cols": {"x": [[0], [0.0], [math.nan]]}}))
     assert math.isnan(nan["cols"]["x"][2][0])
@@ -68,11 +74,14 @@ def test_metrics_columns_travel_packed_and_come_back_exact():
     assert decode(KEY, [sig, body, blob[:-1] + bytes([blob[-1] ^ 1])]) is None
     assert decode(KEY, [sig, body]) is None  # the blob left out
     # a signed message whose columns do not fit its blob is dropped, not half-read
-    for bad_cols, size in (({"x": [2, 0, 0, 0]}, 8), ({"x": [1, 0, 8, 16]}, 16),
-                           ({"x": [1, -8, 0, 0]}, 24), ({"x": "AA"}, 24),
-                           ({"x": [1, 0, 8, 16]}, 23)):
-        body = json.dumps({"kind": "metrics", "cols": {}, "colsx": bad_cols,
-                           "blob": size}).encode()
+    for bad_cols, size in (
+        ({"x": [2, 0, 0, 0]}, 8),
+        ({"x": [1, 0, 8, 16]}, 16),
+        ({"x": [1, -8, 0, 0]}, 24),
+        ({"x": "AA"}, 24),
+        ({"x": [1, 0, 8, 16]}, 23),
+    ):
+        body = json.dumps({"kind": "metrics", "cols": {}, "colsx": bad_cols, "blob": size}).encode()
         raw = bytes(24)
         assert decode(KEY, [sign(KEY, body, raw), body, raw]) is None, bad_cols
 
@@ -81,10 +90,15 @@ def test_client_listens_on_loopback_only():
     ch = ClientChannel(ip="127.0.0.1", key=KEY)
     try:
         assert ch.endpoint.startswith("tcp://127.0.0.1:")
-        import psutil, os
+        import os
 
-        mine = [c for c in psutil.Process(os.getpid()).net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == ch.port]
+        import psutil
+
+        mine = [
+            c
+            for c in psutil.Process(os.getpid()).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == ch.port
+        ]
         assert mine and all(c.laddr.ip == "127.0.0.1" for c in mine)
     finally:
         ch.close()

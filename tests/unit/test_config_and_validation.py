@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from hvdnb.notebook.cluster import lifecycle as cl
 from hvdnb.config import get_config
+from hvdnb.notebook.cluster import lifecycle as cl
 
 
 def test_env_overrides_are_typed(monkeypatch):
@@ -41,7 +41,9 @@ def test_default_ranks_come_from_config(monkeypatch):
     assert cl.Cluster().n == 1
 
 
-@pytest.mark.parametrize("kw", [{"backend": "tcp"}, {"timeout": 0}, {"timeout": -5}, {"launcher": ""}])
+@pytest.mark.parametrize(
+    "kw", [{"backend": "tcp"}, {"timeout": 0}, {"timeout": -5}, {"launcher": ""}]
+)
 def test_bad_options_are_refused(kw):
     with pytest.raises(cl.ClusterError):
         cl.Cluster(n=1, **kw)

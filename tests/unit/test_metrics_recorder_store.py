@@ -8,13 +8,12 @@ from array import array
 
 import pytest
 
+from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.protocol import kinds
 from hvdnb.protocol.endpoint import outgoing
 from hvdnb.protocol.wire import decode, encode
 from hvdnb.rank.metrics import knobs as kn
 from hvdnb.rank.metrics.recorder import Recorder
-from hvdnb.notebook.metrics.store import MetricsStore
-
 
 KEY = b"k" * 32
 
@@ -126,14 +125,24 @@ def test_knob_plan_applies_on_the_planned_step_and_reports_late():
 
 def _msg(rank: int, seq: int, steps: range, pid: int = 7) -> dict:
     t = [1000.0 + s for s in steps]
-    return {"kind": "metrics", "rank": rank, "seq": seq, "pid": pid, "lost": 0,
-            "step": steps[-1] + 1, "backend": "nccl", "idle": False,
-            "cols": {"loss": [list(steps), t, [1.0 / (s + 1) for s in steps]],
-                     "time/step": [list(steps), t, [0.01 + 0.002 * rank] * len(steps)],
-                     "comm/bucket.0/time": [list(steps), t, [0.002] * len(steps)],
-                     "comm/bucket.0/exposed": [list(steps), t, [0.0015] * len(steps)],
-                     "comm/bucket.0/bytes": [list(steps), t, [4e6] * len(steps)],
-                     "mem/gpu_allocated": [[steps[-1]], [t[-1]], [2e9]]}}
+    return {
+        "kind": "metrics",
+        "rank": rank,
+        "seq": seq,
+        "pid": pid,
+        "lost": 0,
+        "step": steps[-1] + 1,
+        "backend": "nccl",
+        "idle": False,
+        "cols": {
+            "loss": [list(steps), t, [1.0 / (s + 1) for s in steps]],
+            "time/step": [list(steps), t, [0.01 + 0.002 * rank] * len(steps)],
+            "comm/bucket.0/time": [list(steps), t, [0.002] * len(steps)],
+            "comm/bucket.0/exposed": [list(steps), t, [0.0015] * len(steps)],
+            "comm/bucket.0/bytes": [list(steps), t, [4e6] * len(steps)],
+            "mem/gpu_allocated": [[steps[-1]], [t[-1]], [2e9]],
+        },
+    }
 
 
 def test_store_with_simulated_ranks_loses_nothing_and_detects_gaps():
@@ -147,21 +156,38 @@ def test_store_with_simulated_ranks_loses_nothing_and_detects_gaps():
     assert [r.step for r in rows if r.rank == 3] == list(range(100))
     st.ingest(_msg(0, 23, range(110, 115)))  # seq 21, 22 never arrived
     assert st.lost_messages == 2
-    st.ingest(_msg(0, 1, range(0, 5), pid=8))  # a restarted rank starts over: no gap
+    st.ingest(_msg(0, 1, range(5), pid=8))  # a restarted rank starts over: no gap
     assert st.lost_messages == 2
 
 
 def test_store_takes_wire_arrays_and_lists_alike_and_drops_bad_columns():
     st = MetricsStore()
-    wire = decode(KEY, encode(KEY, {"kind": "metrics", "rank": 0, "seq": 1, "cols": {
-        "loss": [[0, 1, 2], [10.0, 10.5, 11.0], [1.0, 0.5, 0.25]]}}))
+    wire = decode(
+        KEY,
+        encode(
+            KEY,
+            {
+                "kind": "metrics",
+                "rank": 0,
+                "seq": 1,
+                "cols": {"loss": [[0, 1, 2], [10.0, 10.5, 11.0], [1.0, 0.5, 0.25]]},
+            },
+        ),
+    )
     assert type(wire["cols"]["loss"][2]) is array
     st.ingest(wire)
-    st.ingest({"rank": 1, "seq": 1, "cols": {
-        "loss": [[0, 1.0, 2], [10.0, 10.5, 11.0], [1.0, None, 0.25]],  # None: NaN
-        "half": [[0.5], [1.0], [1.0]],  # not a whole step
-        "ragged": [[0, 1], [1.0], [1.0, 2.0]],
-        "text": [[0], [1.0], ["x"]]}})
+    st.ingest(
+        {
+            "rank": 1,
+            "seq": 1,
+            "cols": {
+                "loss": [[0, 1.0, 2], [10.0, 10.5, 11.0], [1.0, None, 0.25]],  # None: NaN
+                "half": [[0.5], [1.0], [1.0]],  # not a whole step
+                "ragged": [[0, 1], [1.0], [1.0, 2.0]],
+                "text": [[0], [1.0], ["x"]],
+            },
+        }
+    )
     assert st.series("loss", 0) == ([0, 1, 2], [1.0, 0.5, 0.25], [10.0, 10.5, 11.0])
     steps, vals, _ = st.series("loss", 1)
     assert steps == [0, 1, 2] and vals[0] == 1.0 and math.isnan(vals[1])
@@ -172,7 +198,7 @@ def test_store_takes_wire_arrays_and_lists_alike_and_drops_bad_columns():
 def test_store_views_breakdown_hint_comm_memory(tmp_path):
     st = MetricsStore()
     for rank in range(4):
-        st.ingest(_msg(rank, 1, range(0, 60)))
+        st.ingest(_msg(rank, 1, range(60)))
     b = st.breakdown()
     # the breakdown's comm is the exposed time, not the collective's own duration
     assert b[3]["step"] == pytest.approx(0.016) and b[0]["comm"] == pytest.approx(0.0015)
@@ -208,8 +234,11 @@ def test_store_forwards_rank0_plan_to_every_rank():
     assert ok and st._channel.sent[-1][:2] == (0, kinds.KNOBS_REQ)
     rid = st._channel.sent[-1][2]["id"]
     st.on_plan({"rank": 0, "id": rid, "apply_at": 40, "values": {"lr": 0.2}})
-    assert [(r, k) for r, k, _ in st._channel.sent[1:]] == [(0, kinds.KNOBS_PLAN), (1, kinds.KNOBS_PLAN),
-                                                             (2, kinds.KNOBS_PLAN)]
+    assert [(r, k) for r, k, _ in st._channel.sent[1:]] == [
+        (0, kinds.KNOBS_PLAN),
+        (1, kinds.KNOBS_PLAN),
+        (2, kinds.KNOBS_PLAN),
+    ]
     for r in range(3):
         st.on_applied({"rank": r, "id": rid, "step": 40, "late": False, "values": {"lr": 0.2}})
     status = st.knob_status()
@@ -220,10 +249,19 @@ def test_store_forwards_rank0_plan_to_every_rank():
 
 def _log_msg(rank: int, seq: int, steps: range, loss: float, samples: float = 32.0) -> dict:
     t = [2000.0 + s for s in steps]
-    return {"kind": "metrics", "rank": rank, "seq": seq, "pid": 9, "lost": 0,
-            "step": steps[-1] + 1, "idle": False,
-            "cols": {"loss": [list(steps), t, [loss + rank] * len(steps)],
-                     "samples": [list(steps), t, [samples] * len(steps)]}}
+    return {
+        "kind": "metrics",
+        "rank": rank,
+        "seq": seq,
+        "pid": 9,
+        "lost": 0,
+        "step": steps[-1] + 1,
+        "idle": False,
+        "cols": {
+            "loss": [list(steps), t, [loss + rank] * len(steps)],
+            "samples": [list(steps), t, [samples] * len(steps)],
+        },
+    }
 
 
 def test_runs_segments_and_knobs_in_rows():
@@ -233,14 +271,15 @@ def test_runs_segments_and_knobs_in_rows():
     st.begin_cell(1)
     st.ingest({"rank": 0, "seq": 1, "pid": 9, "cols": {"mem/rss": [[0], [1.0], [5e8]]}})
     assert st.runs == [] and st.run_id == 0
-    st.ingest(_log_msg(0, 2, range(0, 10), 1.0))
-    st.ingest(_log_msg(1, 1, range(0, 10), 1.0))
+    st.ingest(_log_msg(0, 2, range(10), 1.0))
+    st.ingest(_log_msg(1, 1, range(10), 1.0))
     for r in (0, 1):  # a change applied on both ranks at step 6 starts segment 1
-        st.on_applied({"rank": r, "id": "k1", "step": 6, "late": False,
-                       "values": {"batch_size": 64}})
+        st.on_applied(
+            {"rank": r, "id": "k1", "step": 6, "late": False, "values": {"batch_size": 64}}
+        )
     st.end_cell()
     st.begin_cell(2)  # a second logging cell is run 2, starting from the values in force
-    st.ingest(_log_msg(0, 3, range(0, 5), 3.0))
+    st.ingest(_log_msg(0, 3, range(5), 3.0))
     st.end_cell()
     st.begin_cell(3)  # a cell that logs nothing starts no run
     st.ingest({"rank": 0, "seq": 4, "pid": 9, "cols": {"mem/rss": [[0], [1.0], [5e8]]}})
@@ -268,8 +307,8 @@ def test_run_curves_overlay_by_step_and_samples_and_hide():
     st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
     for cell, loss in ((1, 2.0), (2, 4.0)):
         st.begin_cell(cell)
-        st.ingest(_log_msg(0, 2 * cell - 1, range(0, 4), loss, samples=32))
-        st.ingest(_log_msg(1, cell, range(0, 4), loss, samples=32))
+        st.ingest(_log_msg(0, 2 * cell - 1, range(4), loss, samples=32))
+        st.ingest(_log_msg(1, cell, range(4), loss, samples=32))
         if cell == 2:
             for r in (0, 1):
                 st.on_applied({"rank": r, "id": "k", "step": 2, "values": {"batch_size": 64}})
@@ -327,9 +366,9 @@ def test_thinned_views_are_the_full_views_sampled_and_read_only_the_tail():
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
     st.begin_cell(1)
-    st.ingest(_log_msg(0, 1, range(0, 500), 1.0))
+    st.ingest(_log_msg(0, 1, range(500), 1.0))
     st.ingest(_log_msg(1, 1, range(500, 900), 2.0))  # rank 1 reports later steps first
-    st.ingest(_log_msg(1, 2, range(0, 500), 2.0))
+    st.ingest(_log_msg(1, 2, range(500), 2.0))
     st.ingest(_log_msg(0, 2, range(500, 900), 1.0))
     st.on_applied({"rank": 0, "id": "k", "step": 633, "values": {"batch_size": 64}})
     full, thin = st.run_curves()[0], st.run_curves(points=50)[0]
@@ -742,8 +781,15 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
     """``comm_interval`` (8 ms) holds for the loop's first ``warm`` seconds, then the
     larger ``comm_interval_steady`` (50 ms): 1 ms steps are timed one in 8, then one in
     64 (the nearest power of two, so that ranks agree); a new loop starts dense again."""
-    rec = Recorder(0, None, flush_interval=0.01, capacity=1 << 14, warm=2.0,
-                   comm_interval=0.008, comm_interval_steady=0.05)
+    rec = Recorder(
+        0,
+        None,
+        flush_interval=0.01,
+        capacity=1 << 14,
+        warm=2.0,
+        comm_interval=0.008,
+        comm_interval_steady=0.05,
+    )
     listeners: list = []
     rec._comm_list = listeners
     rec._time_comm(True)
@@ -754,6 +800,7 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
     recmod._perf_counter = lambda: clock[0]
     timed: list[int] = []
     try:
+
         def loop(first: int, steps: int) -> None:
             for step in range(first, first + steps):
                 if rec._on_comm in listeners:
@@ -782,8 +829,10 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
 
 def _rows(rec: Recorder) -> list[tuple[int, str, float]]:
     n = rec._w
-    return [(rec._steps[i], rec._name_list[rec._names[i]], rec._vals[i])
-            for i in range(max(0, n - rec.capacity), n)]
+    return [
+        (rec._steps[i], rec._name_list[rec._names[i]], rec._vals[i])
+        for i in range(max(0, n - rec.capacity), n)
+    ]
 
 
 def test_breakdown_pairs_each_timed_step_with_its_own_step_time():
@@ -794,19 +843,36 @@ def test_breakdown_pairs_each_timed_step_with_its_own_step_time():
     steps = list(range(200))
     t = [1000.0 + 0.001 * s for s in steps]
     timed = [s for s in steps if s % 4 == 0]
-    st.ingest({"rank": 0, "seq": 1, "cols": {
-        "time/step": [steps, t, [0.003 if s % 4 == 0 else 0.001 for s in steps]],
-        "time/data": [steps, t, [0.0005] * len(steps)],
-        "comm/bucket.0/exposed": [timed, [1000.0 + 0.001 * s for s in timed],
-                                  [0.002] * len(timed)]}})
+    st.ingest(
+        {
+            "rank": 0,
+            "seq": 1,
+            "cols": {
+                "time/step": [steps, t, [0.003 if s % 4 == 0 else 0.001 for s in steps]],
+                "time/data": [steps, t, [0.0005] * len(steps)],
+                "comm/bucket.0/exposed": [
+                    timed,
+                    [1000.0 + 0.001 * s for s in timed],
+                    [0.002] * len(timed),
+                ],
+            },
+        }
+    )
     b = st.breakdown()[0]
     assert b["step"] == pytest.approx(0.003) and b["comm"] == pytest.approx(0.002)
     assert b["data"] == pytest.approx(0.0005) and b["compute"] == pytest.approx(0.0005)
     # the same data with no collective timed: every step, comm 0
     st2 = MetricsStore()
-    st2.ingest({"rank": 0, "seq": 1, "cols": {
-        "time/step": [steps, t, [0.001] * len(steps)],
-        "time/data": [steps, t, [0.0005] * len(steps)]}})
+    st2.ingest(
+        {
+            "rank": 0,
+            "seq": 1,
+            "cols": {
+                "time/step": [steps, t, [0.001] * len(steps)],
+                "time/data": [steps, t, [0.0005] * len(steps)],
+            },
+        }
+    )
     b2 = st2.breakdown()[0]
     assert b2["comm"] == 0.0 and b2["compute"] == pytest.approx(0.0005)
 
@@ -892,7 +958,10 @@ def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, d
     assert 0.25 in list(fast_cols["loss"][2])  # the object, read at pack
     assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
     assert (fast._loop_t0, fast._prev_step, fast.last_log) == (
-        slow._loop_t0, slow._prev_step, slow.last_log)
+        slow._loop_t0,
+        slow._prev_step,
+        slow.last_log,
+    )
     assert fast.meta == slow.meta == {"total_steps": 900}
     assert (fast.comm_every, fast._grid) == (slow.comm_every, slow._grid)
 
@@ -910,12 +979,14 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
     sent: dict[int, list[int]] = {0: [], 1: []}
     recs = []
     for r in (0, 1):
+
         class Ch:
             def send(self, kind: str, r: int = r, **payload) -> None:
                 sent[r].append(payload["step"])
 
-        rec = Recorder(r, Ch(), flush_interval=0.25, steady_interval=1.0, warm=2.0,
-                       capacity=1 << 16)
+        rec = Recorder(
+            r, Ch(), flush_interval=0.25, steady_interval=1.0, warm=2.0, capacity=1 << 16
+        )
         rec._ensure_flusher = lambda: None  # messages from log() only, as in a busy loop
         recs.append(rec)
     base = 100.0
@@ -970,8 +1041,7 @@ def test_a_plan_heard_between_log_events_applies_at_its_step():
         for step in range(100):
             seen[step] = k.warmup_steps
             if step == 40:
-                k.on_plan({"id": "between-events", "apply_at": 60,
-                           "values": {"warmup_steps": 7}})
+                k.on_plan({"id": "between-events", "apply_at": 60, "values": {"warmup_steps": 7}})
             R.log(step, 0.5)
         assert seen[59] == 10 and seen[60] == 7 and seen[99] == 7
         assert k.history == [(60, {"warmup_steps": 7}, False)]

@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb.rank import rendezvous
-from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError
 from hvdnb.notebook.cluster.launch import hostfile_hosts, sbatch_template
+from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError
 from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.rank import rendezvous
 
-_CLEAN = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
-          "RANK", "WORLD_SIZE", "HVDNB_WORLD_SIZE", "HVDNB_RANK_BASE")
+_CLEAN = (
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMI_FD",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "RANK",
+    "WORLD_SIZE",
+    "HVDNB_WORLD_SIZE",
+    "HVDNB_RANK_BASE",
+)
 
 
 @pytest.fixture
@@ -32,20 +42,34 @@ def test_ranks_under_srun_without_pmi_come_from_slurm(fresh_world):
     fresh_world.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
     w = rendezvous.discover()
     assert (w.rank, w.size, w.local_rank, w.local_size, w.cross_rank, w.cross_size, w.source) == (
-        5, 8, 1, 4, 1, 2, "slurm")
+        5,
+        8,
+        1,
+        4,
+        1,
+        2,
+        "slurm",
+    )
     assert w.comm is None  # rendezvous goes through the notebook
 
 
 def test_uneven_slurm_tasks_per_node(fresh_world):
-    for k, v in dict(SLURM_PROCID="4", SLURM_NTASKS="5", SLURM_LOCALID="0", SLURM_NNODES="2",
-                     SLURM_NODEID="1", SLURM_TASKS_PER_NODE="4,1").items():
+    for k, v in dict(
+        SLURM_PROCID="4",
+        SLURM_NTASKS="5",
+        SLURM_LOCALID="0",
+        SLURM_NNODES="2",
+        SLURM_NODEID="1",
+        SLURM_TASKS_PER_NODE="4,1",
+    ).items():
         fresh_world.setenv(k, v)
     assert rendezvous.discover().local_size == 1
 
 
 def test_engine_set_numbers_ranks_across_sets(fresh_world):
-    for k, v in dict(HVDNB_RANK_BASE="4", HVDNB_WORLD_SIZE="8", HVDNB_CROSS_RANK="1",
-                     HVDNB_CROSS_SIZE="2").items():
+    for k, v in dict(
+        HVDNB_RANK_BASE="4", HVDNB_WORLD_SIZE="8", HVDNB_CROSS_RANK="1", HVDNB_CROSS_SIZE="2"
+    ).items():
         fresh_world.setenv(k, v)
     w = rendezvous.discover()
     assert (w.rank, w.size, w.cross_rank, w.cross_size, w.source) == (4, 8, 1, 2, "sets")
@@ -57,12 +81,27 @@ def test_route_addr_to_loopback_is_loopback():
 
 
 def test_sbatch_script_carries_the_slurm_options():
-    c = Cluster(n=8, launcher="slurm", ip="127.0.0.1", partition="gpu", time_limit="1:00:00",
-                gpus_per_node=4, account="lab", sbatch_args=["--exclusive"])
+    c = Cluster(
+        n=8,
+        launcher="slurm",
+        ip="127.0.0.1",
+        partition="gpu",
+        time_limit="1:00:00",
+        gpus_per_node=4,
+        account="lab",
+        sbatch_args=["--exclusive"],
+    )
     script = sbatch_template(c, "/tmp/out")
-    for line in ("#SBATCH --ntasks={n}", "#SBATCH --partition=gpu", "#SBATCH --time=1:00:00",
-                 "#SBATCH --gpus-per-node=4", "#SBATCH --account=lab", "#SBATCH --exclusive",
-                 "#SBATCH --output=/tmp/out", "srun {program_and_args}"):
+    for line in (
+        "#SBATCH --ntasks={n}",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=1:00:00",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --account=lab",
+        "#SBATCH --exclusive",
+        "#SBATCH --output=/tmp/out",
+        "srun {program_and_args}",
+    ):
         assert line in script.splitlines(), script
     assert c.multi_host and c.ip == "127.0.0.1"
 
@@ -92,8 +131,17 @@ def test_store_groups_ranks_by_host():
     s = MetricsStore()
     for r in range(6):
         s.on_rank_info({"kind": "rank_info", "rank": r, "host": f"n{r // 3}", "local_rank": r % 3})
-        s.ingest({"kind": "metrics", "rank": r, "seq": 1, "pid": 1, "step": 3, "step_time": 0.1 * (r + 1),
-                  "cols": {"loss": [[3], [0.0], [float(r)]]}})
+        s.ingest(
+            {
+                "kind": "metrics",
+                "rank": r,
+                "seq": 1,
+                "pid": 1,
+                "step": 3,
+                "step_time": 0.1 * (r + 1),
+                "cols": {"loss": [[3], [0.0], [float(r)]]},
+            }
+        )
     assert s.hosts() == {"n0": [0, 1, 2], "n1": [3, 4, 5]}
     h = {x["host"]: x for x in s.host_summary()}
     assert (h["n1"]["loss_min"], h["n1"]["loss_median"], h["n1"]["loss_max"]) == (3.0, 4.0, 5.0)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hvdnb.rank import nvtx as _nvtx
 from hvdnb.notebook.cluster.launch import gpu_count
+from hvdnb.rank import nvtx as _nvtx
 from tests.conftest import gpu_visible
 
 
@@ -36,6 +36,7 @@ def test_ranges_are_emitted_with_cuda():
             "opened = _nvtx.push('cell 1'); assert opened is True; _nvtx.pop(opened)\n"
             "r = _nvtx.start('bucket'); assert r is not None; _nvtx.end(r)\nprint('ok')\n"
         )
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -9,7 +9,13 @@ from hvdnb.notebook.output import OutputCollapser, format_ranks
 
 @pytest.mark.parametrize(
     "ranks, label",
-    [([0], "0"), ([1, 0], "0,1"), ([0, 1, 2, 3], "0-3"), ([0, 2, 4, 5, 6, 7], "0,2,4-7"), ([3, 3], "3")],
+    [
+        ([0], "0"),
+        ([1, 0], "0,1"),
+        ([0, 1, 2, 3], "0-3"),
+        ([0, 2, 4, 5, 6, 7], "0,2,4-7"),
+        ([3, 3], "3"),
+    ],
 )
 def test_format_ranks(ranks, label):
     assert format_ranks(ranks) == label
@@ -131,8 +137,15 @@ def test_random_interleavings_keep_every_ranks_order(seed):
         seen = []
         for _, t in out:
             label, text = t.rstrip("\n").split("] ", 1)
-            got = {int(x) for part in label[1:].split(",") for x in (
-                range(int(part.split("-")[0]), int(part.split("-")[1]) + 1) if "-" in part else [part])}
+            got = {
+                int(x)
+                for part in label[1:].split(",")
+                for x in (
+                    range(int(part.split("-")[0]), int(part.split("-")[1]) + 1)
+                    if "-" in part
+                    else [part]
+                )
+            }
             if r in got:
                 seen.append(text)
         assert seen == lines[r]

@@ -27,11 +27,21 @@ def _feed(store, seq: int, nranks: int = 2, per: int = 10) -> None:
     for rank in range(nranks):
         steps = list(range((seq - 1) * per, seq * per))
         t = [1000.0 + s for s in steps]
-        store.ingest({"rank": rank, "seq": seq, "pid": 1, "step": steps[-1] + 1,
-                      "backend": "gloo", "idle": False,
-                      "cols": {"loss": [steps, t, [1.0 / (s + 1) for s in steps]],
-                               "time/step": [steps, t, [0.01] * per],
-                               "mem/rss": [[steps[-1]], [t[-1]], [3e8]]}})
+        store.ingest(
+            {
+                "rank": rank,
+                "seq": seq,
+                "pid": 1,
+                "step": steps[-1] + 1,
+                "backend": "gloo",
+                "idle": False,
+                "cols": {
+                    "loss": [steps, t, [1.0 / (s + 1) for s in steps]],
+                    "time/step": [steps, t, [0.01] * per],
+                    "mem/rss": [[steps[-1]], [t[-1]], [3e8]],
+                },
+            }
+        )
 
 
 def test_updates_are_batched_and_throttled(sent):
@@ -84,8 +94,16 @@ def test_one_redraw_per_round_of_rank_messages(sent):
 
     def one_rank(rank: int, seq: int) -> None:
         steps = list(range(seq * 10, seq * 10 + 10))
-        st.ingest({"rank": rank, "seq": seq, "pid": 1, "step": steps[-1] + 1, "idle": False,
-                   "cols": {"loss": [steps, [1000.0 + s for s in steps], [0.5] * 10]}})
+        st.ingest(
+            {
+                "rank": rank,
+                "seq": seq,
+                "pid": 1,
+                "step": steps[-1] + 1,
+                "idle": False,
+                "cols": {"loss": [steps, [1000.0 + s for s in steps], [0.5] * 10]},
+            }
+        )
 
     one_rank(0, 2)
     for _ in range(5):  # rank 1's message of this round is still on its way: wait
@@ -122,9 +140,9 @@ def test_many_ranks_draw_a_band_not_64_lines(sent):
 
 
 def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
-    from hvdnb.rank.metrics import knobs as kn
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.rank.metrics import knobs as kn
 
     class Ch:
         ranks = [0, 1]
@@ -165,9 +183,9 @@ def test_missing_memory_is_na_never_zero(sent):
 
 
 def test_sliders_follow_applied_values_without_sending_a_change(sent):
-    from hvdnb.rank.metrics import knobs as kn
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.rank.metrics import knobs as kn
 
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32, "lr": 0.1})})
@@ -188,9 +206,9 @@ def test_sliders_follow_applied_values_without_sending_a_change(sent):
 
 
 def test_runs_chart_overlays_runs_with_their_knobs_in_the_legend():
-    from hvdnb.rank.metrics import knobs as kn
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import runs_html
+    from hvdnb.rank.metrics import knobs as kn
 
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
@@ -210,7 +228,7 @@ def test_svg_curve_coordinates_land_on_the_plot_corners_and_skip_nan():
     its top-right corner, and the NaN is left out (never drawn as 0)."""
     import re
 
-    from hvdnb.notebook.panel.svg import H, L, R, T, B, W, line_chart
+    from hvdnb.notebook.panel.svg import B, H, L, R, T, W, line_chart
 
     svg = line_chart("t", [("a", [0.0, 5.0, 10.0], [0.0, float("nan"), 1.0])])
     assert "<g transform='scale(0.1)'>" in svg
@@ -241,8 +259,10 @@ def test_allreduce_chart_keeps_the_steady_timings_readable_under_a_first_call_sp
     assert max(heights) - min(heights) > 10 * 10  # 18 px here; unclipped: 0.02 px
     plain = line_chart("loss", [("c", xs, ys)])
     assert "above the axis" not in plain
-    assert max(float(v) for v in re.findall(
-        r"text-anchor='end' fill='#555'>([0-9.e+-]+)<", plain)) == 319.2
+    assert (
+        max(float(v) for v in re.findall(r"text-anchor='end' fill='#555'>([0-9.e+-]+)<", plain))
+        == 319.2
+    )
     # a mild outlier (under twice the cap) keeps the full axis
     mild = [0.13] * 57 + [0.6, 0.7, 0.75]
     assert "above the axis" not in line_chart("a", [("c", xs, mild)], clip_spikes=True)

@@ -132,11 +132,7 @@ def transient_mpi_init_failure(exc: BaseException, multi_host: bool) -> bool:
     loopback address exchange ("failed to unpack address") aborts MPI_Init. A real
     misconfiguration fails the second time too and is reported then.
     """
-    return (
-        not multi_host
-        and isinstance(exc, ClusterError)
-        and "internal_Init_thread" in str(exc)
-    )
+    return not multi_host and isinstance(exc, ClusterError) and "internal_Init_thread" in str(exc)
 
 
 def hostfile_slots(path: str) -> int:
@@ -238,17 +234,24 @@ def make_ipp(self: Cluster) -> Any:
         c.config[launcher_cls][k] = v
     return c
 
+
 def sbatch_template(self: Cluster, output: str) -> str:
     """The engines' sbatch script: ipyparallel fills ``{n}``, ``{cluster_id}`` and
     ``{program_and_args}``; ``srun`` starts one engine per task."""
-    lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
-             "#SBATCH --ntasks={n}", f"#SBATCH --output={output}"]
+    lines = [
+        "#!/bin/sh",
+        "#SBATCH --export=ALL",
+        "#SBATCH --job-name=ipengine-{cluster_id}",
+        "#SBATCH --ntasks={n}",
+        f"#SBATCH --output={output}",
+    ]
     for k, v in self.slurm.items():
         if v not in (None, ""):
             lines.append(f"#SBATCH --{k}={v}")
     lines += [f"#SBATCH {a}" for a in self.sbatch_args]
     lines.append("srun {program_and_args}")
     return "\n".join(lines) + "\n"
+
 
 def engine_set_env(self: Cluster, i: int, base: int) -> dict[str, str]:
     """What tells the ranks of engine set ``i`` their global numbers."""

@@ -39,12 +39,12 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from hvdnb.protocol import kinds
-from hvdnb.notebook.cluster import launch
 from hvdnb.config import get_config
+from hvdnb.notebook.cluster import launch
 from hvdnb.notebook.cluster.launch import ClusterError, cores, find_mpiexec, gpu_count
+from hvdnb.protocol import kinds
 
-__all__ = ["Cluster", "ClusterError", "find_mpiexec", "gpu_count", "current", "cores"]
+__all__ = ["Cluster", "ClusterError", "cores", "current", "find_mpiexec", "gpu_count"]
 
 log = logging.getLogger("hvdnb")
 #: engine output lines that only bury the message: C++ frames, ipengine start-up chatter
@@ -144,7 +144,9 @@ class Cluster:
     ) -> None:
         cfg = get_config()
         if not isinstance(launcher, str) or not launcher:
-            raise ClusterError(f"launcher must be a name such as 'mpi' or 'slurm', not {launcher!r}")
+            raise ClusterError(
+                f"launcher must be a name such as 'mpi' or 'slurm', not {launcher!r}"
+            )
         self.launcher = launcher.lower()
         self.hosts = self._check_hostfile(hosts) if hosts else None
         self.engine_sets = self._check_sets(engine_sets, n) if engine_sets else None
@@ -162,7 +164,9 @@ class Cluster:
             self.launcher not in _LOCAL_LAUNCHERS or self.hosts or self.engine_sets
         )
         self.slurm = {
-            "partition": partition, "time": time_limit, "gpus-per-node": gpus_per_node,
+            "partition": partition,
+            "time": time_limit,
+            "gpus-per-node": gpus_per_node,
             "account": account,
         }
         self.sbatch_args = list(sbatch_args or [])
@@ -172,8 +176,7 @@ class Cluster:
                 "Slurm options: add `--launcher slurm`"
             )
         gpus = gpu_count()
-        self.n = self._check_n(n, oversubscribe or bool(cfg.oversubscribe) or self.multi_host,
-                               gpus)
+        self.n = self._check_n(n, oversubscribe or bool(cfg.oversubscribe) or self.multi_host, gpus)
         if backend not in (None, "auto", "gloo", "nccl", "mpi"):
             raise ClusterError(
                 f"unknown backend {backend!r}: use gloo (CPU), nccl (GPU), mpi, or leave it "
@@ -361,7 +364,8 @@ class Cluster:
         base = 0
         for i, es in enumerate(self.engine_sets):
             c.config.MPIEngineSetLauncher.environment = {
-                **base_env, **launch.engine_set_env(self, i, base)
+                **base_env,
+                **launch.engine_set_env(self, i, base),
             }
             c.config.MPILauncher.mpi_cmd = list(es.get("mpi_cmd") or [find_mpiexec()])
             c.config.MPILauncher.mpi_args = list(es.get("mpi_args", base_args))
@@ -395,9 +399,9 @@ class Cluster:
             self.channel.key = bytes(self.client.session.key)
 
     def _open_channel(self) -> None:
-        from hvdnb.notebook.channel import ClientChannel
-
         import zmq
+
+        from hvdnb.notebook.channel import ClientChannel
 
         try:
             self.channel = ClientChannel(ip=self.ip)
@@ -711,8 +715,13 @@ class Cluster:
         rows = []
         for r in range(self.n):
             info = infos.get(r) or self._info_seen.get(r)
-            row: dict[str, Any] = {"rank": r, "host": "?", "pid": "?", "device": "?",
-                                   "backend": "?"}
+            row: dict[str, Any] = {
+                "rank": r,
+                "host": "?",
+                "pid": "?",
+                "device": "?",
+                "backend": "?",
+            }
             if info is not None:
                 row.update({k: info[k] for k in ("host", "pid", "device", "backend")})
                 row["group"] = info.get("group")
@@ -723,7 +732,8 @@ class Cluster:
                 row["host"], row["pid"] = said.get("host") or "?", said.get("pid") or "?"
             if r in dead:
                 row["state"] = "dead: " + self.death_notes.get(
-                    r, "gone (MPI ends every rank of a job when one of them dies)")
+                    r, "gone (MPI ends every rank of a job when one of them dies)"
+                )
             else:
                 q = queue.get(r, {}) if isinstance(queue, dict) else {}
                 busy = q.get("tasks", 0) > 0 or q.get("queue", 0) > 0

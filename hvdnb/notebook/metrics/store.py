@@ -38,7 +38,6 @@ rank did not send is None (shown as "n/a"), not 0.
 
 from __future__ import annotations
 
-from hvdnb.protocol import kinds
 import bisect
 import csv
 import itertools
@@ -51,8 +50,9 @@ from array import array
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["MetricsStore", "MetricRow", "MetricRows", "get_store", "attach", "metrics",
-           "set_knobs"]
+from hvdnb.protocol import kinds
+
+__all__ = ["MetricRow", "MetricRows", "MetricsStore", "attach", "get_store", "metrics", "set_knobs"]
 
 
 #: beyond this many ranks, views summarise (shorter windows, per-host rows)
@@ -114,7 +114,7 @@ class _Series:
     """One metric of one rank: typed columns (a message's arrays are appended at C speed
     and a point costs 24 bytes, not three Python objects)."""
 
-    __slots__ = ("steps", "values", "times", "runs")
+    __slots__ = ("runs", "steps", "times", "values")
 
     def __init__(self) -> None:
         self.steps = array("q")
@@ -173,7 +173,7 @@ def thin_indices(length: int, n: int) -> tuple[list[int] | None, int]:
 class _CurveSums:
     """One run's per-step sums of a metric over ranks (and of ``samples``), built up."""
 
-    __slots__ = ("pos", "sums", "samples", "order", "unsorted")
+    __slots__ = ("order", "pos", "samples", "sums", "unsorted")
 
     def __init__(self) -> None:
         self.pos: dict[tuple[int, str], int] = {}  # series -> index of its next new point
@@ -194,7 +194,7 @@ class _CurveSums:
             if start >= rs.stop:
                 continue
             self.pos[key] = rs.stop
-            steps, values = s.steps[start:rs.stop], s.values[start:rs.stop]
+            steps, values = s.steps[start : rs.stop], s.values[start : rs.stop]
             if n == "samples":
                 dst = self.samples
                 for st, v in zip(steps, values):
@@ -276,11 +276,17 @@ class MetricsStore:
 
     def _start_run(self, now: float) -> None:  # lock held
         rid = len(self.runs) + 1
-        self.runs.append({
-            "id": rid, "cell": self._cell_no, "started": now,
-            "knobs": {k: v.get("value") for k, v in self.knob_spec.items()},
-            "changes": [], "marks": [], "hidden": False,
-        })
+        self.runs.append(
+            {
+                "id": rid,
+                "cell": self._cell_no,
+                "started": now,
+                "knobs": {k: v.get("value") for k, v in self.knob_spec.items()},
+                "changes": [],
+                "marks": [],
+                "hidden": False,
+            }
+        )
         self.run_id = rid
         self._want_run = False
 
@@ -343,8 +349,12 @@ class MetricsStore:
                     self.arrivals.extend((t, now) for t in times)
             info = self.rank_info.setdefault(rank, {})
             info.update(
-                step=msg.get("step"), step_time=msg.get("step_time"), backend=msg.get("backend"),
-                idle=msg.get("idle"), seen=now, pid=pid,
+                step=msg.get("step"),
+                step_time=msg.get("step_time"),
+                backend=msg.get("backend"),
+                idle=msg.get("idle"),
+                seen=now,
+                pid=pid,
             )
             if isinstance(msg.get("meta"), dict):
                 info.update(msg["meta"])
@@ -426,27 +436,32 @@ class MetricsStore:
 
         ``at_step``: apply at that step of the running loop (or of the next one, when no
         loop runs); default: as soon as every rank can, at one step."""
-        from hvdnb.rank.metrics.knobs import validate
+        from hvdnb.protocol.knobs import validate
 
         spec = self.knob_spec
         if not spec:
             return False, "no knobs yet: create them with hvdnb.knobs(...) in a %%distributed cell"
         err = validate(spec, values)
-        if err is None and at_step is not None and (
-                isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0):
+        if (
+            err is None
+            and at_step is not None
+            and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0)
+        ):
             err = f"at_step must be a step number >= 0, not {at_step!r}"
         if err:
             with self._lock:
-                self.knob_events.append({"kind": "refused", "time": time.time(), "error": err,
-                                         "values": values})
+                self.knob_events.append(
+                    {"kind": "refused", "time": time.time(), "error": err, "values": values}
+                )
                 self.version += 1
             return False, f"refused: {err}"
         if self._channel is None:
             return False, "no cluster is running"
         rid = f"k{next(self._ids)}-{int(time.time() * 1000) % 100000}"
         with self._lock:
-            self.knob_events.append({"kind": "request", "time": time.time(), "id": rid,
-                                     "values": values})
+            self.knob_events.append(
+                {"kind": "request", "time": time.time(), "id": rid, "values": values}
+            )
             self.version += 1
         self.last_request = rid
         extra = {"at_step": at_step} if at_step is not None else {}
@@ -465,19 +480,25 @@ class MetricsStore:
                 return {"error": reqs[-1]["error"]}
             rid = reqs[-1]["id"]
         plan = next((e for e in events if e["kind"] == "plan" and e.get("id") == rid), None)
-        applied = {e["rank"]: e for e in events if e["kind"] == "applied" and e.get("id") == rid
-                   and "rank" in e}
+        applied = {
+            e["rank"]: e
+            for e in events
+            if e["kind"] == "applied" and e.get("id") == rid and "rank" in e
+        }
         return {"id": rid, "plan": plan, "applied": applied}
 
     # -------------------------------------------------------------- views
-    def rows(self, name: str | None = None, rank: int | None = None,
-             run: int | None = None) -> MetricRows:
+    def rows(
+        self, name: str | None = None, rank: int | None = None, run: int | None = None
+    ) -> MetricRows:
         """Every point as ``(rank, step, name, value, time, run, segment, knobs)``, ordered
         by rank, name, arrival; ``run`` selects one run."""
         with self._lock:
-            items = [(k, s.steps[:], s.values[:], s.times[:], list(s.runs))
-                     for k, s in self._series.items()
-                     if (name is None or k[1] == name) and (rank is None or k[0] == rank)]
+            items = [
+                (k, s.steps[:], s.values[:], s.times[:], list(s.runs))
+                for k, s in self._series.items()
+                if (name is None or k[1] == name) and (rank is None or k[0] == rank)
+            ]
             runs = {r["id"]: (dict(r["knobs"]), list(r["changes"])) for r in self.runs}
         out = MetricRows()
         for (r, n), steps, values, times, offsets in sorted(items, key=lambda it: it[0]):
@@ -506,8 +527,9 @@ class MetricsStore:
         with self._lock:
             return sorted(set(self._names_of) | set(self.rank_info))
 
-    def series(self, name: str, rank: int, last: int | None = None, run: int | None = None
-               ) -> tuple[list[int], list[float], list[float]]:
+    def series(
+        self, name: str, rank: int, last: int | None = None, run: int | None = None
+    ) -> tuple[list[int], list[float], list[float]]:
         """(steps, values, times) of one metric on one rank in ``run`` (default: the
         current run; -1: every run), the last ``last`` points (copies only those)."""
         with self._lock:
@@ -533,8 +555,9 @@ class MetricsStore:
             rs = self._slice(s, run)
             return rs.stop - rs.start
 
-    def thinned(self, name: str, rank: int, n: int, run: int | None = None
-                ) -> tuple[list[float], list[float], int]:
+    def thinned(
+        self, name: str, rank: int, n: int, run: int | None = None
+    ) -> tuple[list[float], list[float], int]:
         """``series`` as a chart draws it: at most ~``n`` evenly spaced points (and the
         last), read without copying the whole history; returns (steps, values, stride)."""
         with self._lock:
@@ -553,8 +576,9 @@ class MetricsStore:
             s = self._series.get((rank, name))
             return s.values[-1] if s is not None and s.values else None
 
-    def per_step(self, prefix: str, rank: int, last_steps: int = 50,
-                 suffix: str = "/time") -> dict[int, float]:
+    def per_step(
+        self, prefix: str, rank: int, last_steps: int = 50, suffix: str = "/time"
+    ) -> dict[int, float]:
         """Sum of every metric whose name starts with ``prefix`` and ends with ``suffix``
         (or equals ``prefix``), per step of the current run, over its last ``last_steps``
         steps."""
@@ -565,7 +589,7 @@ class MetricsStore:
                 s = self._series[k]
                 rs = s.run_slice(self.run_id)
                 lo = max(rs.start, rs.stop - 4 * last_steps)
-                parts.append((s.steps[lo:rs.stop], s.values[lo:rs.stop]))
+                parts.append((s.steps[lo : rs.stop], s.values[lo : rs.stop]))
         out: dict[int, float] = {}
         for steps, values in parts:
             for st, v in zip(steps, values):
@@ -579,11 +603,15 @@ class MetricsStore:
     def _summed_keys(self, prefix: str, rank: int, suffix: str) -> list[tuple[int, str]]:
         """The series ``per_step`` / ``at_steps`` sum: ``prefix`` itself, or names starting
         with ``prefix`` and ending with ``suffix`` (caller holds the lock)."""
-        return [(rank, n) for n in self._names_of.get(rank, ()) if
-                n == prefix or (n.startswith(prefix) and n.endswith(suffix))]
+        return [
+            (rank, n)
+            for n in self._names_of.get(rank, ())
+            if n == prefix or (n.startswith(prefix) and n.endswith(suffix))
+        ]
 
-    def at_steps(self, prefix: str, rank: int, steps: Any,
-                 suffix: str = "/time") -> dict[int, float]:
+    def at_steps(
+        self, prefix: str, rank: int, steps: Any, suffix: str = "/time"
+    ) -> dict[int, float]:
         """``per_step``'s sums at the given steps of the current run (steps missing from a
         series contribute nothing). Found by bisection: step numbers increase within a
         loop; a cell that runs two loops (steps start over) may find fewer of them."""
@@ -651,8 +679,10 @@ class MetricsStore:
                 rows.append((total, d, c, comp))
             med = [statistics.median(col) for col in zip(*rows)]
             out[r] = {"step": med[0], "data": med[1], "comm": med[2], "compute": med[3]}
-        self._breakdown_cache = ((version, last_steps if len(ranks) <= MANY_RANKS else
-                                  last_steps * 5), out)
+        self._breakdown_cache = (
+            (version, last_steps if len(ranks) <= MANY_RANKS else last_steps * 5),
+            out,
+        )
         return out
 
     def hint(self, last_steps: int = 50) -> str:
@@ -670,8 +700,10 @@ class MetricsStore:
             med = statistics.median(busy.values())
             slow = max(busy, key=lambda r: busy[r])
             if med > 0 and busy[slow] > 1.2 * med and busy[slow] - med > 1e-4:
-                line += (f"; straggler: rank {slow} ({busy[slow] / med:.2f}x the median "
-                         "data+compute time; the others wait for it in allreduce)")
+                line += (
+                    f"; straggler: rank {slow} ({busy[slow] / med:.2f}x the median "
+                    "data+compute time; the others wait for it in allreduce)"
+                )
         return line
 
     def hosts(self) -> dict[str, list[int]]:
@@ -696,15 +728,19 @@ class MetricsStore:
                     steps.append(int(info["step"]))
                 if info.get("step_time") is not None:
                     times.append(float(info["step_time"]))
-            out.append({
-                "host": host, "ranks": ranks,
-                "step_min": min(steps) if steps else None, "step_max": max(steps) if steps else None,
-                f"{name}_min": min(vals) if vals else None,
-                f"{name}_median": statistics.median(vals) if vals else None,
-                f"{name}_max": max(vals) if vals else None,
-                "step_time_min": min(times) if times else None,
-                "step_time_max": max(times) if times else None,
-            })
+            out.append(
+                {
+                    "host": host,
+                    "ranks": ranks,
+                    "step_min": min(steps) if steps else None,
+                    "step_max": max(steps) if steps else None,
+                    f"{name}_min": min(vals) if vals else None,
+                    f"{name}_median": statistics.median(vals) if vals else None,
+                    f"{name}_max": max(vals) if vals else None,
+                    "step_time_min": min(times) if times else None,
+                    "step_time_max": max(times) if times else None,
+                }
+            )
         return out
 
     def collective_times(self, last_steps: int = 50) -> dict[str, dict[int, float]]:
@@ -719,7 +755,7 @@ class MetricsStore:
                 rs = s.run_slice(self.run_id)
                 lo = max(rs.start, rs.stop - 4 * last_steps)
                 per = out.setdefault(n[5:-5], {})
-                for st, v in zip(s.steps[lo:rs.stop], s.values[lo:rs.stop]):
+                for st, v in zip(s.steps[lo : rs.stop], s.values[lo : rs.stop]):
                     if v == v and (st not in per or v < per[st]):
                         per[st] = v
         for bucket, per in out.items():
@@ -748,13 +784,21 @@ class MetricsStore:
                     return [], []
                 rs = s.run_slice(self.run_id)
                 lo = max(rs.start, rs.stop - last)
-                return s.steps[lo:rs.stop], s.values[lo:rs.stop]
+                return s.steps[lo : rs.stop], s.values[lo : rs.stop]
 
             for r, n in keys:
                 steps, t = tail((r, n))
                 if t:
-                    data.append((r, n[5:-5], steps, t, tail((r, n[:-5] + "/bytes"))[1],
-                                 tail((r, n[:-5] + "/exposed"))[1]))
+                    data.append(
+                        (
+                            r,
+                            n[5:-5],
+                            steps,
+                            t,
+                            tail((r, n[:-5] + "/bytes"))[1],
+                            tail((r, n[:-5] + "/exposed"))[1],
+                        )
+                    )
         out = []
         factor = 2 * (n_ranks - 1) / n_ranks
         for r, bucket, steps, t, nb, ex in sorted(data):
@@ -765,15 +809,24 @@ class MetricsStore:
             med_t = statistics.median(tt) if tt else None
             med_b = statistics.median(nb) if nb else None
             bw = med_b * factor / med_t if med_t and med_b is not None and factor else None
-            out.append({"rank": r, "bucket": bucket, "time": med_t, "bytes": med_b,
-                        "own_time": statistics.median(own) if own else None,
-                        "exposed": statistics.median(ee) if ee else None,
-                        "bus_bandwidth": bw, "bandwidth": bw,
-                        "backend": self.rank_info.get(r, {}).get("backend")})
+            out.append(
+                {
+                    "rank": r,
+                    "bucket": bucket,
+                    "time": med_t,
+                    "bytes": med_b,
+                    "own_time": statistics.median(own) if own else None,
+                    "exposed": statistics.median(ee) if ee else None,
+                    "bus_bandwidth": bw,
+                    "bandwidth": bw,
+                    "backend": self.rank_info.get(r, {}).get("backend"),
+                }
+            )
         return out
 
-    def run_curves(self, x: str = "step", name: str = "loss", last_runs: int = 5,
-                   points: int | None = None) -> list[dict[str, Any]]:
+    def run_curves(
+        self, x: str = "step", name: str = "loss", last_runs: int = 5, points: int | None = None
+    ) -> list[dict[str, Any]]:
         """The visible runs' mean-over-ranks ``name`` per step, for overlaying.
 
         Parameters
@@ -824,11 +877,15 @@ class MetricsStore:
                         if i == len(steps) or (i > 0 and st - steps[i - 1] <= steps[i] - st):
                             i -= 1
                         marks.append((xmap[steps[i]] if xmap else float(steps[i]), lab))
-                out.append({
-                    "id": rid, "label": _run_label(run),
-                    "xs": xs,
-                    "ys": ys, "marks": marks,
-                })
+                out.append(
+                    {
+                        "id": rid,
+                        "label": _run_label(run),
+                        "xs": xs,
+                        "ys": ys,
+                        "marks": marks,
+                    }
+                )
         return out
 
     def memory(self) -> dict[int, dict[str, float | None]]:
@@ -851,7 +908,7 @@ class MetricsStore:
             i = bisect.bisect_right(times, times[-1] - window)
             if len(times) - i < 2:
                 continue
-            total += sum(vals[i + 1:])
+            total += sum(vals[i + 1 :])
             t_lo, t_hi = min(t_lo, times[i]), max(t_hi, times[-1])
         if not found or t_hi <= t_lo:
             return None
@@ -965,8 +1022,9 @@ def attach(cluster: Any = None) -> MetricsStore:
     return store
 
 
-def set_knobs(*, at_step: int | None = None, after: float | None = None,
-              timeout: float = 3.0, **values: Any) -> dict[str, Any]:
+def set_knobs(
+    *, at_step: int | None = None, after: float | None = None, timeout: float = 3.0, **values: Any
+) -> dict[str, Any]:
     """Change knobs of the job from code: the same validated request as the panel's controls.
 
     Every rank applies the change at one step (rank 0 picks it; see ``hvdnb.knobs``).
@@ -997,7 +1055,7 @@ def set_knobs(*, at_step: int | None = None, after: float | None = None,
     >>> hvdnb.set_knobs(warmup_steps=200, batch_size=64)          # doctest: +SKIP
     >>> hvdnb.set_knobs(batch_size=128, at_step=150)              # doctest: +SKIP
     """
-    from hvdnb.rank.metrics.knobs import validate
+    from hvdnb.protocol.knobs import validate
 
     store = attach()
     if not values:
@@ -1016,8 +1074,9 @@ def set_knobs(*, at_step: int | None = None, after: float | None = None,
             ok, msg = store.request_knobs(at_step=at_step, **values)
             if not ok:
                 with store._lock:
-                    store.knob_events.append({"kind": "refused", "time": time.time(),
-                                              "error": msg, "values": values})
+                    store.knob_events.append(
+                        {"kind": "refused", "time": time.time(), "error": msg, "values": values}
+                    )
                     store.version += 1
 
         timer = threading.Timer(float(after), later)
@@ -1041,8 +1100,7 @@ def set_knobs(*, at_step: int | None = None, after: float | None = None,
     return status
 
 
-def metrics(name: str | None = None, rank: int | None = None,
-            run: int | None = None) -> MetricRows:
+def metrics(name: str | None = None, rank: int | None = None, run: int | None = None) -> MetricRows:
     """Every point the ranks recorded with ``hvdnb.log`` (and allreduce, memory, phases),
     as rows ``(rank, step, name, value, time, run, segment, knobs)``.
 
@@ -1062,4 +1120,3 @@ def metrics(name: str | None = None, rank: int | None = None,
     >>> rows.to_csv("loss.csv")
     """
     return attach().rows(name, rank, run)
-

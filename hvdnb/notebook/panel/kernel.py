@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["kernel", "control_subshell", "route_comms", "IdleTimer"]
+__all__ = ["IdleTimer", "control_subshell", "kernel", "route_comms"]
 
 _SUBSHELL: dict[int, str] = {}
 

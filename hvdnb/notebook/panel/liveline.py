@@ -71,8 +71,10 @@ class LiveLine:
         """The line for ``run`` now."""
         st = self.store
         step, total = st.progress()
-        parts = [f"run {run['id']}" + (" done" if final else ""),
-                 f"step {step}" + (f"/{total}" if total else "")]
+        parts = [
+            f"run {run['id']}" + (" done" if final else ""),
+            f"step {step}" + (f"/{total}" if total else ""),
+        ]
         losses = {}
         for r in st.ranks():
             _, vals, _ = st.series("loss", r, last=1)
@@ -81,8 +83,9 @@ class LiveLine:
         if losses and len(losses) <= 4:
             parts.append("loss " + " ".join(f"r{r} {v:.4g}" for r, v in sorted(losses.items())))
         elif losses:
-            parts.append(f"loss {min(losses.values()):.4g}-{max(losses.values()):.4g} "
-                         f"({len(losses)} ranks)")
+            parts.append(
+                f"loss {min(losses.values()):.4g}-{max(losses.values()):.4g} ({len(losses)} ranks)"
+            )
         else:
             parts.append("loss n/a")
         rate = st.throughput()
@@ -102,7 +105,9 @@ class _Line:
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, str]:
         return {
             "text/plain": self.text,
-            "text/html": ("<div class='hvdnb-liveline' style='font:12px monospace;"
-                          "border-left:3px solid #4c78a8;padding-left:6px'>"
-                          f"{html.escape(self.text)}</div>"),
+            "text/html": (
+                "<div class='hvdnb-liveline' style='font:12px monospace;"
+                "border-left:3px solid #4c78a8;padding-left:6px'>"
+                f"{html.escape(self.text)}</div>"
+            ),
         }

@@ -46,11 +46,11 @@ from hvdnb.notebook.metrics.store import MetricsStore, get_store
 from hvdnb.notebook.panel import kernel as _kernel
 from hvdnb.notebook.panel.png import MAX_LINES, fmt_bytes, render_png
 from hvdnb.notebook.panel.svg import PALETTE, legend_html, line_chart, stacked_bars
+from hvdnb.protocol.knobs import KnobTextError, parse
 
 __all__ = ["Panel", "get_panel", "show_panel"]
 
 _PANEL: Panel | None = None
-_NUM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*([-+0-9.eE]+|inf|nan)\s*$")
 
 
 class Panel:
@@ -97,23 +97,38 @@ class Panel:
         #: everything drawn (header, charts, hint, tables) is this one widget: one comm
         #: message per redraw
         self.view = w.HTML(value="<b>hvdnb</b>: waiting for data from the ranks")
-        self.log_y = w.Checkbox(value=False, description="log y", indent=False,
-                                layout=w.Layout(width="80px"))
-        self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01,
-                                       description="smoothing", continuous_update=False)
+        self.log_y = w.Checkbox(
+            value=False, description="log y", indent=False, layout=w.Layout(width="80px")
+        )
+        self.smoothing = w.FloatSlider(
+            value=0.0,
+            min=0.0,
+            max=0.99,
+            step=0.01,
+            description="smoothing",
+            continuous_update=False,
+        )
         self.knob_box = w.HBox([])
-        self.knob_text = w.Text(placeholder="e.g. lr=0.05, warmup_steps=50",
-                                description="set", continuous_update=False,
-                                layout=w.Layout(width="320px"))
+        self.knob_text = w.Text(
+            placeholder="e.g. lr=0.05, warmup_steps=50",
+            description="set",
+            continuous_update=False,
+            layout=w.Layout(width="320px"),
+        )
         self.knob_apply = w.Button(description="apply", layout=w.Layout(width="70px"))
-        self.knob_status = w.HTML(value="knobs: none yet (hvdnb.knobs(...) in a "
-                                  "%%distributed cell)")
-        self.cmp_x = w.ToggleButtons(options=[("runs by step", "step"),
-                                              ("runs by samples seen", "samples")],
-                                     value="step", style={"button_width": "150px"})
-        self.cmp_clear = w.Button(description="clear old runs",
-                                  tooltip="keep only the newest run on the comparison chart",
-                                  layout=w.Layout(width="120px"))
+        self.knob_status = w.HTML(
+            value="knobs: none yet (hvdnb.knobs(...) in a %%distributed cell)"
+        )
+        self.cmp_x = w.ToggleButtons(
+            options=[("runs by step", "step"), ("runs by samples seen", "samples")],
+            value="step",
+            style={"button_width": "150px"},
+        )
+        self.cmp_clear = w.Button(
+            description="clear old runs",
+            tooltip="keep only the newest run on the comparison chart",
+            layout=w.Layout(width="120px"),
+        )
         self.cmp_x.add_class("hvdnb-cmp-x")
         self.cmp_clear.add_class("hvdnb-cmp-clear")
         self.log_y.observe(self._on_view_change, "value")
@@ -123,22 +138,33 @@ class Panel:
         self.knob_apply.on_click(self._on_text_apply)
         self.knob_text.observe(self._on_text_apply, "value")
         # the knobs first: tuning is what the panel is for, and a side area is narrow
-        self.box = w.VBox([
-            self.knob_box,
-            w.HBox([self.knob_text, self.knob_apply]),
-            self.knob_status,
-            self.view,
-            w.HBox([self.log_y, self.smoothing]),
-            w.HBox([self.cmp_x, self.cmp_clear]),
-        ])
+        self.box = w.VBox(
+            [
+                self.knob_box,
+                w.HBox([self.knob_text, self.knob_apply]),
+                self.knob_status,
+                self.view,
+                w.HBox([self.log_y, self.smoothing]),
+                w.HBox([self.cmp_x, self.cmp_clear]),
+            ]
+        )
         self.box.add_class("hvdnb-panel")
         self.view.add_class("hvdnb-view")
         self.knob_status.add_class("hvdnb-knob-status")
         self._sidecar: Any = None
         self._want_side = False
         self._stub: _Stub | None = None
-        _kernel.route_comms([self.log_y, self.smoothing, self.knob_text, self.knob_apply,
-                             self.cmp_x, self.cmp_clear], self._subshell)
+        _kernel.route_comms(
+            [
+                self.log_y,
+                self.smoothing,
+                self.knob_text,
+                self.knob_apply,
+                self.cmp_x,
+                self.cmp_clear,
+            ],
+            self._subshell,
+        )
         self._idle = _kernel.IdleTimer(lambda: self.tick(False), 0.5)
         self.render(force=True)
 
@@ -185,16 +211,19 @@ class Panel:
 
     def _on_clear_runs(self, *_: Any) -> None:
         n = self.store.hide_runs(keep_last=1)
-        self._set_note(f"{n} old run{'s' if n != 1 else ''} taken off the comparison chart "
-                       "(still in hvdnb.metrics())")
+        self._set_note(
+            f"{n} old run{'s' if n != 1 else ''} taken off the comparison chart "
+            "(still in hvdnb.metrics())"
+        )
 
     def snapshot(self) -> None:
         """Refresh the PNG kept in every displayed copy (what a saved notebook shows)."""
         if not self._handles:
             return
         try:
-            self._png = render_png(self.store, log_y=self.log_y.value,
-                                   smoothing=self.smoothing.value)
+            self._png = render_png(
+                self.store, log_y=self.log_y.value, smoothing=self.smoothing.value
+            )
         except Exception:  # a missing picture must not break the cell's end
             return
         for h, obj in self._handles:
@@ -217,19 +246,12 @@ class Panel:
         text = self.knob_text.value.strip()
         if not text:
             return
-        values: dict[str, Any] = {}
-        for part in text.split(","):
-            m = _NUM.match(part)
-            if not m:
-                self._set_note(f"refused: cannot read {part.strip()!r}; write name=value, ...")
-                return
-            raw = m.group(2)
-            try:
-                values[m.group(1)] = int(raw) if re.fullmatch(r"[-+]?\d+", raw) else float(raw)
-            except ValueError:
-                self._set_note(f"refused: {raw!r} is not a number")
-                return
-        self.request(values)
+        try:
+            values = parse(text)
+        except KnobTextError as exc:
+            self._set_note(f"refused: {exc}")
+            return
+        self.request(dict(values))
 
     def request(self, values: dict[str, Any]) -> tuple[bool, str]:
         """Ask for a knob change (validated here, scheduled by rank 0)."""
@@ -318,8 +340,10 @@ class Panel:
         s = self.store
         ranks = s.ranks()
         if not ranks:
-            return ("<b>hvdnb</b>: waiting for data from the ranks (hvdnb.log(step, loss) in "
-                    "the loop)", None)
+            return (
+                "<b>hvdnb</b>: waiting for data from the ranks (hvdnb.log(step, loss) in the loop)",
+                None,
+            )
         step, total = s.progress()
         backends = sorted({_bk(i.get("backend")) for i in s.rank_info.values() if i.get("backend")})
         rate = s.throughput()
@@ -336,21 +360,28 @@ class Panel:
         if age is not None:
             parts.append(f"updated {age:.1f} s ago")
         if s.lost_messages or s.lost_rows:
-            parts.append(f"<span style='color:#c00'>lost: {s.lost_messages} messages, "
-                         f"{s.lost_rows} points</span>")
+            parts.append(
+                f"<span style='color:#c00'>lost: {s.lost_messages} messages, "
+                f"{s.lost_rows} points</span>"
+            )
         return " &middot; ".join(parts), ((step, total) if total else None)
 
     def _view_html(self) -> str:
         head, prog = self._header()
         if prog is not None:
-            head += (f" <progress max='{prog[1]}' value='{min(prog[0], prog[1])}' "
-                     "style='width:160px;vertical-align:middle'></progress>")
-        charts = charts_html(self.store, log_y=self.log_y.value, alpha=self.smoothing.value,
-                             runs_x=self.cmp_x.value)
+            head += (
+                f" <progress max='{prog[1]}' value='{min(prog[0], prog[1])}' "
+                "style='width:160px;vertical-align:middle'></progress>"
+            )
+        charts = charts_html(
+            self.store, log_y=self.log_y.value, alpha=self.smoothing.value, runs_x=self.cmp_x.value
+        )
         hint = html.escape(self.store.hint()) if self.store.ranks() else ""
-        return (f"<div class='hvdnb-header'>{head}</div>"
-                f"<div style='display:flex;flex-wrap:wrap;gap:6px'>{charts}</div>"
-                f"<div class='hvdnb-hint'><b>{hint}</b></div>{self._tables()}")
+        return (
+            f"<div class='hvdnb-header'>{head}</div>"
+            f"<div style='display:flex;flex-wrap:wrap;gap:6px'>{charts}</div>"
+            f"<div class='hvdnb-hint'><b>{hint}</b></div>{self._tables()}"
+        )
 
     def _tables(self) -> str:
         s = self.store
@@ -359,19 +390,23 @@ class Panel:
         if rows:
             by_rank = sorted({r["rank"] for r in rows})
             shown = [r for r in rows if r["rank"] in by_rank[:8]]
-            out.append("<b>allreduce</b> (median of the last 20; <i>collective</i>: the "
-                       "operation's own time, from the last rank's arrival, <i>exposed</i>: what the step waited for it, "
-                       "<i>bus bw</i>: size x 2(n-1)/n / collective)"
-                       "<table class='hvdnb-comm'><tr><th>rank</th><th>bucket</th><th>size</th>"
-                       "<th>collective</th><th>exposed</th><th>bus bw</th>"
-                       "<th>backend</th></tr>")
+            out.append(
+                "<b>allreduce</b> (median of the last 20; <i>collective</i>: the "
+                "operation's own time, from the last rank's arrival, <i>exposed</i>: what the step waited for it, "
+                "<i>bus bw</i>: size x 2(n-1)/n / collective)"
+                "<table class='hvdnb-comm'><tr><th>rank</th><th>bucket</th><th>size</th>"
+                "<th>collective</th><th>exposed</th><th>bus bw</th>"
+                "<th>backend</th></tr>"
+            )
             for r in shown[:48]:
                 t = f"{1e3 * r['time']:.3f} ms" if r["time"] is not None else "n/a"
                 ex = f"{1e3 * r['exposed']:.3f} ms" if r.get("exposed") is not None else "n/a"
                 bw = f"{r['bus_bandwidth'] / 1e9:.2f} GB/s" if r["bus_bandwidth"] else "n/a"
-                out.append(f"<tr><td>{r['rank']}</td><td>{html.escape(r['bucket'])}</td>"
-                           f"<td>{fmt_bytes(r['bytes'])}</td><td>{t}</td><td>{ex}</td>"
-                           f"<td>{bw}</td><td>{_bk(r['backend'])}</td></tr>")
+                out.append(
+                    f"<tr><td>{r['rank']}</td><td>{html.escape(r['bucket'])}</td>"
+                    f"<td>{fmt_bytes(r['bytes'])}</td><td>{t}</td><td>{ex}</td>"
+                    f"<td>{bw}</td><td>{_bk(r['backend'])}</td></tr>"
+                )
             out.append("</table>")
             if len(by_rank) > 8:
                 out.append(f"(first 8 of {len(by_rank)} ranks)")
@@ -379,11 +414,17 @@ class Panel:
         if mem:
             gpu = any(m.get("gpu_allocated") is not None for m in mem.values())
             cols = ["gpu_allocated", "gpu_reserved", "gpu_nvml_used", "rss"] if gpu else ["rss"]
-            out.append("<b>memory</b><table><tr><th>rank</th>" +
-                       "".join(f"<th>{c}</th>" for c in cols) + "</tr>")
+            out.append(
+                "<b>memory</b><table><tr><th>rank</th>"
+                + "".join(f"<th>{c}</th>" for c in cols)
+                + "</tr>"
+            )
             for r in sorted(mem)[:MAX_LINES]:
-                out.append(f"<tr><td>{r}</td>" + "".join(
-                    f"<td>{fmt_bytes(mem[r].get(c))}</td>" for c in cols) + "</tr>")
+                out.append(
+                    f"<tr><td>{r}</td>"
+                    + "".join(f"<td>{fmt_bytes(mem[r].get(c))}</td>" for c in cols)
+                    + "</tr>"
+                )
             out.append("</table>")
         return "".join(out)
 
@@ -397,17 +438,23 @@ class Panel:
         def num(v: Any, fmt: str = ".4g") -> str:
             return "n/a" if v is None else format(v, fmt)
 
-        out = ["<b>hosts</b><table class='hvdnb-hosts'><tr><th>host</th><th>ranks</th>"
-               "<th>step min..max</th><th>loss min / median / max</th>"
-               "<th>step time min..max</th></tr>"]
+        out = [
+            "<b>hosts</b><table class='hvdnb-hosts'><tr><th>host</th><th>ranks</th>"
+            "<th>step min..max</th><th>loss min / median / max</th>"
+            "<th>step time min..max</th></tr>"
+        ]
         for h in hs[:64]:
-            st = (f"{1e3 * h['step_time_min']:.1f}..{1e3 * h['step_time_max']:.1f} ms"
-                  if h["step_time_min"] is not None else "n/a")
+            st = (
+                f"{1e3 * h['step_time_min']:.1f}..{1e3 * h['step_time_max']:.1f} ms"
+                if h["step_time_min"] is not None
+                else "n/a"
+            )
             out.append(
                 f"<tr><td>{html.escape(h['host'])}</td><td>{format_ranks(h['ranks'])}</td>"
                 f"<td>{num(h['step_min'], 'd')}..{num(h['step_max'], 'd')}</td>"
                 f"<td>{num(h['loss_min'])} / {num(h['loss_median'])} / {num(h['loss_max'])}</td>"
-                f"<td>{st}</td></tr>")
+                f"<td>{st}</td></tr>"
+            )
         out.append("</table>")
         if len(hs) > 64:
             out.append(f"(first 64 of {len(hs)} hosts)")
@@ -435,8 +482,10 @@ class Panel:
                 if applied:
                     steps = sorted({a.get("step") for a in applied.values()})
                     late = sorted(r for r, a in applied.items() if a.get("late"))
-                    text += (f"; applied on ranks {','.join(map(str, sorted(applied)))} at step "
-                             f"{','.join(map(str, steps))}")
+                    text += (
+                        f"; applied on ranks {','.join(map(str, sorted(applied)))} at step "
+                        f"{','.join(map(str, steps))}"
+                    )
                     if late:
                         text += f" (late on ranks {','.join(map(str, late))})"
         if note and not st.get("id"):
@@ -457,17 +506,29 @@ class Panel:
                 v = s["value"]
                 if s["kind"] == "int":
                     hi = int(min(s["max"], max(4 * v, 100)))
-                    ctl = w.IntSlider(value=int(v), min=int(s["min"]), max=hi, description=name,
-                                      continuous_update=False)
+                    ctl = w.IntSlider(
+                        value=int(v),
+                        min=int(s["min"]),
+                        max=hi,
+                        description=name,
+                        continuous_update=False,
+                    )
                 else:
                     import math
 
                     base = max(v, 1e-12)
                     lo = max(math.log10(max(s["min"], 1e-12)), math.log10(base) - 2)
                     hi = min(math.log10(s["max"]), math.log10(base) + 2)
-                    ctl = w.FloatLogSlider(value=v, base=10, min=lo, max=hi, step=0.05,
-                                           description=name, continuous_update=False,
-                                           readout_format=".3g")
+                    ctl = w.FloatLogSlider(
+                        value=v,
+                        base=10,
+                        min=lo,
+                        max=hi,
+                        step=0.05,
+                        description=name,
+                        continuous_update=False,
+                        readout_format=".3g",
+                    )
                 ctl.add_class(f"hvdnb-knob-{name}")
                 ctl.observe(self._on_knob_change, "value")
                 ws.append(ctl)
@@ -509,14 +570,19 @@ class _Stub:
         import ipywidgets as w
 
         self.panel = panel
-        self.button = w.Button(description="show the panel", icon="columns",
-                               tooltip="open the live panel beside the notebook (again)",
-                               layout=w.Layout(width="180px"))
+        self.button = w.Button(
+            description="show the panel",
+            icon="columns",
+            tooltip="open the live panel beside the notebook (again)",
+            layout=w.Layout(width="180px"),
+        )
         self.button.add_class("hvdnb-show-panel")
         self.button.on_click(self._on_click)
-        note = w.HTML("<span class='hvdnb-stub'>hvdnb: the live panel is open beside the "
-                      "notebook. Not there? <code>%dist panel --inline</code> shows it "
-                      "here.</span>")
+        note = w.HTML(
+            "<span class='hvdnb-stub'>hvdnb: the live panel is open beside the "
+            "notebook. Not there? <code>%dist panel --inline</code> shows it "
+            "here.</span>"
+        )
         self.box = w.HBox([self.button, note])
         _kernel.route_comms([self.button], panel._subshell)
 
@@ -529,11 +595,16 @@ class _Stub:
         bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
         text = self.panel._text()
         png = self.panel._png
-        img = (f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/>"
-               if png else "")
-        bundle["text/html"] = (f"<div><b>hvdnb live panel</b> (last picture; the live panel "
-                               f"opens beside the notebook)<pre>{html.escape(text)}</pre>"
-                               f"{img}</div>")
+        img = (
+            f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/>"
+            if png
+            else ""
+        )
+        bundle["text/html"] = (
+            f"<div><b>hvdnb live panel</b> (last picture; the live panel "
+            f"opens beside the notebook)<pre>{html.escape(text)}</pre>"
+            f"{img}</div>"
+        )
         if png:
             bundle["image/png"] = base64.b64encode(png).decode("ascii")
         bundle["text/plain"] = text
@@ -570,17 +641,31 @@ def runs_html(store: MetricsStore, x: str = "step", log_y: bool = False) -> str:
         labels.append(c["label"])
         marks.extend((mx, lab, color) for mx, lab in c["marks"])
     what = "samples seen (all ranks)" if x == "samples" else "step"
-    empty = ("no runs yet: a %%distributed cell that calls hvdnb.log is a run" if not curves
-             else "n/a: these runs logged no samples= (hvdnb.log(step, loss, samples=n))")
-    svg = line_chart(f"runs: mean loss vs {what}" + (" (log)" if log_y else ""), lines,
-                     marks=marks[-12:], log_y=log_y, empty=empty, legend=False)
-    note = (f"<div style='color:#888;font:11px sans-serif'>runs {', '.join(map(str, missing))}: "
-            "n/a (no samples= logged)</div>" if missing and lines else "")
+    empty = (
+        "no runs yet: a %%distributed cell that calls hvdnb.log is a run"
+        if not curves
+        else "n/a: these runs logged no samples= (hvdnb.log(step, loss, samples=n))"
+    )
+    svg = line_chart(
+        f"runs: mean loss vs {what}" + (" (log)" if log_y else ""),
+        lines,
+        marks=marks[-12:],
+        log_y=log_y,
+        empty=empty,
+        legend=False,
+    )
+    note = (
+        f"<div style='color:#888;font:11px sans-serif'>runs {', '.join(map(str, missing))}: "
+        "n/a (no samples= logged)</div>"
+        if missing and lines
+        else ""
+    )
     return f"<div class='hvdnb-runs'>{svg}{legend_html(labels)}{note}</div>"
 
 
-def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
-                runs_x: str | None = "step") -> str:
+def charts_html(
+    store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0, runs_x: str | None = "step"
+) -> str:
     """The live charts as inline SVG: loss of the current run, allreduce per step, step-time
     breakdown and (``runs_x`` not None) the runs compared."""
     ranks = store.ranks()
@@ -588,7 +673,7 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
     for r in ranks:
         xs, ys, stride = store.thinned("loss", r, LIVE_POINTS)
         if xs:
-            lines.append((f"rank {r}", xs, _ema(ys, alpha ** stride if alpha else 0.0)))
+            lines.append((f"rank {r}", xs, _ema(ys, alpha**stride if alpha else 0.0)))
     band = None
     if len(lines) > MAX_LINES:
         grid, stack = _stack(lines)
@@ -600,12 +685,21 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
             for host, rs in hosts.items():
                 rows = [row_of[r] for r in rs if r in row_of]
                 if rows:
-                    lines_out.append((f"{host} ({len(rows)})", band[0],
-                                      _band_of(grid, stack[rows])[3]))
+                    lines_out.append(
+                        (f"{host} ({len(rows)})", band[0], _band_of(grid, stack[rows])[3])
+                    )
         lines = lines_out
     marks = [(float(st), lab) for st, lab in list(store.marks)[-8:]]
-    out = [line_chart("loss" + (" (log)" if log_y else ""), lines, band=band, marks=marks,
-                      log_y=log_y, empty="no loss yet: hvdnb.log(step, loss)")]
+    out = [
+        line_chart(
+            "loss" + (" (log)" if log_y else ""),
+            lines,
+            band=band,
+            marks=marks,
+            log_y=log_y,
+            empty="no loss yet: hvdnb.log(step, loss)",
+        )
+    ]
     comm = []
     shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
     total: dict[int, float] = {}
@@ -614,34 +708,53 @@ def charts_html(store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0,
             total[st] = total.get(st, 0.0) + v
     if total:
         st = sorted(total)
-        comm.append(("collective (all buckets)", [float(x) for x in st],
-                     [1e3 * total[k] for k in st]))
+        comm.append(
+            ("collective (all buckets)", [float(x) for x in st], [1e3 * total[k] for k in st])
+        )
     for r in shown[: max(1, MAX_LINES - 1)]:
         per = store.per_step("comm/", r, last_steps=LIVE_POINTS, suffix="/exposed")
         if per:
             st = sorted(per)
-            comm.append((f"rank {r} exposed", [float(x) for x in st],
-                         [1e3 * per[k] for k in st]))
+            comm.append((f"rank {r} exposed", [float(x) for x in st], [1e3 * per[k] for k in st]))
     backends = sorted({_bk(i.get("backend")) for i in store.rank_info.values() if i.get("backend")})
-    out.append(line_chart(f"allreduce ms per step ({'/'.join(backends) or 'backend n/a'})",
-                          comm, empty="no allreduce timings (hvdnb.torch reports them)",
-                          clip_spikes=True))
+    out.append(
+        line_chart(
+            f"allreduce ms per step ({'/'.join(backends) or 'backend n/a'})",
+            comm,
+            empty="no allreduce timings (hvdnb.torch reports them)",
+            clip_spikes=True,
+        )
+    )
     b = store.breakdown()
-    rows = [(f"rank {r}", [1e3 * b[r]["data"], 1e3 * b[r]["compute"], 1e3 * b[r]["comm"]])
-            for r in sorted(b)]
+    rows = [
+        (f"rank {r}", [1e3 * b[r]["data"], 1e3 * b[r]["compute"], 1e3 * b[r]["comm"]])
+        for r in sorted(b)
+    ]
     hosts = store.hosts()
-    if len(rows) > MAX_LINES and 1 < len(hosts):  # one bar per host: the median of its ranks
+    if len(rows) > MAX_LINES and len(hosts) > 1:  # one bar per host: the median of its ranks
         import statistics
 
         rows = []
         for host, rs in list(hosts.items())[:64]:
             mine = [b[r] for r in rs if r in b]
             if mine:
-                rows.append((f"{host} ({len(mine)})", [
-                    1e3 * statistics.median(m[k] for m in mine) for k in ("data", "compute", "comm")]))
-    out.append(stacked_bars("step time (median of last 50 steps; comm = exposed)", rows,
-                            [("data", "#f2a541"), ("compute", PALETTE[0]), ("comm", "#e45756")],
-                            empty="no step times yet"))
+                rows.append(
+                    (
+                        f"{host} ({len(mine)})",
+                        [
+                            1e3 * statistics.median(m[k] for m in mine)
+                            for k in ("data", "compute", "comm")
+                        ],
+                    )
+                )
+    out.append(
+        stacked_bars(
+            "step time (median of last 50 steps; comm = exposed)",
+            rows,
+            [("data", "#f2a541"), ("compute", PALETTE[0]), ("comm", "#e45756")],
+            empty="no step times yet",
+        )
+    )
     if runs_x is not None:
         out.append(runs_html(store, runs_x, log_y))
     return "".join(out)
@@ -654,8 +767,7 @@ def _stack(lines: list[tuple[str, list[float], list[float]]]) -> tuple[Any, Any]
     lo = min(xs[0] for _, xs, _ in lines)
     hi = max(xs[-1] for _, xs, _ in lines)
     grid = np.linspace(lo, hi, LIVE_POINTS) if hi > lo else np.array([lo])
-    stack = np.vstack([np.interp(grid, xs, ys, left=np.nan, right=np.nan)
-                       for _, xs, ys in lines])
+    stack = np.vstack([np.interp(grid, xs, ys, left=np.nan, right=np.nan) for _, xs, ys in lines])
     return grid, stack
 
 
@@ -670,8 +782,9 @@ def _band_of(grid: Any, stack: Any) -> tuple[list[float], list[float], list[floa
     return grid.tolist(), mn.tolist(), mx.tolist(), med.tolist()
 
 
-def _band(lines: list[tuple[str, list[float], list[float]]]
-          ) -> tuple[list[float], list[float], list[float], list[float]]:
+def _band(
+    lines: list[tuple[str, list[float], list[float]]],
+) -> tuple[list[float], list[float], list[float], list[float]]:
     """(grid, min, max, median) over ``lines``."""
     return _band_of(*_stack(lines))
 
@@ -695,8 +808,9 @@ def get_panel(create: bool = True) -> Panel | None:
     return _PANEL
 
 
-def show_panel(cluster: Any = None, *, inline: bool | None = None,
-               only_with_frontend: bool = False) -> Panel | None:
+def show_panel(
+    cluster: Any = None, *, inline: bool | None = None, only_with_frontend: bool = False
+) -> Panel | None:
     """Attach the store to ``cluster`` and display the panel.
 
     Parameters
@@ -724,8 +838,10 @@ def show_panel(cluster: Any = None, *, inline: bool | None = None,
         try:
             import sidecar  # noqa: F401
         except ImportError:
-            print("hvdnb: jupyterlab-sidecar is not installed (pip install sidecar); "
-                  "showing the panel here")
+            print(
+                "hvdnb: jupyterlab-sidecar is not installed (pip install sidecar); "
+                "showing the panel here"
+            )
             side = False
     p.show(inline=not side)
     return p

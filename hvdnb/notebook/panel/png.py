@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["render_png", "MAX_LINES", "smooth"]
+__all__ = ["MAX_LINES", "render_png", "smooth"]
 
 MAX_LINES = 16
 #: points per rank kept on the loss plot (older ones are thinned)
@@ -76,8 +76,9 @@ def _figure() -> _Figure:
     return _FIG
 
 
-def render_png(store: Any, *, log_y: bool = False, smoothing: float = 0.0,
-               ranks: list[int] | None = None) -> bytes:
+def render_png(
+    store: Any, *, log_y: bool = False, smoothing: float = 0.0, ranks: list[int] | None = None
+) -> bytes:
     """Draw the four plots from ``store`` and return PNG bytes."""
     f = _figure()
     ranks = store.ranks() if ranks is None else ranks
@@ -100,8 +101,16 @@ def _loss(ax: Any, store: Any, ranks: list[int], log_y: bool, alpha: float) -> N
             s, v = _thin(steps, vals)
             series.append((r, s, smooth(v, alpha)))
     if not series:
-        ax.text(0.5, 0.5, "no loss yet: hvdnb.log(step, loss)", ha="center", va="center",
-                transform=ax.transAxes, fontsize=8, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "no loss yet: hvdnb.log(step, loss)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="gray",
+        )
         return
     if len(series) <= MAX_LINES:
         for r, s, v in series:
@@ -112,9 +121,7 @@ def _loss(ax: Any, store: Any, ranks: list[int], log_y: bool, alpha: float) -> N
         lo = min(float(s[0]) for _, s, _ in series)
         hi = max(float(s[-1]) for _, s, _ in series)
         grid = np.linspace(lo, hi, 400) if hi > lo else np.array([lo])
-        stack = np.vstack([
-            np.interp(grid, s, v, left=np.nan, right=np.nan) for _, s, v in series
-        ])
+        stack = np.vstack([np.interp(grid, s, v, left=np.nan, right=np.nan) for _, s, v in series])
         with np.errstate(all="ignore"):
             import warnings
 
@@ -122,16 +129,25 @@ def _loss(ax: Any, store: Any, ranks: list[int], log_y: bool, alpha: float) -> N
                 warnings.simplefilter("ignore", RuntimeWarning)
                 mn, mx = np.nanmin(stack, 0), np.nanmax(stack, 0)
                 med = np.nanmedian(stack, 0)
-        ax.fill_between(grid, mn, mx, alpha=0.25, color="#4c78a8",
-                        label=f"min-max of {len(series)} ranks")
+        ax.fill_between(
+            grid, mn, mx, alpha=0.25, color="#4c78a8", label=f"min-max of {len(series)} ranks"
+        )
         ax.plot(grid, med, lw=1.2, color="#4c78a8", label="median")
         ax.legend(fontsize=6, loc="upper right")
     if log_y:
         ax.set_yscale("log")
     for step, label in list(store.marks)[-8:]:
         ax.axvline(step, color="#d62728", ls="--", lw=0.8)
-        ax.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), fontsize=6,
-                    color="#d62728", rotation=90, va="top", ha="right")
+        ax.annotate(
+            label,
+            (step, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=6,
+            color="#d62728",
+            rotation=90,
+            va="top",
+            ha="right",
+        )
 
 
 def _comm(ax: Any, store: Any, ranks: list[int]) -> None:
@@ -150,8 +166,16 @@ def _comm(ax: Any, store: Any, ranks: list[int]) -> None:
             ax.plot(st, [1e3 * per[k] for k in st], lw=0.9, label=f"rank {r}")
             drawn += 1
     if not drawn:
-        ax.text(0.5, 0.5, "no allreduce timings (hvdnb.torch reports them)", ha="center",
-                va="center", transform=ax.transAxes, fontsize=8, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "no allreduce timings (hvdnb.torch reports them)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="gray",
+        )
     elif drawn > 1 and drawn <= 8:
         ax.legend(fontsize=6, loc="upper right")
 
@@ -162,8 +186,16 @@ def _breakdown(ax: Any, store: Any) -> None:
     ax.tick_params(labelsize=7)
     b = store.breakdown()
     if not b:
-        ax.text(0.5, 0.5, "no step times yet", ha="center", va="center",
-                transform=ax.transAxes, fontsize=8, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "no step times yet",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="gray",
+        )
         return
     ranks = sorted(b)
     y = np.arange(len(ranks))
@@ -173,7 +205,9 @@ def _breakdown(ax: Any, store: Any) -> None:
         ax.barh(y, w, left=left, color=_PHASE_COLORS[ph], label=ph, height=0.7)
         left += w
     ax.set_yticks(y if len(ranks) <= 16 else y[:: max(1, len(ranks) // 16)])
-    ax.set_yticklabels([str(r) for r in (ranks if len(ranks) <= 16 else ranks[:: max(1, len(ranks) // 16)])])
+    ax.set_yticklabels(
+        [str(r) for r in (ranks if len(ranks) <= 16 else ranks[:: max(1, len(ranks) // 16)])]
+    )
     ax.set_ylabel("rank", fontsize=8)
     ax.invert_yaxis()
     ax.legend(fontsize=6, loc="lower right", ncol=3)
@@ -198,8 +232,14 @@ def _memory(ax: Any, store: Any, ranks: list[int]) -> None:
         bars = ax.bar(x + i * width, h, width=width, label=k.replace("gpu_", ""))
         for bar, v in zip(bars, vals):
             if v is None:  # unknown is shown as such, never as a 0 bar
-                ax.annotate("n/a", (bar.get_x() + bar.get_width() / 2, 0), fontsize=6,
-                            ha="center", va="bottom", color="gray")
+                ax.annotate(
+                    "n/a",
+                    (bar.get_x() + bar.get_width() / 2, 0),
+                    fontsize=6,
+                    ha="center",
+                    va="bottom",
+                    color="gray",
+                )
     step = max(1, len(rs) // 16)
     ax.set_xticks(x[::step])
     ax.set_xticklabels([str(r) for r in rs[::step]])

@@ -18,11 +18,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["line_chart", "stacked_bars", "legend_html", "PALETTE"]
+__all__ = ["PALETTE", "legend_html", "line_chart", "stacked_bars"]
 
-PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6",
-           "#9d755d", "#bab0ac", "#eeca3b", "#1f77b4", "#2ca02c", "#d62728", "#9467bd",
-           "#8c564b", "#17becf"]
+PALETTE = [
+    "#4c78a8",
+    "#f58518",
+    "#54a24b",
+    "#e45756",
+    "#72b7b2",
+    "#b279a2",
+    "#ff9da6",
+    "#9d755d",
+    "#bab0ac",
+    "#eeca3b",
+    "#1f77b4",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#17becf",
+]
 W, H = 460, 220
 #: with ``clip_spikes``, the y axis ends at this many times the 95th percentile
 SPIKE_FACTOR = 3.0
@@ -69,16 +84,20 @@ def line_chart(
     pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys) if y == y]
     if band is not None:
         pts += [(x, y) for x, lo, hi, _ in zip(*band) for y in (lo, hi) if y == y]
-    head = (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-            f"class='hvdnb-chart' data-title='{html.escape(title)}' "
-            f"style='font:10px sans-serif;background:#fff'>"
-            f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
-            f"{html.escape(title)}</text>")
+    head = (
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"class='hvdnb-chart' data-title='{html.escape(title)}' "
+        f"style='font:10px sans-serif;background:#fff'>"
+        f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
+        f"{html.escape(title)}</text>"
+    )
     if log_y:
         pts = [(x, y) for x, y in pts if y > 0]
     if not pts:
-        return head + (f"<text x='{width / 2}' y='{height / 2}' text-anchor='middle' "
-                       f"fill='#888'>{html.escape(empty)}</text></svg>")
+        return head + (
+            f"<text x='{width / 2}' y='{height / 2}' text-anchor='middle' "
+            f"fill='#888'>{html.escape(empty)}</text></svg>"
+        )
     tf = (lambda y: math.log10(y)) if log_y else (lambda y: y)
     xs_all = [p[0] for p in pts]
     ys_all = [tf(p[1]) for p in pts]
@@ -103,12 +122,17 @@ def line_chart(
     for t in _ticks(y0, y1):
         yy = T + ph - (t - y0) / (y1 - y0) * ph
         label = _fmt(10**t if log_y else t)
-        out.append(f"<line x1='{L}' x2='{L + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#eee'/>"
-                   f"<text x='{L - 3}' y='{yy + 3:.1f}' text-anchor='end' fill='#555'>{label}</text>")
+        out.append(
+            f"<line x1='{L}' x2='{L + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#eee'/>"
+            f"<text x='{L - 3}' y='{yy + 3:.1f}' text-anchor='end' fill='#555'>{label}</text>"
+        )
     for t in _ticks(x0, x1):
         xx = sx(t)
-        out.append(f"<text x='{xx:.1f}' y='{height - 10}' text-anchor='middle' fill='#555'>"
-                   f"{_fmt(round(t))}</text>")
+        out.append(
+            f"<text x='{xx:.1f}' y='{height - 10}' text-anchor='middle' fill='#555'>"
+            f"{_fmt(round(t))}</text>"
+        )
+
     # curves in tenths of a pixel, as integers inside a scale(0.1) group: formatting
     # them is one join over a numpy array (a float f-string per point was half a redraw)
     def tenths(xs: Sequence[float], ys: Sequence[float]) -> Any:
@@ -135,50 +159,72 @@ def line_chart(
         upper, lower = tenths(bx, hi), tenths(bx, lo)
         if len(upper) and len(lower):
             poly = joined(np.concatenate((upper, lower[::-1])))
-            out.append(f"<polygon points='{poly}' fill='#4c78a8' fill-opacity='0.25' stroke='none'/>")
-        out.append(f"<polyline points='{joined(tenths(bx, med))}' fill='none' stroke='#4c78a8' "
-                   "stroke-width='15'/>")
+            out.append(
+                f"<polygon points='{poly}' fill='#4c78a8' fill-opacity='0.25' stroke='none'/>"
+            )
+        out.append(
+            f"<polyline points='{joined(tenths(bx, med))}' fill='none' stroke='#4c78a8' "
+            "stroke-width='15'/>"
+        )
     for i, (label, xs, ys) in enumerate(series):
         color = PALETTE[i % len(PALETTE)]
-        out.append(f"<polyline points='{joined(tenths(xs, ys))}' fill='none' stroke='{color}' "
-                   f"stroke-width='12'><title>{html.escape(label)}</title></polyline>")
+        out.append(
+            f"<polyline points='{joined(tenths(xs, ys))}' fill='none' stroke='{color}' "
+            f"stroke-width='12'><title>{html.escape(label)}</title></polyline>"
+        )
     out.append("</g>")
     for mark in marks:
         x, label = mark[0], mark[1]
         mc = mark[2] if len(mark) > 2 else "#d62728"  # type: ignore[misc]
         if x0 <= x <= x1:
             xx = sx(x)
-            out.append(f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='{mc}' "
-                       f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{xx + 2:.1f}' "
-                       f"y='{T + 10}' fill='{mc}'>{html.escape(label)}</text>")
+            out.append(
+                f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='{mc}' "
+                f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{xx + 2:.1f}' "
+                f"y='{T + 10}' fill='{mc}'>{html.escape(label)}</text>"
+            )
     if clipped:
-        out.append(f"<text x='{L + 3}' y='{T + 10}' fill='#d62728' class='hvdnb-clipped'>"
-                   f"&#8593; {clipped} point{'s' if clipped > 1 else ''} above the axis "
-                   f"(max {_fmt(y_max)})</text>")
+        out.append(
+            f"<text x='{L + 3}' y='{T + 10}' fill='#d62728' class='hvdnb-clipped'>"
+            f"&#8593; {clipped} point{'s' if clipped > 1 else ''} above the axis "
+            f"(max {_fmt(y_max)})</text>"
+        )
     keys = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
     if band is not None:
         keys = [("min-max band + median", "#4c78a8")]
     for i, (label, color) in enumerate(keys[:8] if legend else []):
-        out.append(f"<text x='{L + pw - 4}' y='{T + 12 + 11 * i}' text-anchor='end' "
-                   f"fill='{color}'>{html.escape(label)}</text>")
+        out.append(
+            f"<text x='{L + pw - 4}' y='{T + 12 + 11 * i}' text-anchor='end' "
+            f"fill='{color}'>{html.escape(label)}</text>"
+        )
     out.append("</svg>")
     return "".join(out)
 
 
-def stacked_bars(title: str, rows: Sequence[tuple[str, Sequence[float]]],
-                 parts: Sequence[tuple[str, str]], *, unit: str = "ms",
-                 empty: str = "no data yet", width: int = W) -> str:
+def stacked_bars(
+    title: str,
+    rows: Sequence[tuple[str, Sequence[float]]],
+    parts: Sequence[tuple[str, str]],
+    *,
+    unit: str = "ms",
+    empty: str = "no data yet",
+    width: int = W,
+) -> str:
     """Horizontal stacked bars: ``rows`` (label, values per part); ``parts`` (name, color)."""
     n = len(rows)
     bar = 12 if n <= 16 else max(2, 200 // n)
     height = T + B + max(1, n) * (bar + 2) + 4
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-           f"class='hvdnb-chart' style='font:10px sans-serif;background:#fff'>"
-           f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
-           f"{html.escape(title)}</text>"]
+    out = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"class='hvdnb-chart' style='font:10px sans-serif;background:#fff'>"
+        f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
+        f"{html.escape(title)}</text>"
+    ]
     if not rows:
-        out.append(f"<text x='{width / 2}' y='{height / 2 + 5}' text-anchor='middle' fill='#888'>"
-                   f"{html.escape(empty)}</text></svg>")
+        out.append(
+            f"<text x='{width / 2}' y='{height / 2 + 5}' text-anchor='middle' fill='#888'>"
+            f"{html.escape(empty)}</text></svg>"
+        )
         return "".join(out)
     vmax = max(sum(v for v in vals if v == v) for _, vals in rows) or 1.0
     pw = width - L - R
@@ -186,21 +232,29 @@ def stacked_bars(title: str, rows: Sequence[tuple[str, Sequence[float]]],
         y = T + i * (bar + 2)
         x = float(L)
         if n <= 32 or i % max(1, n // 16) == 0:
-            out.append(f"<text x='{L - 3}' y='{y + bar - 2}' text-anchor='end' fill='#555'>"
-                       f"{html.escape(label)}</text>")
+            out.append(
+                f"<text x='{L - 3}' y='{y + bar - 2}' text-anchor='end' fill='#555'>"
+                f"{html.escape(label)}</text>"
+            )
         for (name, color), v in zip(parts, vals):
             if v != v or v <= 0:
                 continue
             w = v / vmax * pw
-            out.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{bar}' fill='{color}'>"
-                       f"<title>{html.escape(label)} {name}: {v:.3g} {unit}</title></rect>")
+            out.append(
+                f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{bar}' fill='{color}'>"
+                f"<title>{html.escape(label)} {name}: {v:.3g} {unit}</title></rect>"
+            )
             x += w
     ly = height - 8
     for i, (name, color) in enumerate(parts):
-        out.append(f"<rect x='{L + 70 * i}' y='{ly - 8}' width='9' height='9' fill='{color}'/>"
-                   f"<text x='{L + 70 * i + 12}' y='{ly}'>{html.escape(name)}</text>")
-    out.append(f"<text x='{width - R}' y='{ly}' text-anchor='end' fill='#555'>max "
-               f"{_fmt(vmax)} {unit}</text></svg>")
+        out.append(
+            f"<rect x='{L + 70 * i}' y='{ly - 8}' width='9' height='9' fill='{color}'/>"
+            f"<text x='{L + 70 * i + 12}' y='{ly}'>{html.escape(name)}</text>"
+        )
+    out.append(
+        f"<text x='{width - R}' y='{ly}' text-anchor='end' fill='#555'>max "
+        f"{_fmt(vmax)} {unit}</text></svg>"
+    )
     return "".join(out)
 
 
@@ -208,4 +262,6 @@ def legend_html(labels: Sequence[str]) -> str:
     """Labels in the chart's colours, one per line (for labels too long for the chart)."""
     return "".join(
         f"<div class='hvdnb-legend' style='color:{PALETTE[i % len(PALETTE)]};font:11px sans-serif'>"
-        f"&#9644; {html.escape(lab)}</div>" for i, lab in enumerate(labels))
+        f"&#9644; {html.escape(lab)}</div>"
+        for i, lab in enumerate(labels)
+    )

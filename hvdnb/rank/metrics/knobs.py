@@ -26,86 +26,34 @@ issue a collective (the step agreement comes from rank 0's plan, not from a broa
 
 from __future__ import annotations
 
-from hvdnb.protocol import kinds
 import math
 import threading
 from typing import Any
 
-__all__ = ["Knobs", "knobs", "validate", "make_spec", "CURRENT", "LEAD_SECONDS", "MIN_LEAD"]
+from hvdnb.protocol import kinds
+from hvdnb.protocol.knobs import coerce, make_spec, validate
+
+__all__ = [
+    "CURRENT",
+    "LEAD_SECONDS",
+    "MIN_LEAD",
+    "Knobs",
+    "coerce",
+    "knobs",
+    "make_spec",
+    "validate",
+]
 
 #: the plan must reach every rank before apply_at: seconds of steps rank 0 plans ahead
 LEAD_SECONDS = 0.5
 MIN_LEAD = 3
 MAX_LEAD = 10_000
 
-#: default ranges for the well-known knobs (others: ints >= 0, floats finite >= 0)
-_DEFAULT_RANGES: dict[str, tuple[float, float]] = {
-    "batch_size": (1, 65536),
-    "warmup_steps": (0, 1_000_000),
-    "lr": (1e-8, 10.0),
-}
-
 CURRENT: Knobs | None = None
 
 #: starting values that override a cell's own (an exported script starts from the values in
 #: force when the notebook exported it: ``hvdnb.rank.script.init(knobs=...)``)
 DEFAULTS: dict[str, Any] = {}
-
-
-def make_spec(values: dict[str, Any], ranges: dict[str, tuple[float, float]] | None = None
-              ) -> dict[str, dict[str, Any]]:
-    """The spec of a knob set: ``{name: {"kind": "int"|"float", "min", "max", "value"}}``."""
-    spec: dict[str, dict[str, Any]] = {}
-    ranges = dict(ranges or {})
-    for name, v in values.items():
-        if not name.isidentifier() or name.startswith("_") or name in _RESERVED:
-            raise ValueError(f"knob name {name!r} is not allowed: use a plain identifier")
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"knob {name}={v!r}: knobs are ints or floats")
-        kind = "int" if isinstance(v, int) else "float"
-        lo, hi = ranges.get(name, _DEFAULT_RANGES.get(name, (0, math.inf)))
-        if kind == "int" and math.isinf(hi):
-            hi = 2**31 - 1
-        if kind == "float" and math.isinf(hi):
-            hi = 1e12
-        spec[name] = {"kind": kind, "min": lo, "max": hi, "value": v}
-        err = validate(spec, {name: v})
-        if err:
-            raise ValueError(f"initial value: {err}")
-    return spec
-
-
-_RESERVED = {"step", "values", "spec", "pending", "history"}
-
-
-def validate(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> str | None:
-    """None when every value is acceptable, else a message saying what is wrong."""
-    if not isinstance(values, dict) or not values:
-        return "no values given"
-    for name, v in values.items():
-        s = spec.get(name)
-        if s is None:
-            return f"unknown knob {name!r} (known: {', '.join(sorted(spec)) or 'none'})"
-        if isinstance(v, bool):
-            return f"{name}: {v!r} is a bool, not a number"
-        if s["kind"] == "int":
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            if not isinstance(v, int):
-                return f"{name} must be a whole number, not {v!r}"
-        else:
-            if not isinstance(v, (int, float)):
-                return f"{name} must be a number, not {v!r}"
-            if not math.isfinite(v):
-                return f"{name} must be finite, not {v!r}"
-        if not s["min"] <= v <= s["max"]:
-            return f"{name}={v!r} is out of range [{s['min']:g}, {s['max']:g}]"
-    return None
-
-
-def coerce(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> dict[str, Any]:
-    """Values converted to the knob's kind (after ``validate`` accepted them)."""
-    return {k: (int(v) if spec[k]["kind"] == "int" else float(v)) for k, v in values.items()}
 
 
 class Knobs:
@@ -119,8 +67,13 @@ class Knobs:
     history : ``(step, {name: value}, late)`` for every change applied on this rank
     """
 
-    def __init__(self, values: dict[str, Any], ranges: dict[str, tuple[float, float]] | None,
-                 rank: int, channel: Any) -> None:
+    def __init__(
+        self,
+        values: dict[str, Any],
+        ranges: dict[str, tuple[float, float]] | None,
+        rank: int,
+        channel: Any,
+    ) -> None:
         object.__setattr__(self, "spec", make_spec(values, ranges))
         object.__setattr__(self, "values", coerce(self.spec, values))
         object.__setattr__(self, "rank", rank)
@@ -163,7 +116,9 @@ class Knobs:
         if not self.pending:
             return
         with self._lock:
-            due = [p for p in self.pending.values() if p["apply_at"] is None or p["apply_at"] <= step]
+            due = [
+                p for p in self.pending.values() if p["apply_at"] is None or p["apply_at"] <= step
+            ]
             for p in due:
                 del self.pending[p["id"]]
         for p in sorted(due, key=lambda p: (p["apply_at"] or 0, p["id"])):
@@ -183,8 +138,14 @@ class Knobs:
         rec = get_recorder()
         for k, v in plan["values"].items():
             rec.record(step, f"knob/{k}", float(v))
-        self._send(kinds.KNOBS_APPLIED, id=plan["id"], step=step, late=late,
-                   apply_at=plan["apply_at"], values=plan["values"])
+        self._send(
+            kinds.KNOBS_APPLIED,
+            id=plan["id"],
+            step=step,
+            late=late,
+            apply_at=plan["apply_at"],
+            values=plan["values"],
+        )
 
     def set(self, **values: Any) -> None:
         """Change values locally now (this rank only; for scripts and tests)."""
@@ -202,7 +163,9 @@ class Knobs:
                 pass
 
     def announce(self) -> None:
-        self._send(kinds.KNOBS_SPEC, spec={k: {**s, "value": self.values[k]} for k, s in self.spec.items()})
+        self._send(
+            kinds.KNOBS_SPEC, spec={k: {**s, "value": self.values[k]} for k, s in self.spec.items()}
+        )
 
     def on_request(self, msg: dict[str, Any]) -> None:
         """Rank 0: a change from the panel; choose the step and publish the plan."""
@@ -226,8 +189,13 @@ class Knobs:
             st = rec.step_time or 0.05
             lead = min(MAX_LEAD, max(MIN_LEAD, math.ceil(LEAD_SECONDS / max(st, 1e-6))))
             apply_at = max(rec.cur_step, self._cur) + lead
-        self._send(kinds.KNOBS_PLAN, id=msg["id"], apply_at=apply_at, values=values,
-                   planned_at=max(rec.cur_step, self._cur))
+        self._send(
+            kinds.KNOBS_PLAN,
+            id=msg["id"],
+            apply_at=apply_at,
+            values=values,
+            planned_at=max(rec.cur_step, self._cur),
+        )
 
     def on_plan(self, msg: dict[str, Any]) -> None:
         """Every rank: the plan forwarded by the notebook; applied at the step boundary."""
@@ -287,8 +255,7 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     old = CURRENT
     if old is not None and old.pending:
         with old._lock:  # plans for a step not reached yet belong to the new loop
-            carried = {pid: p for pid, p in old.pending.items()
-                       if set(p["values"]) <= set(k.spec)}
+            carried = {pid: p for pid, p in old.pending.items() if set(p["values"]) <= set(k.spec)}
         k.pending.update(carried)
     CURRENT = k
     ch = rec.channel

@@ -49,7 +49,7 @@ from typing import Any
 from hvdnb.protocol import kinds
 from hvdnb.rank import nvtx as _nvtx
 
-__all__ = ["Recorder", "get_recorder", "log", "phase", "ddp_comm_hook", "set_enabled"]
+__all__ = ["Recorder", "ddp_comm_hook", "get_recorder", "log", "phase", "set_enabled"]
 
 #: rows the ring holds between two flushes before the oldest are overwritten (and counted)
 CAPACITY = 1 << 16
@@ -98,6 +98,8 @@ def _pow2(x: float) -> int:
     estimates differ a little still agree, and when they do not, one's grid holds the
     other's."""
     return 1 << round(math.log2(x)) if x > 1.0 else 1
+
+
 _perf_counter = time.perf_counter
 _get_ident = threading.get_ident
 
@@ -123,8 +125,17 @@ class Recorder:
     # what log() reads and writes on every step sits in slots, at fixed offsets in the
     # object (one or two cache lines); the other ~50 attributes are in its __dict__, too
     # many for CPython's compact instance layout, which a cold lookup pays for
-    __slots__ = ("enabled", "_owner", "_pend", "cur_step", "last_activity", "_next_event",
-                 "_due", "__dict__", "__weakref__")
+    __slots__ = (
+        "__dict__",
+        "__weakref__",
+        "_due",
+        "_next_event",
+        "_owner",
+        "_pend",
+        "cur_step",
+        "enabled",
+        "last_activity",
+    )
 
     def __init__(
         self,
@@ -140,8 +151,7 @@ class Recorder:
         self.rank = rank
         self.channel = channel
         self.flush_interval = float(flush_interval)
-        self.steady_interval = float(flush_interval if steady_interval is None
-                                     else steady_interval)
+        self.steady_interval = float(flush_interval if steady_interval is None else steady_interval)
         self.warm = float(warm)
         self._loop_t0 = 0.0  # perf_counter of the first log() of the running loop
         if capacity < 2 or capacity & (capacity - 1):
@@ -214,8 +224,9 @@ class Recorder:
         #: send from the training thread at log() when a message is due (see _run)
         self.flush_in_loop = True
         self.comm_interval = float(comm_interval)
-        self.comm_interval_steady = float(comm_interval if comm_interval_steady is None
-                                          else comm_interval_steady)
+        self.comm_interval_steady = float(
+            comm_interval if comm_interval_steady is None else comm_interval_steady
+        )
         self._comm_every = 1
         # hvdnb.torch's listener list while this recorder times collectives (None: it
         # does not: hvdnb.torch is not loaded, or recording is off); _comm_on: registered
@@ -406,8 +417,11 @@ class Recorder:
                 cids = self._comm_names.get(name)
                 if cids is None:
                     short = name.replace("DistributedOptimizer.", "")
-                    cids = (self._nid(f"comm/{short}/time"), self._nid(f"comm/{short}/exposed"),
-                            self._nid(f"comm/{short}/bytes"))
+                    cids = (
+                        self._nid(f"comm/{short}/time"),
+                        self._nid(f"comm/{short}/exposed"),
+                        self._nid(f"comm/{short}/bytes"),
+                    )
                     if len(self._comm_names) < 4096:  # unnamed allreduces: a new name each
                         self._comm_names[name] = cids  # call, not cached
                 put(step, t, cids[0], seconds)
@@ -435,8 +449,7 @@ class Recorder:
             one(logs[0])  # it may start a loop (no step time before it)
             first = (last, prev)
             for seg in _segments(logs):
-                got = (self._drain_run(seg, w, off, prev, last, st)
-                       if len(seg) > _RUN_MIN else None)
+                got = self._drain_run(seg, w, off, prev, last, st) if len(seg) > _RUN_MIN else None
                 if got is not None:
                     w, prev, last, st = got
                 else:
@@ -463,8 +476,9 @@ class Recorder:
         self._next_event = -1  # comm_every may have changed, or a new loop begun
         self._w = w  # published last: a pack reads rows below _w only
 
-    def _drain_run(self, run: list[tuple[Any, ...]], w: int, off: float, prev: int,
-                   last: float, st: float) -> tuple[int, int, float, float] | None:
+    def _drain_run(
+        self, run: list[tuple[Any, ...]], w: int, off: float, prev: int, last: float, st: float
+    ) -> tuple[int, int, float, float] | None:
         """Write log entries that follow a drained one (``prev``/``last``: its step and
         time) with numpy. None when they are not alike (other keywords, a value that is not
         a plain number, a step that does not go up, a pause that starts a loop): the
@@ -517,16 +531,21 @@ class Recorder:
         if m:  # st <- 0.8 st + 0.2 per, m times
             st = float(0.8**m * st + 0.2 * np.dot(0.8 ** np.arange(m - 1, -1, -1), tail))
         if self._npv is None:
-            self._npv = (np.frombuffer(self._steps, np.int64), np.frombuffer(self._times),
-                         np.frombuffer(self._names, np.intc), np.frombuffer(self._vals))
+            self._npv = (
+                np.frombuffer(self._steps, np.int64),
+                np.frombuffer(self._times),
+                np.frombuffer(self._names, np.intc),
+                np.frombuffer(self._vals),
+            )
         # the block of the ring these rows fill, as (n, p) views: row k * p + j of it is
         # entry k's j-th name
         sb, tb, nb, vb = (a[i0 : i0 + n * p].reshape(n, p) for a in self._npv)
         try:
             sb[:, :] = S[:, None]
             tb[:, :] = (N + off)[:, None]
-            nb[:, :] = np.array([self._id_step] + [self._id_loss] * has_loss
-                                + [c[0] for c in cols], dtype=np.intc)
+            nb[:, :] = np.array(
+                [self._id_step] + [self._id_loss] * has_loss + [c[0] for c in cols], dtype=np.intc
+            )
             vb[:, 0] = per
             if has_loss:
                 vb[:, 1] = losses
@@ -625,8 +644,9 @@ class Recorder:
         self.comm_every = 1
         self._time_comm(True)  # collectives outside a logging loop: every one is timed
 
-    def on_comm(self, name: str, nbytes: int, seconds: Any, backend: str,
-                exposed: float = math.nan) -> None:
+    def on_comm(
+        self, name: str, nbytes: int, seconds: Any, backend: str, exposed: float = math.nan
+    ) -> None:
         """``hvdnb.torch`` comm listener: one collective (or fused bucket) just completed.
 
         Records ``comm/<name>/time`` (the collective's own duration; a CUDA-event span is
@@ -645,8 +665,11 @@ class Recorder:
         self.comm_backend = backend
         step = self.cur_step
         short = name.replace("DistributedOptimizer.", "")
-        for n_, v_ in ((f"comm/{short}/time", seconds), (f"comm/{short}/exposed", exposed),
-                       (f"comm/{short}/bytes", nbytes)):
+        for n_, v_ in (
+            (f"comm/{short}/time", seconds),
+            (f"comm/{short}/exposed", exposed),
+            (f"comm/{short}/bytes", nbytes),
+        ):
             self._side.append((step, t, n_, v_))
 
     # ------------------------------------------------------------------ flushing
@@ -907,13 +930,15 @@ def _columns(
         order = np.argsort(nv, kind="stable")  # row order kept within a name
         ids, starts = np.unique(nv[order], return_index=True)
         ends = list(starts[1:]) + [len(nv)]
-        sv, tv, vv = (np.frombuffer(steps, np.int64), np.frombuffer(times),
-                      np.frombuffer(vals))
+        sv, tv, vv = (np.frombuffer(steps, np.int64), np.frombuffer(times), np.frombuffer(vals))
         groups = sorted(zip(order[starts].tolist(), ids.tolist(), starts.tolist(), ends))
         for _, i, a, b in groups:  # names in the order they first appear, as below
             ix = order[a:b]
-            cols[names[i]] = [array("q", sv[ix].tobytes()), array("d", tv[ix].tobytes()),
-                              array("d", vv[ix].tobytes())]
+            cols[names[i]] = [
+                array("q", sv[ix].tobytes()),
+                array("d", tv[ix].tobytes()),
+                array("d", vv[ix].tobytes()),
+            ]
         return cols
     rows: dict[int, list[int]] = {}
     for k, i in enumerate(nids):
@@ -925,12 +950,14 @@ def _columns(
     for i, ix in rows.items():
         if len(ix) == 1:
             k = ix[0]
-            cols[names[i]] = [array("q", (steps[k],)), array("d", (times[k],)),
-                              array("d", (vals[k],))]
+            cols[names[i]] = [
+                array("q", (steps[k],)),
+                array("d", (times[k],)),
+                array("d", (vals[k],)),
+            ]
         else:
             get = itemgetter(*ix)
-            cols[names[i]] = [array("q", get(steps)), array("d", get(times)),
-                              array("d", get(vals))]
+            cols[names[i]] = [array("q", get(steps)), array("d", get(times)), array("d", get(vals))]
     return cols
 
 
@@ -1036,10 +1063,15 @@ def get_recorder() -> Recorder:
                     channel = None
             rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")) or 0)
             cfg = get_config()
-            rec = Recorder(rank, channel, cfg.flush_interval,
-                           steady_interval=cfg.flush_interval_steady, warm=cfg.flush_warm,
-                           comm_interval=cfg.comm_sample_interval,
-                           comm_interval_steady=cfg.comm_sample_interval_steady)
+            rec = Recorder(
+                rank,
+                channel,
+                cfg.flush_interval,
+                steady_interval=cfg.flush_interval_steady,
+                warm=cfg.flush_warm,
+                comm_interval=cfg.comm_sample_interval,
+                comm_interval_steady=cfg.comm_sample_interval_steady,
+            )
             _install_comm_listener(rec)
             _RECORDER = rec
     return _RECORDER
