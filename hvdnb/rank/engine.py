@@ -15,7 +15,6 @@ in a gloo collective are released at once; the client then rebuilds the group on
 rank (``rebuild_group``) before the next cell.
 
 Never: start processes, open listening sockets other than torch's rendezvous store, or
-from hvdnb.protocol import kinds
 import anything from the notebook side (hvdnb.notebook.magics, widgets).
 """
 
@@ -29,6 +28,8 @@ import sys
 import time
 import traceback
 from typing import Any
+
+from hvdnb.protocol import kinds
 
 __all__ = ["bootstrap", "engine_info", "main", "rebuild_group", "run_cell"]
 
