@@ -11,6 +11,6 @@ from typing import Any
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from hvdnb import load_ipython_extension as load
+    from hvdnb.notebook.magics import DistMagics
 
-    load(ipython)
+    ipython.register_magics(DistMagics)

@@ -24,6 +24,7 @@ from hvdnb.config import get_config
 from hvdnb.notebook.output import OutputCollapser, format_ranks
 from hvdnb.notebook.stall import StallWatch
 from hvdnb.protocol import kinds
+from hvdnb.protocol.remote import REBUILD_GROUP, RUN_CELL
 
 __all__ = [
     "CellResult",
@@ -255,22 +256,18 @@ _RUNNER: Any = None
 
 
 def _engine_runner() -> Any:
-    """``hvdnb.rank.engine.run_cell``, pickled once and by reference.
+    """``hvdnb.rank.engine.run_cell`` (``protocol.remote.RUN_CELL``), pickled once.
 
     ipyparallel cans a function by value (its code object) on every apply, and every
-    engine rebuilds it from that code: a sixth of the notebook's CPU per no-op cell.
-    A ``partial`` of the importable function pickles as a module path instead, and
-    ``PrePickled`` (ipyparallel's own wrapper for re-used objects) keeps the bytes.
+    engine rebuilds it from that code: a sixth of the notebook's CPU per no-op cell. A
+    ``RemoteCall`` pickles as the function's name instead, and ``PrePickled``
+    (ipyparallel's own wrapper for re-used objects) keeps the bytes.
     """
     global _RUNNER
     if _RUNNER is None:
-        from functools import partial
-
         from ipyparallel.serialize import PrePickled
 
-        from hvdnb.rank.engine import run_cell as engine_run_cell
-
-        _RUNNER = PrePickled(partial(engine_run_cell))
+        _RUNNER = PrePickled(RUN_CELL)
     return _RUNNER
 
 
@@ -592,11 +589,10 @@ def _record(result: CellResult, rank: int, out: dict[str, Any]) -> None:
 def _rebuild_group(cluster: Any, note: str) -> str:
     """Failing ranks tore their process group down to release their peers: build a fresh
     one on every rank now, so the next cell (on any targets) finds a working group."""
-    from hvdnb.rank.engine import rebuild_group
 
     cluster.generation += 1
     try:
-        cluster.view.apply_async(rebuild_group, cluster.generation).get(timeout=30)
+        cluster.view.apply_async(REBUILD_GROUP, cluster.generation).get(timeout=30)
     except Exception as exc:
         extra = f"the process group could not be rebuilt ({exc}); run `%dist restart`"
         return f"{note}; {extra}" if note else extra

@@ -53,7 +53,8 @@ print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step ({dist.ge
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from hvdnb import Cluster, DistributedCellError, run_cell
+    from hvdnb.notebook.cells import DistributedCellError, run_cell
+    from hvdnb.notebook.cluster.lifecycle import Cluster
 
     t0 = time.perf_counter()
     with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:

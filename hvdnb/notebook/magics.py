@@ -20,6 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from hvdnb.notebook import cells
 from hvdnb.notebook.cluster import lifecycle as _cluster
 from hvdnb.notebook.output import format_ranks
+from hvdnb.protocol.remote import DEBUG_COMMAND
 
 __all__ = ["DistMagics"]
 
@@ -267,7 +268,6 @@ class DistMagics(Magics):
 
     def _debug(self, args: Any) -> None:
         """pdb on the frames of the last failed cell, on one rank."""
-        from hvdnb.rank.engine import debug_command
 
         c = _cluster.current()
         if c is None or not c.running:
@@ -292,7 +292,7 @@ class DistMagics(Magics):
 
         def send(line: str | None) -> dict[str, Any]:
             try:
-                return c.client[rank].apply_async(debug_command, line).get(timeout=30)
+                return c.client[rank].apply_async(DEBUG_COMMAND, line).get(timeout=30)
             except Exception as exc:
                 raise UsageError(f"rank {rank} did not answer the debugger: {exc}") from None
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from hvdnb.host import cores, ifname_of, route_addr
 from hvdnb.protocol import kinds
 
 __all__ = ["World", "discover", "init_process_group", "reinit_process_group", "world"]
@@ -205,16 +206,9 @@ def world() -> World:
     return discover()
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def threads_per_rank(w: World) -> int:
     """Cores on this host divided by the ranks on it: oversubscribed threads cost 40x here."""
-    return max(1, _cores() // max(w.local_size, 1))
+    return max(1, cores() // max(w.local_size, 1))
 
 
 def _channel_host() -> str | None:
@@ -224,26 +218,6 @@ def _channel_host() -> str | None:
         return None
     host = ep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     return host or None
-
-
-def route_addr(peer: str) -> str:
-    """This host's address on the route to ``peer`` (a UDP connect sends no packet)."""
-    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))
-        return str(s.getsockname()[0])
-
-
-def ifname_of(addr: str) -> str | None:
-    """The network interface that owns ``addr`` (None when none does)."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == addr for a in addrs):
-            return name
-    return None
 
 
 def _master_addr(w: World, ip: str) -> str:

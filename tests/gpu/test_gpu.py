@@ -15,7 +15,8 @@ import pytest
 
 import hvdnb
 from hvdnb.notebook import cells
-from hvdnb.notebook.cluster.launch import ClusterError, gpu_count
+from hvdnb.host import gpu_count
+from hvdnb.notebook.cluster.launch import ClusterError
 from hvdnb.notebook.metrics.store import attach
 from tests.conftest import gpu_visible
 

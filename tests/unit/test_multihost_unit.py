@@ -76,8 +76,10 @@ def test_engine_set_numbers_ranks_across_sets(fresh_world):
 
 
 def test_route_addr_to_loopback_is_loopback():
-    assert rendezvous.route_addr("127.0.0.1") == "127.0.0.1"
-    assert rendezvous.ifname_of("127.0.0.1") == "lo"
+    from hvdnb import host
+
+    assert host.route_addr("127.0.0.1") == "127.0.0.1"
+    assert host.ifname_of("127.0.0.1") == "lo"
 
 
 def test_sbatch_script_carries_the_slurm_options():

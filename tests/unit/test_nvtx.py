@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hvdnb.notebook.cluster.launch import gpu_count
+from hvdnb.host import gpu_count
 from hvdnb.rank import nvtx as _nvtx
 from tests.conftest import gpu_visible
 

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from hvdnb.config import get_config
 
+
 if TYPE_CHECKING:
     from hvdnb.notebook.cluster.lifecycle import Cluster
 
 __all__ = [
     "ClusterError",
-    "cores",
     "engine_set_env",
     "find_mpiexec",
-    "gpu_count",
     "hostfile_hosts",
     "hostfile_slots",
     "make_ipp",
@@ -46,43 +45,6 @@ _ipp_log.setLevel(logging.ERROR)
 
 class ClusterError(RuntimeError):
     """A cluster could not be started, reached or stopped; the message says what to do."""
-
-
-def cores() -> int:
-    """CPU cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-def gpu_count() -> int:
-    """GPUs this process may use, found without importing torch or initialising CUDA here.
-
-    NVML lists every GPU of the host; ``CUDA_VISIBLE_DEVICES`` (which the engines inherit)
-    limits what CUDA, and so each rank, can see: the smaller of the two counts.
-    """
-    try:
-        import pynvml  # from nvidia-ml-py, the [gpu] extra
-
-        pynvml.nvmlInit()
-        try:
-            n = int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML: fall back to the driver's own listing
-        gpus = Path("/proc/driver/nvidia/gpus")
-        n = len(list(gpus.iterdir())) if gpus.is_dir() else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = []
-        for v in visible.split(","):
-            v = v.strip()
-            if v == "" or v.startswith("-"):
-                break  # CUDA stops at the first invalid entry: "" or "-1" hides every GPU
-            ids.append(v)
-        n = min(n, len(ids))
-    return n
 
 
 def find_mpiexec(local: bool = False) -> str:

@@ -41,8 +41,10 @@ from typing import Any
 
 from hvdnb.config import get_config
 from hvdnb.notebook.cluster import launch
-from hvdnb.notebook.cluster.launch import ClusterError, cores, find_mpiexec, gpu_count
+from hvdnb.host import cores, gpu_count, route_addr
+from hvdnb.notebook.cluster.launch import ClusterError, find_mpiexec
 from hvdnb.protocol import kinds
+from hvdnb.protocol.remote import ENGINE_INFO
 
 __all__ = ["Cluster", "ClusterError", "cores", "current", "find_mpiexec", "gpu_count"]
 
@@ -273,8 +275,6 @@ class Cluster:
         for es in self.engine_sets or []:
             if es.get("host"):
                 peers.append(str(es["host"]))
-        from hvdnb.rank.rendezvous import route_addr
-
         for peer in peers:
             try:
                 addr = route_addr(socket.gethostbyname(peer))
@@ -695,7 +695,6 @@ class Cluster:
         """
         if not self.running:
             raise ClusterError("no cluster is running; `%dist start -n 2` first")
-        from hvdnb.rank.engine import engine_info
 
         dead = set(self.dead_ranks())
         alive = [r for r in range(self.n) if r not in dead]
@@ -707,7 +706,7 @@ class Cluster:
             except Exception:
                 queue = {}
             try:
-                vals = self.client[alive].apply_async(engine_info).get(timeout=5)
+                vals = self.client[alive].apply_async(ENGINE_INFO).get(timeout=5)
                 infos = dict(zip(alive, vals if isinstance(vals, list) else [vals]))
             except Exception:
                 infos = {}

@@ -1,0 +1,74 @@
+"""What this host offers: CPU cores, GPUs, network routes. Imported on both sides.
+
+The notebook's launcher sizes a cluster from it (``hvdnb.notebook.cluster``) and a rank sizes
+its threads and picks its rendezvous address from it (``hvdnb.rank.rendezvous``): one
+definition, so the two can never disagree.
+
+Owns: reading the host. Never: import torch or initialise CUDA (the notebook kernel must
+stay CUDA-free), start processes, or open listening sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+__all__ = ["cores", "gpu_count", "ifname_of", "route_addr"]
+
+
+def cores() -> int:
+    """CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def gpu_count() -> int:
+    """GPUs this process may use, found without importing torch or initialising CUDA here.
+
+    NVML lists every GPU of the host; ``CUDA_VISIBLE_DEVICES`` (which the engines inherit)
+    limits what CUDA, and so each rank, can see: the smaller of the two counts.
+    """
+    try:
+        import pynvml  # from nvidia-ml-py, the [gpu] extra
+
+        pynvml.nvmlInit()
+        try:
+            n = int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML: fall back to the driver's own listing
+        gpus = Path("/proc/driver/nvidia/gpus")
+        n = len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = []
+        for v in visible.split(","):
+            v = v.strip()
+            if v == "" or v.startswith("-"):
+                break  # CUDA stops at the first invalid entry: "" or "-1" hides every GPU
+            ids.append(v)
+        n = min(n, len(ids))
+    return n
+
+
+def route_addr(peer: str) -> str:
+    """This host's address on the route to ``peer`` (a UDP connect sends no packet)."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return str(s.getsockname()[0])
+
+
+def ifname_of(addr: str) -> str | None:
+    """The network interface that owns ``addr`` (None when none does)."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None

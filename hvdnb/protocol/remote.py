@@ -1,0 +1,58 @@
+"""The functions the notebook runs on ranks through ipyparallel, named rather than imported.
+
+The notebook kernel sends a cell with ``view.apply(RUN_CELL, ...)``. Importing the rank's
+engine module into the notebook to pickle its function would tie the two sides together;
+a ``RemoteCall`` names the function instead (``module:attribute``), pickles as that name
+(a few dozen bytes, once), and imports it on the rank when first called there.
+
+Owns: the names of the rank-side entry points. Never: import the rank side here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Final
+
+__all__ = ["DEBUG_COMMAND", "ENGINE_INFO", "REBUILD_GROUP", "RUN_CELL", "RemoteCall"]
+
+
+class RemoteCall:
+    """A callable that stands for ``module.attribute``; resolved where it is called.
+
+    Parameters
+    ----------
+    target : ``"package.module:function"``
+    """
+
+    __slots__ = ("_fn", "target")
+
+    def __init__(self, target: str) -> None:
+        module, sep, attr = target.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(f"a remote call names 'module:function', not {target!r}")
+        self.target = target
+        self._fn: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._fn
+        if fn is None:
+            module, _, attr = self.target.partition(":")
+            fn = self._fn = getattr(importlib.import_module(module), attr)
+        return fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[type[RemoteCall], tuple[str]]:
+        return (RemoteCall, (self.target,))
+
+    def __repr__(self) -> str:
+        return f"RemoteCall({self.target!r})"
+
+
+#: run one cell on a rank (``hvdnb.rank.engine.run_cell``)
+RUN_CELL: Final = RemoteCall("hvdnb.rank.engine:run_cell")
+#: rebuild the default process group after a failed cell (collective)
+REBUILD_GROUP: Final = RemoteCall("hvdnb.rank.engine:rebuild_group")
+#: a rank's host, pid, device and state, for ``%dist status``
+ENGINE_INFO: Final = RemoteCall("hvdnb.rank.engine:engine_info")
+#: one command for pdb on the frames of a rank's last failed cell
+DEBUG_COMMAND: Final = RemoteCall("hvdnb.rank.engine:debug_command")
