@@ -70,5 +70,5 @@ def ifname_of(addr: str) -> str | None:
         return None
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == addr for a in addrs):
-            return name
+            return str(name)
     return None

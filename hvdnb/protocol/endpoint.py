@@ -38,7 +38,7 @@ class Endpoint:
 
     def __init__(self, key: bytes, name: str) -> None:
         self.key = key
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._sock = self._make_socket()
         self._wake_addr = f"inproc://hvdnb-{name}-{id(self)}"
         self._wake_recv = self._ctx.socket(zmq.PULL)
@@ -56,7 +56,7 @@ class Endpoint:
         self._thread.start()
 
     # -------------------------------------------------------------- subclass hooks
-    def _make_socket(self) -> zmq.Socket:
+    def _make_socket(self) -> zmq.Socket[bytes]:
         raise NotImplementedError
 
     def _send_item(self, item: Any) -> None:

@@ -95,7 +95,7 @@ def parse(text: str | list[str]) -> dict[str, int | float]:
     ``{"lr": 0.1, "batch_size": 64}``: whole numbers become ints, others floats. Pairs are
     separated by commas or spaces. Raises ``KnobTextError`` saying what could not be read.
     """
-    items = text if isinstance(text, list) else re.split(r"[,\s]+", text)
+    items = text if isinstance(text, list) else re.split(r"[,\s]+", re.sub(r"\s*=\s*", "=", text))
     out: dict[str, int | float] = {}
     for item in (i.strip() for i in items):
         if not item:

@@ -54,7 +54,7 @@ def verify(key: bytes, signature: bytes, body: bytes, blob: bytes = b"") -> bool
 _ITEMSIZE = {"q": 8, "d": 8}
 
 
-def _typed(kind: str, values: Any) -> array:
+def _typed(kind: str, values: Any) -> array[Any]:
     """``values`` as an ``array(kind)``; the array itself when it already is one."""
     if type(values) is array and values.typecode == kind:
         return values
@@ -74,7 +74,7 @@ def pack_columns(msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     where: dict[tuple[str, bytes], int] = {}  # (kind, bytes) -> offset in the blob
     size = 0
 
-    def put(kind: str, a: array) -> int:
+    def put(kind: str, a: array[Any]) -> int:
         nonlocal size
         if sys.byteorder != "little":
             a = array(kind, a)
@@ -120,7 +120,7 @@ def unpack_columns(msg: dict[str, Any], blob: bytes) -> dict[str, Any]:
         raise ValueError("the blob has the wrong length")
     view = memoryview(blob)
 
-    def get(kind: str, off: Any, n: int) -> array:
+    def get(kind: str, off: Any, n: int) -> array[Any]:
         end = off + n * _ITEMSIZE[kind]
         if type(off) is not int or off < 0 or end > len(blob):
             raise ValueError("packed column out of the blob")

@@ -38,7 +38,7 @@ def _session_key() -> bytes:
         from IPython import get_ipython
 
         ip = get_ipython()
-        return bytes(ip.kernel.session.key)  # type: ignore[union-attr]
+        return bytes(ip.kernel.session.key)
     except Exception:
         return b""
 
@@ -52,8 +52,8 @@ class EngineChannel(Endpoint):
         super().__init__(key, "engine-channel")
         self.send(kinds.HELLO, pid=os.getpid())
 
-    def _make_socket(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
+    def _make_socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 500)  # last metrics still go out at exit
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.connect(self.endpoint)
