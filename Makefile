@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make lab    create .venv, install hvdnb + the "Python 3 (hvdnb)" kernel, open JupyterLab
 #   make test   create .venv, install with test extras, run the whole suite
+# and one keeps the house tidy:
+#   make lint   ruff check, ruff format --check, mypy (strict on protocol, torch, metrics, config)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -12,7 +14,7 @@ CONSTRAINTS ?= -c constraints.txt
 PIP    := $(BIN)/python -m pip install -q $(CONSTRAINTS)
 PYTEST_ARGS ?=
 
-.PHONY: lab test demo bench install clean
+.PHONY: lab test lint demo bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,17 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) -e ".[test]"
 	touch $@
+
+$(VENV)/.installed-lint: $(VENV)/.installed
+	$(PIP) -e ".[lint]"
+	touch $@
+
+LINT_PATHS := hvdnb kernels_ext tests bench
+
+lint: $(VENV)/.installed-lint
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy hvdnb kernels_ext
 
 install: $(VENV)/.installed
 	$(BIN)/hvdnb install-kernel

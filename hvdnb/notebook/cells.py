@@ -276,7 +276,7 @@ class _PdbPrompt:
     thread); the cell's waiting loop (main thread) prints it and asks for the next command
     with ``input()``, as Jupyter asks for any input, and sends the answer to that rank."""
 
-    _RESUME = {"c", "cont", "continue", "q", "quit", "exit"}
+    _RESUME = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
 
     def __init__(self, cluster: Any) -> None:
         import queue
@@ -303,7 +303,8 @@ class _PdbPrompt:
                 line = input(f"(Pdb rank {rank}) ")
             except (EOFError, KeyboardInterrupt):
                 line = "continue"
-            self.channel.send(rank, kinds.PDB_CMD, line=line)
+            if self.channel is not None:
+                self.channel.send(rank, kinds.PDB_CMD, line=line)
             self.paused = False
         return served
 

@@ -32,8 +32,8 @@ class ClientChannel(Endpoint):
         super().__init__(key, "channel")
         self.endpoint = f"tcp://{ip if self._bind_ip != '*' else '0.0.0.0'}:{self.port}"
 
-    def _make_socket(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.ROUTER)
+    def _make_socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its slot
         self.port = sock.bind_to_random_port(f"tcp://{self._bind_ip}")

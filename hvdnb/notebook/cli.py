@@ -48,7 +48,9 @@ for step in range(steps):
     if step % max(steps // 5, 1) == 0 or step == steps - 1:
         print(f"step {step:4d}  loss {loss.item():.4f}")
 acc = (model(X).argmax(1) == y).float().mean().item()
-print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step ({dist.get_backend()}, {flat.numel() * 4 / 1e3:.0f} KB)")
+kb = flat.numel() * 4 / 1e3
+print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step "
+      f"({dist.get_backend()}, {kb:.0f} KB)")
 """
 
 

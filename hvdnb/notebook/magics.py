@@ -466,7 +466,7 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         except _cluster.ClusterError as exc:
             raise _usage(exc) from None
-        if args.out:
+        if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = result.values
 
 

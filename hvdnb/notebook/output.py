@@ -71,7 +71,7 @@ class OutputCollapser:
         # how often each rank has printed a given line: the k-th "loss 0.1" of rank 0 merges
         # with the k-th "loss 0.1" of rank 1, never with its own second one
         self._seen: dict[tuple[int, str, str], int] = defaultdict(int)
-        self._pending: dict[tuple[str, str, int], _Pending] = {}
+        self._pending: dict[tuple[object, ...], _Pending] = {}
 
     def feed(self, rank: int, stream: str, text: str, now: float) -> None:
         """Add raw text from ``rank``'s ``stream`` (any chunking, partial lines allowed)."""
@@ -87,7 +87,7 @@ class OutputCollapser:
     def _add(self, rank: int, stream: str, line: str, now: float) -> None:
         k = self._seen[(rank, stream, line)]
         self._seen[(rank, stream, line)] = k + 1
-        key = (stream, line, k)
+        key: tuple[object, ...] = (stream, line, k)
         entry = self._pending.get(key)
         if entry is not None and rank not in entry.ranks and self._make_room(rank, entry):
             entry.ranks.add(rank)

@@ -1,8 +1,8 @@
 """Stall detector: which rank is where, when some wait in a collective others never enter.
 
 While a cell runs longer than ``Config.stall_after`` seconds, the client asks every
-running rank, once a second, over the side channel where its main thread is (the rank's channel thread
-answers even while the main thread is blocked in a collective). When the answers show
+running rank, once a second, over the side channel where its main thread is (the rank's
+channel thread answers even while the main thread is blocked in a collective). When the answers show
 ranks waiting in a collective while others are elsewhere, or in different collectives,
 and neither the picture nor any rank's progress counters (collective sequence number,
 hvdnb.torch calls, last logged step) changed since the previous look, it prints once, e.g.::

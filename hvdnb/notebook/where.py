@@ -62,7 +62,7 @@ def pyspy_stack(pid: int, timeout: float = 5.0) -> list[str] | None:
     if first is None:
         return []
     out = []
-    for func, file, line in frames[first:]:
+    for func, file, lineno in frames[first:]:
         if not file.startswith("<"):
             parts = file.split("/")
             file = (
@@ -70,7 +70,7 @@ def pyspy_stack(pid: int, timeout: float = 5.0) -> list[str] | None:
                 if "site-packages" in parts
                 else "/".join(parts[-3:])
             )
-        out.append(f"{file} line {line}, in {func}")
+        out.append(f"{file} line {lineno}, in {func}")
     return out
 
 

@@ -407,7 +407,9 @@ def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
             store, port = _listen_store(addr, w.size, wait)
         except Exception as exc:  # tell the others instead of leaving them in bcast
             comm.bcast(("", -1), root=0)
-            raise RuntimeError(f"rank 0 could not open a rendezvous store on {addr}: {exc}")
+            raise RuntimeError(
+                f"rank 0 could not open a rendezvous store on {addr}: {exc}"
+            ) from exc
         comm.bcast((addr, port), root=0)
         _pin_interface(addr)
         return store, addr, port
