@@ -5,7 +5,9 @@ line printed by several ranks is shown once with the ranks that printed it, and 
 labels (``[0]``, ``[0,1]``, ``[0-3]``). Pure: no clocks of its own (callers pass ``now``),
 no I/O except the ``emit`` callback, so it is unit-tested without processes.
 
-Never: reorder one rank's lines, or hold a line longer than ``window`` seconds.
+Never: reorder one rank's lines, or hold a line longer than ``window`` seconds; never do
+work per line that grows with the lines held or shown (a loop printing every step sends tens
+of thousands of lines: each costs O(1) amortised, whatever the backlog).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class _Pending:
     stream: str
     text: str
     first_seen: float
+    seq: int  # position in the output order; increases along ``_pending``
     ranks: set[int] = field(default_factory=set)
 
 
@@ -72,6 +75,10 @@ class OutputCollapser:
         # with the k-th "loss 0.1" of rank 1, never with its own second one
         self._seen: dict[tuple[int, str, str], int] = defaultdict(int)
         self._pending: dict[tuple[object, ...], _Pending] = {}
+        self._next_seq = 0
+        # the seq of each rank's latest line (held or already shown): a rank may join a held
+        # line at once when its own latest line comes before it, which is the usual case
+        self._last_seq: dict[int, int] = {}
 
     def feed(self, rank: int, stream: str, text: str, now: float) -> None:
         """Add raw text from ``rank``'s ``stream`` (any chunking, partial lines allowed)."""
@@ -89,20 +96,29 @@ class OutputCollapser:
         self._seen[(rank, stream, line)] = k + 1
         key: tuple[object, ...] = (stream, line, k)
         entry = self._pending.get(key)
-        if entry is not None and rank not in entry.ranks and self._make_room(rank, entry):
+        if (
+            entry is not None
+            and rank not in entry.ranks
+            and (self._last_seq.get(rank, -1) < entry.seq or self._make_room(rank, entry))
+        ):
             entry.ranks.add(rank)
+            self._last_seq[rank] = max(self._last_seq.get(rank, -1), entry.seq)
             return
         if entry is not None:  # cannot merge without reordering: keep it apart
             key = (stream, line, k, rank)
-        entry = self._pending[key] = _Pending(stream, line, now)
+        entry = self._pending[key] = _Pending(stream, line, now, self._next_seq)
+        self._next_seq += 1
         entry.ranks.add(rank)
+        self._last_seq[rank] = entry.seq
 
     def _make_room(self, rank: int, target: _Pending) -> bool:
         """Can ``rank`` join ``target`` without breaking any rank's order?
 
         Its own lines still waiting behind ``target`` were printed earlier, so they must be
         shown first: move them ahead of ``target`` when no other rank in them has a line in
-        between (moving those would reorder that rank); otherwise refuse.
+        between (moving those would reorder that rank); otherwise refuse. Only called when
+        ``rank`` has a line held behind ``target`` (rare: ranks printing different lines
+        around a shared one); its cost is linear in the lines held.
         """
         items = list(self._pending.items())
         at = next(i for i, (_, e) in enumerate(items) if e is target)
@@ -121,6 +137,11 @@ class OutputCollapser:
             + [items[j] for j in range(at, len(items)) if j not in moved]
         )
         self._pending = dict(order)
+        for entry in self._pending.values():  # renumber in the new order
+            entry.seq = self._next_seq
+            self._next_seq += 1
+            for r in entry.ranks:
+                self._last_seq[r] = entry.seq
         return True
 
     def poll(self, now: float) -> None:
