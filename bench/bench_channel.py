@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hvdnb.protocol import wire as channel
+from hvdnb.protocol.endpoint import outgoing
+from hvdnb.protocol.kinds import Kind
 from hvdnb.rank.metrics.recorder import Recorder
 
 OUT = Path(__file__).parent / "results" / "channel.json"
@@ -41,8 +43,8 @@ KEY = b"k" * 32
 class _Capture:
     msg: dict = {}
 
-    def send(self, kind: str, **msg: object) -> None:
-        self.msg = dict(msg, kind=kind, rank=0)
+    def send(self, kind: Kind, **msg: object) -> None:
+        self.msg = {**outgoing(kind, dict(msg)), "rank": 0}
 
     def on(self, *a: object) -> None:
         pass

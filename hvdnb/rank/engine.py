@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 from hvdnb.protocol import kinds
+from hvdnb.rank.metrics import recorder
 
 __all__ = ["bootstrap", "engine_info", "main", "rebuild_group", "run_cell"]
 
@@ -290,10 +291,14 @@ def where() -> dict[str, Any]:
     first = next(i for i, fr in enumerate(stack) if fr.filename.startswith("<cell "))
     info["stack"] = _frame_lines(stack[first:])
     for fr in stack[user_i + 1 :]:
-        if any(k in fr.filename.replace("\\", "/") for k in _COLLECTIVE_FILES):
-            if fr.name not in ("wrapper", "_wrapper", "<lambda>") and not fr.name.startswith("_"):
-                info["collective"] = fr.name
-                break
+        in_collectives = any(k in fr.filename.replace("\\", "/") for k in _COLLECTIVE_FILES)
+        if (
+            in_collectives
+            and fr.name not in ("wrapper", "_wrapper", "<lambda>")
+            and not fr.name.startswith("_")
+        ):
+            info["collective"] = fr.name
+            break
     if info["collective"] is None and len(stack) == user_i + 1:
         # mpi4py's calls are C: the user's own line is the innermost Python frame
         code = info["code"] or ""
@@ -464,10 +469,7 @@ def _progress() -> list[Any]:
     transport = sys.modules.get("hvdnb.torch.transport")
     if transport is not None:
         out[1] = transport.CALLS[0]
-    recorder = sys.modules.get("hvdnb.rank.metrics.recorder")
-    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
-    if rec is not None:
-        out[2] = rec.logged_step()
+    out[2] = recorder.logged_step()
     return out
 
 
@@ -554,32 +556,20 @@ def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
 def _flush_metrics() -> tuple[int, int] | None:
     """Send the points this cell logged since the last flush, and say which message was
     the last: ``(pid, seq)``, for the notebook to wait for. None without ``hvdnb.log``."""
-    recorder = sys.modules.get("hvdnb.rank.metrics.recorder")
-    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
-    if rec is None or rec.channel is None:
-        return None
     try:
-        rec.flush()  # the flusher thread would send them up to one interval later
+        return recorder.flush_for_cell_end()
     except (Exception, KeyboardInterrupt):  # metrics are an extra: never lose the report
         return None
-    return (rec.pid, rec.seq) if rec.seq else None
 
 
 def _new_cell_metrics() -> None:
     """A cell is a new loop: its first step must not be filed under the last cell's."""
-    recorder = sys.modules.get("hvdnb.rank.metrics.recorder")
-    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
-    if rec is not None:
-        rec.new_loop()
-        rec.cell_running = True
+    recorder.begin_cell()
 
 
 def _cell_ended_metrics() -> None:
     """No cell runs: a knob change asked for now applies at once (no loop can take it)."""
-    recorder = sys.modules.get("hvdnb.rank.metrics.recorder")
-    rec = getattr(recorder, "_RECORDER", None) if recorder is not None else None
-    if rec is not None:
-        rec.cell_running = False
+    recorder.end_cell()
 
 
 def run_cell(code: str, cell_no: int) -> dict[str, Any]:

@@ -18,10 +18,13 @@ Protocol (all messages over the side channel, ``hvdnb.protocol.wire``):
    step, late}``. A rank that hears of the plan after passing ``apply_at`` applies at once
    and reports ``late``; the panel marks the step(s) on the loss plot.
 
-Owns: validation (shared by the panel and the ranks: the same function refuses a bad value
-in both places), the engine-side ``Knobs`` object and its channel handlers. Never: raise
-into the training loop because of a message, apply a change in the middle of a step, or
-issue a collective (the step agreement comes from rank 0's plan, not from a broadcast).
+Owns: the engine-side ``Knobs`` object, its channel handlers and the step hook through
+which ``hvdnb.log`` applies planned changes (``recorder.on_step_start``: this module uses
+the recorder, the recorder never imports it); validation is ``hvdnb.protocol.knobs``
+(shared by the panel and the ranks: the same function refuses a bad value in both
+places). Never: raise into the training loop because of a message, apply a change in the
+middle of a step, or issue a collective (the step agreement comes from rank 0's plan, not
+from a broadcast).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import threading
 from typing import Any
 
 from hvdnb.protocol import kinds
+from hvdnb.protocol.kinds import Kind
 from hvdnb.protocol.knobs import coerce, make_spec, validate
+from hvdnb.rank.metrics.recorder import get_recorder, on_step_start
 
 __all__ = [
     "CURRENT",
@@ -105,8 +110,6 @@ class Knobs:
         Call it at the top of each step; returns ``self`` so ``k = knobs.step(s)`` reads well.
         """
         object.__setattr__(self, "_cur", int(step))
-        from hvdnb.rank.metrics.recorder import get_recorder
-
         get_recorder().mark(int(step))
         self._advance(int(step))
         return self
@@ -133,8 +136,6 @@ class Knobs:
             return
         self.values.update(coerce(self.spec, plan["values"]))
         self.history.append((step, dict(plan["values"]), late))
-        from hvdnb.rank.metrics.recorder import get_recorder
-
         rec = get_recorder()
         for k, v in plan["values"].items():
             rec.record(step, f"knob/{k}", float(v))
@@ -155,7 +156,7 @@ class Knobs:
         self.values.update(coerce(self.spec, values))
 
     # -------------------------------------------------------------- channel thread
-    def _send(self, kind: str, **payload: Any) -> None:
+    def _send(self, kind: Kind, **payload: Any) -> None:
         if self.channel is not None:
             try:
                 self.channel.send(kind, **payload)
@@ -177,8 +178,6 @@ class Knobs:
         if err:
             self._send(kinds.KNOBS_PLAN, id=msg.get("id"), error=err)
             return
-        from hvdnb.rank.metrics.recorder import get_recorder
-
         rec = get_recorder()
         at = msg.get("at_step")
         if isinstance(at, int) and not isinstance(at, bool) and at >= 0:
@@ -206,12 +205,10 @@ class Knobs:
             if plan["id"] in self.pending or plan["id"] in self._done:
                 return
             self.pending[plan["id"]] = plan
-        from hvdnb.rank.metrics.recorder import get_recorder
-
         rec = get_recorder()
         # after the plan is pending: the loop's next log() looks at the knobs (log() sets
         # its next event step before it reads ``pending``, so neither order misses it)
-        rec._next_event = -1
+        rec.events_at_next_log()
         # rank 0 decides: None means its loop was idle, so apply now (the next loop starts
         # with the new values); a step means wait for it, even if this rank looks idle
         if plan["apply_at"] is None:
@@ -245,8 +242,6 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     ...     lr = knobs.lr * min(1.0, (step + 1) / max(1, knobs.warmup_steps))
     """
     global CURRENT
-    from hvdnb.rank.metrics.recorder import get_recorder
-
     rec = get_recorder()
     rank = rec.rank
     if DEFAULTS:
@@ -279,3 +274,17 @@ def _route(method: str) -> Any:
 
     handler.__name__ = f"knobs_{method}"
     return handler
+
+
+def _step_started(step: int) -> bool:
+    """``hvdnb.log``'s step hook: step ``step`` starts; apply the current knob set's
+    changes planned for it (or missed). True while a change waits for a later step (the
+    recorder then calls this at every step)."""
+    k = CURRENT
+    if k is None:
+        return False
+    k._advance(step)
+    return bool(k.pending)
+
+
+on_step_start(_step_started)

@@ -1,0 +1,81 @@
+"""Memory readings for the recorder's messages: this process's RSS (psutil) and, when the
+training code already uses CUDA, torch's allocated/reserved bytes and NVML's "used".
+
+Owns: ``MemorySampler``. Never: import torch (it reads ``sys.modules``), initialise CUDA,
+synchronise, or raise (a reading that cannot be taken is left out).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+__all__ = ["MemorySampler"]
+
+
+class MemorySampler:
+    """Memory readings at flush time; a reading that cannot be taken is left out (the
+    panel shows "n/a"), never reported as 0."""
+
+    def __init__(self) -> None:
+        self._proc: Any = None
+        self._nvml: Any = None
+        self._nvml_tried = False
+        try:
+            import psutil
+
+            self._proc = psutil.Process()
+        except Exception:
+            pass
+
+    def sample(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self._proc is not None:
+            try:
+                out["mem/rss"] = float(self._proc.memory_info().rss)
+            except Exception:
+                pass
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return out
+        try:
+            cuda = torch.cuda
+            if cuda.is_available() and cuda.is_initialized():
+                dev = cuda.current_device()
+                out["mem/gpu_allocated"] = float(cuda.memory_allocated(dev))
+                out["mem/gpu_reserved"] = float(cuda.memory_reserved(dev))
+                used = self._nvml_used(dev)
+                if used is not None:
+                    out["mem/gpu_nvml_used"] = used
+        except Exception:
+            pass
+        return out
+
+    def _nvml_used(self, dev: int) -> float | None:
+        if not self._nvml_tried:
+            self._nvml_tried = True
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception:
+                self._nvml = None
+        if self._nvml is None:
+            return None
+        nvml = self._nvml
+        try:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ids = [v.strip() for v in visible.split(",") if v.strip()]
+            index = int(ids[dev]) if dev < len(ids) and ids[dev].isdigit() else dev
+            h = nvml.nvmlDeviceGetHandleByIndex(index)
+            v2 = getattr(nvml, "nvmlMemory_v2", None)
+            if v2 is not None:
+                try:  # "used" as nvidia-smi shows it: the driver's reserve is not in it
+                    return float(nvml.nvmlDeviceGetMemoryInfo(h, version=v2).used)
+                except Exception:  # an older driver: v1, whose "used" counts the reserve
+                    pass
+            return float(nvml.nvmlDeviceGetMemoryInfo(h).used)
+        except Exception:
+            return None
