@@ -46,7 +46,7 @@ def _feed(store, seq: int, nranks: int = 2, per: int = 10) -> None:
 
 def test_updates_are_batched_and_throttled(sent):
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.notebook.panel import Panel
 
     st = MetricsStore()
     p = Panel(st, render_interval=0.2)
@@ -78,7 +78,7 @@ def test_one_redraw_per_round_of_rank_messages(sent):
     import time
 
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.notebook.panel import Panel
 
     st = MetricsStore()
     p = Panel(st, render_interval=0.0)
@@ -130,7 +130,7 @@ def test_one_redraw_per_round_of_rank_messages(sent):
 
 def test_many_ranks_draw_a_band_not_64_lines(sent):
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import charts_html
+    from hvdnb.notebook.panel.svg import charts_html
 
     st = MetricsStore()
     _feed(st, 1, nranks=64)
@@ -141,7 +141,7 @@ def test_many_ranks_draw_a_band_not_64_lines(sent):
 
 def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.notebook.panel import Panel
     from hvdnb.rank.metrics import knobs as kn
 
     class Ch:
@@ -159,20 +159,20 @@ def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
     p = Panel(st)
     p._idle.stop()
     p.render(force=True)
-    assert set(p._knob_widgets) == {"batch_size", "warmup_steps", "lr"}
-    p._knob_widgets["warmup_steps"].value = 150  # what a slider drag does
+    assert set(p.controls.knob_widgets) == {"batch_size", "warmup_steps", "lr"}
+    p.controls.knob_widgets["warmup_steps"].value = 150  # what a slider drag does
     assert st._channel.sent[-1][:2] == (0, kinds.KNOBS_REQ)
     assert st._channel.sent[-1][2]["values"] == {"warmup_steps": 150}
     p.knob_text.value = "lr=-1"
     p.render(force=True)
     assert "out of range" in p.knob_status.value and len(st._channel.sent) == 1
     p.knob_text.value = "lr=oops"
-    assert "refused" in p._note
+    assert "refused" in p.controls.note
 
 
 def test_missing_memory_is_na_never_zero(sent):
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.notebook.panel import Panel
 
     st = MetricsStore()
     st.ingest({"rank": 0, "seq": 1, "pid": 1, "cols": {"loss": [[0], [1.0], [0.5]]}})
@@ -184,7 +184,7 @@ def test_missing_memory_is_na_never_zero(sent):
 
 def test_sliders_follow_applied_values_without_sending_a_change(sent):
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import Panel
+    from hvdnb.notebook.panel import Panel
     from hvdnb.rank.metrics import knobs as kn
 
     st = MetricsStore()
@@ -193,21 +193,21 @@ def test_sliders_follow_applied_values_without_sending_a_change(sent):
     p._idle.stop()
     p.render(force=True)
     requests = []
-    p.request = lambda values: requests.append(values)  # what a user's move would send
+    p.controls.request = lambda values: requests.append(values)  # what a user's move would send
     # a new knob set (same names, other values) and an applied change beyond the slider
     st.on_spec({"spec": kn.make_spec({"batch_size": 1024, "lr": 0.1})})
     st.on_applied({"rank": 0, "id": "k1", "step": 5, "values": {"lr": 0.004}})
     p.render(force=True)
-    assert p._knob_widgets["batch_size"].value == 1024
-    assert p._knob_widgets["lr"].value == pytest.approx(0.004)
+    assert p.controls.knob_widgets["batch_size"].value == 1024
+    assert p.controls.knob_widgets["lr"].value == pytest.approx(0.004)
     assert requests == [], "showing the ranks' values must not ask them for a change"
-    p._knob_widgets["batch_size"].value = 64  # a user's move still sends one
+    p.controls.knob_widgets["batch_size"].value = 64  # a user's move still sends one
     assert requests == [{"batch_size": 64}]
 
 
 def test_runs_chart_overlays_runs_with_their_knobs_in_the_legend():
     from hvdnb.notebook.metrics.store import MetricsStore
-    from hvdnb.notebook.panel.panel import runs_html
+    from hvdnb.notebook.panel.svg import runs_html
     from hvdnb.rank.metrics import knobs as kn
 
     st = MetricsStore()
@@ -243,7 +243,8 @@ def test_allreduce_chart_keeps_the_steady_timings_readable_under_a_first_call_sp
     Without it (the loss chart) the axis still spans every value."""
     import re
 
-    from hvdnb.notebook.panel.svg import SPIKE_FACTOR, T, line_chart
+    from hvdnb.notebook.panel.charts import SPIKE_FACTOR
+    from hvdnb.notebook.panel.svg import T, line_chart
 
     ys = [319.2] + [0.13 + 0.01 * (i % 5) for i in range(59)]
     xs = [float(i) for i in range(60)]

@@ -1,48 +1,38 @@
-"""The panel's picture: loss, allreduce, step-time breakdown and memory, drawn to PNG bytes.
+"""The saved picture: the chart models drawn to PNG bytes (loss, allreduce, step-time
+breakdown, memory), for the copy of the panel a saved notebook shows.
 
 Owns: one matplotlib ``Figure`` on the Agg canvas (no pyplot, no global state, no GUI
-backend), drawn from a ``MetricsStore``. Many ranks: up to ``MAX_LINES`` lines, beyond that
-a min/max band and the median. Never: touch widgets, the channel or the ranks; never draw
-a missing reading as 0 (it says "n/a").
+backend) and how each model looks in it. What the charts show (lines or band + host
+medians, smoothing, the breakdown's rows, memory columns, clipped spikes) is the models'
+in ``hvdnb.notebook.panel.charts``, the same as the live SVG's. Never: touch widgets, the
+channel or the ranks; shape data here; run on a redraw tick (a PNG costs ~0.4 s: it is
+drawn when a cell ends); draw a missing reading as 0 (it says "n/a").
 """
 
 from __future__ import annotations
 
 import io
-import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_LINES", "render_png", "smooth"]
+from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.notebook.panel.charts import (
+    PHASES,
+    PNG_POINTS,
+    BarChart,
+    LineChart,
+    MemoryChart,
+    allreduce_chart,
+    breakdown_chart,
+    loss_chart,
+    memory_chart,
+)
 
-MAX_LINES = 16
-#: points per rank kept on the loss plot (older ones are thinned)
-MAX_POINTS = 1500
-_PHASE_COLORS = {"data": "#f2a541", "compute": "#4c78a8", "comm": "#e45756"}
+__all__ = ["render_png"]
 
-
-def smooth(values: np.ndarray, alpha: float) -> np.ndarray:
-    """Exponential moving average with weight ``alpha`` on the past (0: none)."""
-    if alpha <= 0 or len(values) < 2:
-        return values
-    out = np.empty_like(values)
-    acc = values[0]
-    a, b = alpha, 1.0 - alpha
-    for i, v in enumerate(values):
-        if v == v:
-            acc = a * acc + b * v if acc == acc else v
-        out[i] = acc
-    return out
-
-
-def _thin(steps: list[int], vals: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    s = np.asarray(steps, dtype=float)
-    v = np.asarray(vals, dtype=float)
-    if len(s) > MAX_POINTS:
-        idx = np.linspace(0, len(s) - 1, MAX_POINTS).astype(int)
-        s, v = s[idx], v[idx]
-    return s, v
+_BAND = "#4c78a8"
+_MARK = "#d62728"
 
 
 class _Figure:
@@ -77,157 +67,129 @@ def _figure() -> _Figure:
 
 
 def render_png(
-    store: Any, *, log_y: bool = False, smoothing: float = 0.0, ranks: list[int] | None = None
+    store: MetricsStore,
+    *,
+    log_y: bool = False,
+    smoothing: float = 0.0,
+    ranks: list[int] | None = None,
 ) -> bytes:
-    """Draw the four plots from ``store`` and return PNG bytes."""
+    """Draw the four charts from ``store`` and return PNG bytes."""
     f = _figure()
-    ranks = store.ranks() if ranks is None else ranks
-    _loss(f.ax_loss, store, ranks, log_y, smoothing)
-    _comm(f.ax_comm, store, ranks)
-    _breakdown(f.ax_break, store)
-    _memory(f.ax_mem, store, ranks)
+    _loss(
+        f.ax_loss, loss_chart(store, points=PNG_POINTS, alpha=smoothing, log_y=log_y, ranks=ranks)
+    )
+    _comm(f.ax_comm, allreduce_chart(store, points=PNG_POINTS, ranks=ranks))
+    _breakdown(f.ax_break, breakdown_chart(store))
+    _memory(f.ax_mem, memory_chart(store))
     return f.png()
 
 
-def _loss(ax: Any, store: Any, ranks: list[int], log_y: bool, alpha: float) -> None:
+def _start(ax: Any, title: str) -> None:
     ax.cla()
-    ax.set_title("loss", fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
+    ax.set_title(title, fontsize=10)
     ax.tick_params(labelsize=7)
-    series = []
-    for r in ranks:
-        steps, vals, _ = store.thinned("loss", r, MAX_POINTS)
-        if steps:
-            s, v = _thin(steps, vals)
-            series.append((r, s, smooth(v, alpha)))
-    if not series:
-        ax.text(
-            0.5,
-            0.5,
-            "no loss yet: hvdnb.log(step, loss)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            fontsize=8,
-            color="gray",
-        )
-        return
-    if len(series) <= MAX_LINES:
-        for r, s, v in series:
-            ax.plot(s, v, lw=1.0, label=f"rank {r}")
-        if len(series) > 1:
-            ax.legend(fontsize=6, ncol=2 if len(series) > 4 else 1, loc="upper right")
-    else:
-        lo = min(float(s[0]) for _, s, _ in series)
-        hi = max(float(s[-1]) for _, s, _ in series)
-        grid = np.linspace(lo, hi, 400) if hi > lo else np.array([lo])
-        stack = np.vstack([np.interp(grid, s, v, left=np.nan, right=np.nan) for _, s, v in series])
-        with np.errstate(all="ignore"):
-            import warnings
 
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                mn, mx = np.nanmin(stack, 0), np.nanmax(stack, 0)
-                med = np.nanmedian(stack, 0)
+
+def _empty(ax: Any, text: str) -> None:
+    ax.text(
+        0.5,
+        0.5,
+        text,
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize=8,
+        color="gray",
+    )
+
+
+def _loss(ax: Any, m: LineChart) -> None:
+    _start(ax, "loss")
+    ax.set_xlabel("step", fontsize=8)
+    if not m.lines and m.band is None:
+        _empty(ax, m.empty)
+        return
+    if m.band is not None:
+        grid, mn, mx, med = m.band
         ax.fill_between(
-            grid, mn, mx, alpha=0.25, color="#4c78a8", label=f"min-max of {len(series)} ranks"
+            grid, mn, mx, alpha=0.25, color=_BAND, label=f"min-max of {m.band_ranks} ranks"
         )
-        ax.plot(grid, med, lw=1.2, color="#4c78a8", label="median")
-        ax.legend(fontsize=6, loc="upper right")
-    if log_y:
+        ax.plot(grid, med, lw=1.2, color=_BAND, label="median")
+    for label, xs, ys in m.lines:  # per rank, or per host over the band
+        ax.plot(xs, ys, lw=1.0, label=label)
+    if m.band is not None or len(m.lines) > 1:
+        ax.legend(fontsize=6, ncol=2 if len(m.lines) > 4 else 1, loc="upper right")
+    if m.log_y:
         ax.set_yscale("log")
-    for step, label in list(store.marks)[-8:]:
-        ax.axvline(step, color="#d62728", ls="--", lw=0.8)
+    for step, label in m.marks:
+        ax.axvline(step, color=_MARK, ls="--", lw=0.8)
         ax.annotate(
             label,
             (step, 1.0),
             xycoords=("data", "axes fraction"),
             fontsize=6,
-            color="#d62728",
+            color=_MARK,
             rotation=90,
             va="top",
             ha="right",
         )
 
 
-def _comm(ax: Any, store: Any, ranks: list[int]) -> None:
-    ax.cla()
-    backends = {i.get("backend") for i in store.rank_info.values() if i.get("backend")}
-    name = "/".join(sorted(_backend_name(b) for b in backends)) or "backend n/a"
-    ax.set_title(f"allreduce time per step (ms) - {name}", fontsize=10)
+def _comm(ax: Any, m: LineChart) -> None:
+    _start(ax, f"allreduce time per step (ms) - {m.backends}")
     ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=7)
-    drawn = 0
-    shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
-    for r in shown:
-        per = store.per_step("comm/", r, last_steps=MAX_POINTS)
-        if per:
-            st = sorted(per)
-            ax.plot(st, [1e3 * per[k] for k in st], lw=0.9, label=f"rank {r}")
-            drawn += 1
-    if not drawn:
+    if not m.lines:
+        _empty(ax, m.empty)
+        return
+    lim = m.limits()
+    for label, xs, ys in m.lines:
+        if lim is not None and lim.clipped:  # spikes run along the top edge
+            ys = np.minimum(np.asarray(ys, dtype=float), lim.y1).tolist()
+        ax.plot(xs, ys, lw=0.9, label=label)
+    if lim is not None and lim.clipped:
         ax.text(
-            0.5,
-            0.5,
-            "no allreduce timings (hvdnb.torch reports them)",
-            ha="center",
-            va="center",
+            0.01,
+            0.97,
+            "\u2191 " + lim.clip_note,
             transform=ax.transAxes,
-            fontsize=8,
-            color="gray",
+            fontsize=7,
+            color=_MARK,
+            va="top",
         )
-    elif drawn > 1 and drawn <= 8:
+    if 1 < len(m.lines) <= 8:
         ax.legend(fontsize=6, loc="upper right")
 
 
-def _breakdown(ax: Any, store: Any) -> None:
-    ax.cla()
-    ax.set_title("step time per rank (ms, median of last 50 steps)", fontsize=10)
-    ax.tick_params(labelsize=7)
-    b = store.breakdown()
-    if not b:
-        ax.text(
-            0.5,
-            0.5,
-            "no step times yet",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            fontsize=8,
-            color="gray",
-        )
+def _breakdown(ax: Any, m: BarChart) -> None:
+    _start(ax, f"step time per {m.by} (ms, median of last 50 steps)")
+    if not m.rows:
+        _empty(ax, m.empty)
         return
-    ranks = sorted(b)
-    y = np.arange(len(ranks))
-    left = np.zeros(len(ranks))
-    for ph in ("data", "compute", "comm"):
-        w = np.array([1e3 * b[r][ph] for r in ranks])
-        ax.barh(y, w, left=left, color=_PHASE_COLORS[ph], label=ph, height=0.7)
+    n = len(m.rows)
+    y = np.arange(n)
+    left = np.zeros(n)
+    for i, (ph, color) in enumerate(PHASES):
+        w = np.array([vals[i] for _, vals in m.rows])
+        ax.barh(y, w, left=left, color=color, label=ph, height=0.7)
         left += w
-    ax.set_yticks(y if len(ranks) <= 16 else y[:: max(1, len(ranks) // 16)])
-    ax.set_yticklabels(
-        [str(r) for r in (ranks if len(ranks) <= 16 else ranks[:: max(1, len(ranks) // 16)])]
-    )
-    ax.set_ylabel("rank", fontsize=8)
+    every = 1 if n <= 16 else max(1, n // 16)
+    ax.set_yticks(y[::every])
+    ax.set_yticklabels([name for name, _ in m.rows][::every])
+    ax.set_ylabel(m.by, fontsize=8)
     ax.invert_yaxis()
     ax.legend(fontsize=6, loc="lower right", ncol=3)
 
 
-def _memory(ax: Any, store: Any, ranks: list[int]) -> None:
-    ax.cla()
-    ax.tick_params(labelsize=7)
-    mem = store.memory()
-    gpu = any(m.get("gpu_allocated") is not None for m in mem.values())
-    keys = ("gpu_allocated", "gpu_reserved") if gpu else ("rss",)
-    ax.set_title("GPU memory per rank (GB)" if gpu else "process RSS per rank (GB)", fontsize=10)
-    rs = sorted(mem)
+def _memory(ax: Any, m: MemoryChart) -> None:
+    _start(ax, "GPU memory per rank (GB)" if m.gpu else "process RSS per rank (GB)")
+    rs = m.ranks
     if not rs:
         ax.text(0.5, 0.5, "n/a", ha="center", va="center", transform=ax.transAxes, color="gray")
         return
     x = np.arange(len(rs))
-    width = 0.8 / len(keys)
-    for i, k in enumerate(keys):
-        vals = [mem[r].get(k) for r in rs]
+    width = 0.8 / len(m.bars)
+    for i, k in enumerate(m.bars):
+        vals = [m.values[r].get(k) for r in rs]
         h = [v / 1e9 if v is not None else 0.0 for v in vals]
         bars = ax.bar(x + i * width, h, width=width, label=k.replace("gpu_", ""))
         for bar, v in zip(bars, vals):
@@ -244,20 +206,5 @@ def _memory(ax: Any, store: Any, ranks: list[int]) -> None:
     ax.set_xticks(x[::step])
     ax.set_xticklabels([str(r) for r in rs[::step]])
     ax.set_xlabel("rank", fontsize=8)
-    if len(keys) > 1:
+    if len(m.bars) > 1:
         ax.legend(fontsize=6)
-
-
-def _backend_name(b: str | None) -> str:
-    return {"nccl": "NCCL", "gloo": "Gloo", "mpi": "MPI", "local": "local"}.get(
-        (b or "").lower(), b or "n/a"
-    )
-
-
-def fmt_bytes(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:.2f} {unit}"
-    return f"{v:.0f} B"

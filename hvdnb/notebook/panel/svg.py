@@ -1,24 +1,47 @@
-"""Cheap live charts: inline SVG strings for the panel's HTML widgets.
+"""The live picture: the chart models drawn as inline SVG strings for the panel's HTML widget.
 
 A matplotlib redraw of the four plots took ~430 ms on the project's 2-core machine (tick
 layout dominates), which would take CPU from the ranks at the panel's 5 Hz; an SVG string
 of the same data costs about a millisecond and the browser draws it. matplotlib is kept
-for the PNG snapshot a saved notebook shows (``plots.render_png``).
+for the PNG snapshot a saved notebook shows (``hvdnb.notebook.panel.png``).
 
-Owns: line charts (lines, min/max band + median, vertical marks, log y) and stacked bars.
-Never: touch widgets or the store; never draw a missing value as 0.
+Owns: the SVG primitives (line charts: lines, min/max band + median, vertical marks, log
+y, clipped spikes; stacked bars; legends) and ``charts_html`` / ``runs_html``, which draw
+the models of ``hvdnb.notebook.panel.charts`` with them. Never: touch widgets; shape data
+(what a chart shows is the model's: smoothing, bands, stacking, axis limits live in
+``charts``); draw a missing value as 0.
 """
 
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["PALETTE", "legend_html", "line_chart", "stacked_bars"]
+from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.notebook.panel.charts import (
+    LIVE_POINTS,
+    PHASES,
+    LineChart,
+    RunsChart,
+    allreduce_chart,
+    axis_limits,
+    breakdown_chart,
+    fmt_value,
+    loss_chart,
+    runs_chart,
+)
+
+__all__ = [
+    "PALETTE",
+    "charts_html",
+    "legend_html",
+    "line_chart",
+    "runs_html",
+    "stacked_bars",
+]
 
 PALETTE = [
     "#4c78a8",
@@ -39,18 +62,7 @@ PALETTE = [
     "#17becf",
 ]
 W, H = 460, 220
-#: with ``clip_spikes``, the y axis ends at this many times the 95th percentile
-SPIKE_FACTOR = 3.0
 L, R, T, B = 52, 10, 22, 26
-
-
-def _fmt(v: float) -> str:
-    if v == 0:
-        return "0"
-    a = abs(v)
-    if a >= 1e4 or a < 1e-3:
-        return f"{v:.1e}"
-    return f"{v:.4g}"
 
 
 def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
@@ -77,13 +89,9 @@ def line_chart(
     labels to the caller (long labels, e.g. ``legend_html``).
 
     ``clip_spikes``: a few values far above the rest (the first allreduce of a loop, which
-    sets up connections, took 319 ms where the steady ones took 0.13) would squash every
-    other point onto the axis. With 20 or more points and a largest value over twice the
-    cap (``SPIKE_FACTOR`` x the 95th percentile), the y axis ends at the cap; values above
-    it are drawn on the top edge and the chart says how many there are and the largest."""
-    pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys) if y == y]
-    if band is not None:
-        pts += [(x, y) for x, lo, hi, _ in zip(*band) for y in (lo, hi) if y == y]
+    sets up connections) would squash every other point onto the axis; where
+    ``charts.axis_limits`` clips the axis, values above it are drawn on the top edge and
+    the chart says how many there are and the largest."""
     head = (
         f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
         f"class='hvdnb-chart' data-title='{html.escape(title)}' "
@@ -91,28 +99,13 @@ def line_chart(
         f"<text x='{width / 2}' y='13' text-anchor='middle' font-weight='bold'>"
         f"{html.escape(title)}</text>"
     )
-    if log_y:
-        pts = [(x, y) for x, y in pts if y > 0]
-    if not pts:
+    lim = axis_limits(series, band, log_y=log_y, clip_spikes=clip_spikes)
+    if lim is None:
         return head + (
             f"<text x='{width / 2}' y='{height / 2}' text-anchor='middle' "
             f"fill='#888'>{html.escape(empty)}</text></svg>"
         )
-    tf = (lambda y: math.log10(y)) if log_y else (lambda y: y)
-    xs_all = [p[0] for p in pts]
-    ys_all = [tf(p[1]) for p in pts]
-    x0, x1 = min(xs_all), max(xs_all)
-    y0, y1 = min(ys_all), max(ys_all)
-    clipped, y_max = 0, y1
-    if clip_spikes and not log_y and len(ys_all) >= 20:
-        cap = SPIKE_FACTOR * float(np.percentile(ys_all, 95))
-        if y0 < cap and y1 > 2 * cap:  # a mild outlier keeps the full axis
-            clipped = sum(1 for y in ys_all if y > cap)
-            y1 = cap
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 0.5 * (abs(y0) or 1), y1 + 0.5 * (abs(y1) or 1)
+    x0, x1, y0, y1, clipped = lim.x0, lim.x1, lim.y0, lim.y1, lim.clipped
     pw, ph = width - L - R, height - T - B
 
     def sx(x: float) -> float:
@@ -121,7 +114,7 @@ def line_chart(
     out = [head, f"<rect x='{L}' y='{T}' width='{pw}' height='{ph}' fill='none' stroke='#ccc'/>"]
     for t in _ticks(y0, y1):
         yy = T + ph - (t - y0) / (y1 - y0) * ph
-        label = _fmt(10**t if log_y else t)
+        label = fmt_value(10**t if log_y else t)
         out.append(
             f"<line x1='{L}' x2='{L + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#eee'/>"
             f"<text x='{L - 3}' y='{yy + 3:.1f}' text-anchor='end' fill='#555'>{label}</text>"
@@ -130,7 +123,7 @@ def line_chart(
         xx = sx(t)
         out.append(
             f"<text x='{xx:.1f}' y='{height - 10}' text-anchor='middle' fill='#555'>"
-            f"{_fmt(round(t))}</text>"
+            f"{fmt_value(round(t))}</text>"
         )
 
     # curves in tenths of a pixel, as integers inside a scale(0.1) group: formatting
@@ -175,7 +168,7 @@ def line_chart(
     out.append("</g>")
     for mark in marks:
         x, label = mark[0], mark[1]
-        mc = mark[2] if len(mark) > 2 else "#d62728"  # type: ignore[misc]
+        mc = mark[2] if len(mark) > 2 else "#d62728"
         if x0 <= x <= x1:
             xx = sx(x)
             out.append(
@@ -186,8 +179,7 @@ def line_chart(
     if clipped:
         out.append(
             f"<text x='{L + 3}' y='{T + 10}' fill='#d62728' class='hvdnb-clipped'>"
-            f"&#8593; {clipped} point{'s' if clipped > 1 else ''} above the axis "
-            f"(max {_fmt(y_max)})</text>"
+            f"&#8593; {lim.clip_note}</text>"
         )
     keys = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
     if band is not None:
@@ -253,7 +245,7 @@ def stacked_bars(
         )
     out.append(
         f"<text x='{width - R}' y='{ly}' text-anchor='end' fill='#555'>max "
-        f"{_fmt(vmax)} {unit}</text></svg>"
+        f"{fmt_value(vmax)} {unit}</text></svg>"
     )
     return "".join(out)
 
@@ -265,3 +257,64 @@ def legend_html(labels: Sequence[str]) -> str:
         f"&#9644; {html.escape(lab)}</div>"
         for i, lab in enumerate(labels)
     )
+
+
+def _line_svg(title: str, m: LineChart) -> str:
+    return line_chart(
+        title,
+        m.lines,
+        band=m.band,
+        marks=m.marks,
+        log_y=m.log_y,
+        empty=m.empty,
+        clip_spikes=m.clip_spikes,
+    )
+
+
+def runs_svg(m: RunsChart) -> str:
+    """The runs compared: the chart, its legend of knob values, and the runs without x."""
+    what = "samples seen (all ranks)" if m.x == "samples" else "step"
+    svg = line_chart(
+        f"runs: mean loss vs {what}" + (" (log)" if m.log_y else ""),
+        m.lines,
+        marks=[(x, lab, PALETTE[i % len(PALETTE)]) for x, lab, i in m.marks],
+        log_y=m.log_y,
+        empty=m.empty,
+        legend=False,
+    )
+    note = (
+        f"<div style='color:#888;font:11px sans-serif'>runs {', '.join(map(str, m.missing))}: "
+        "n/a (no samples= logged)</div>"
+        if m.missing and m.lines
+        else ""
+    )
+    return f"<div class='hvdnb-runs'>{svg}{legend_html([lab for lab, _, _ in m.lines])}{note}</div>"
+
+
+def runs_html(store: MetricsStore, x: str = "step", log_y: bool = False) -> str:
+    """The comparison chart: the last runs' mean loss over ranks, overlaid, with a legend
+    of their knob values and the knob changes marked in each run's colour."""
+    return runs_svg(runs_chart(store, x=x, points=LIVE_POINTS, log_y=log_y))
+
+
+def charts_html(
+    store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0, runs_x: str | None = "step"
+) -> str:
+    """The live charts as inline SVG: loss of the current run, allreduce per step, step-time
+    breakdown and (``runs_x`` not None) the runs compared."""
+    loss = loss_chart(store, points=LIVE_POINTS, alpha=alpha, log_y=log_y)
+    comm = allreduce_chart(store, points=LIVE_POINTS)
+    bars = breakdown_chart(store)
+    out = [
+        _line_svg("loss" + (" (log)" if log_y else ""), loss),
+        _line_svg(f"allreduce ms per step ({comm.backends})", comm),
+        stacked_bars(
+            "step time (median of last 50 steps; comm = exposed)",
+            list(zip(bars.labels(), [vals for _, vals in bars.rows])),
+            PHASES,
+            empty=bars.empty,
+        ),
+    ]
+    if runs_x is not None:
+        out.append(runs_html(store, runs_x, log_y))
+    return "".join(out)

@@ -1,0 +1,332 @@
+"""The live panel's widget tree, where it shows, and when it redraws.
+
+How it stays live: ranks flush their points over the side channel into the notebook's
+``MetricsStore`` (channel thread). The panel redraws on the notebook's main thread: from
+``hvdnb.notebook.cells``' wait hook while a ``%%distributed`` cell runs (every ~50 ms, with the
+cell's parent header) and from an idle timer on the kernel's event loop between cells. A
+redraw happens only when the store changed and at most every ``render_interval`` seconds,
+and sends one batched update per widget (``hold_sync``): a handful of comm messages per
+tick, far below the Jupyter server's IOPub limit (1000/s).
+
+Controls while a cell runs: the control widgets' comms are routed to a private ipykernel 7
+subshell (``hvdnb.notebook.panel.kernel``), so a slider moved during training reaches rank 0 at
+once; the handlers (``hvdnb.notebook.panel.controls``) only validate and send (thread-safe),
+the main thread draws the result.
+
+Where it shows: by default beside the notebook (JupyterLab's main area split, through
+jupyterlab-sidecar's ``Sidecar``), so it stays in view while the user scrolls to the cell
+that trains; ``%dist panel --inline`` (or ``HVDNB_PANEL=inline``) shows it in a cell's
+output instead, for front ends without a side area (classic Notebook, VS Code). The
+``%dist start`` cell keeps a small stand-in: a button that brings the side panel back
+after its tab was closed, and a PNG of the charts (refreshed when each cell ends), so a
+saved notebook on GitHub or nbviewer shows the last picture.
+
+What is drawn: the header and tables (``tables``), the live SVG charts (``svg``) and the
+saved PNG (``png``), both drawn from the chart models (``charts``).
+
+Owns: the widget tree, the display handles, the sidecar and the redraw schedule. Never:
+import torch, run on engines, block the channel thread or the cell, or send a widget
+message per data point (everything drawn is one HTML widget: one message per redraw).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+import threading
+import time
+from typing import Any
+
+from hvdnb.notebook.metrics.store import MetricsStore, get_store
+from hvdnb.notebook.panel import kernel as _kernel
+from hvdnb.notebook.panel.controls import Controls
+from hvdnb.notebook.panel.png import render_png
+from hvdnb.notebook.panel.svg import charts_html
+from hvdnb.notebook.panel.tables import header_html, tables_html
+
+__all__ = ["Panel"]
+
+
+class Panel:
+    """The live panel of one notebook kernel.
+
+    Parameters
+    ----------
+    store : the store to draw (default: the notebook's store)
+    render_interval : minimum seconds between two redraws
+
+    While a cell runs, a redraw waits until every rank heard from in the last 5 s has
+    sent a message since the previous redraw (ranks flush within milliseconds of each
+    other), or ``settle`` seconds (0.3) after the change was first seen: one redraw per
+    round of messages, not one per rank.
+    """
+
+    def __init__(self, store: MetricsStore | None = None, render_interval: float = 0.2) -> None:
+        import ipywidgets as w
+
+        self.store = store or get_store()
+        self.render_interval = render_interval
+        self.renders = 0
+        self.render_seconds = 0.0
+        self._drawn_version = -1
+        self._last_render = 0.0
+        self._last_render_wall = 0.0  # time.time() of the last redraw
+        self._changed_at = 0.0  # monotonic time the store was first seen changed, undrawn
+        #: seconds a redraw waits for the other ranks' messages of the same round
+        self.settle = 0.3
+        self._last_cost = 0.0
+        self._lock = threading.RLock()
+        self._handles: list[Any] = []
+        self._png = b""
+        self._seen_loss: dict[int, int] = {}
+        self.latencies: list[float] = []
+        self.measure_latency = False
+        self._subshell = _kernel.control_subshell()
+        self.line: Any = None  # the LiveLine under the running cell (with a kernel)
+
+        #: everything drawn (header, charts, hint, tables) is this one widget: one comm
+        #: message per redraw
+        self.view = w.HTML(value="<b>hvdnb</b>: waiting for data from the ranks")
+        self.controls = Controls(self.store, self._subshell, self._lock, self._invalidate)
+        c = self.controls
+        # the widgets by their old names (bench, tests and users read them off the panel)
+        self.log_y, self.smoothing, self.cmp_x = c.log_y, c.smoothing, c.cmp_x
+        self.cmp_clear, self.knob_box, self.knob_text = c.cmp_clear, c.knob_box, c.knob_text
+        self.knob_apply, self.knob_status = c.knob_apply, c.knob_status
+        # the knobs first: tuning is what the panel is for, and a side area is narrow
+        self.box = w.VBox(
+            [
+                c.knob_box,
+                w.HBox([c.knob_text, c.knob_apply]),
+                c.knob_status,
+                self.view,
+                w.HBox([c.log_y, c.smoothing]),
+                w.HBox([c.cmp_x, c.cmp_clear]),
+            ]
+        )
+        self.box.add_class("hvdnb-panel")
+        self.view.add_class("hvdnb-view")
+        self._sidecar: Any = None
+        self._want_side = False
+        self._stub: _Stub | None = None
+        self._idle = _kernel.IdleTimer(lambda: self.tick(False), 0.5)
+        self.render(force=True)
+
+    # -------------------------------------------------------------- display
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
+        if self._png:
+            bundle["image/png"] = base64.b64encode(self._png).decode("ascii")
+        bundle["text/plain"] = self.text()
+        return bundle
+
+    def text(self) -> str:
+        """The header and hint as plain text (what a terminal or a saved notebook reads)."""
+        head, _ = header_html(self.store)
+        return html.unescape(re.sub(r"<[^>]+>", "", head)) + "\n" + self.store.hint()
+
+    @property
+    def png(self) -> bytes:
+        """The last picture (``snapshot``), empty before the first."""
+        return self._png
+
+    def show(self, inline: bool = True) -> None:
+        """Display the panel in the current cell's output (``inline``), or beside the
+        notebook with a stand-in (button + picture) in the current cell's output."""
+        from IPython.display import display
+
+        obj: Any = self
+        if not inline:
+            self.open_side()
+            if self._stub is None:
+                self._stub = _Stub(self)
+            obj = self._stub
+        handle = display(obj, display_id=True)
+        if handle is not None:
+            self._handles.append((handle, obj))
+
+    def open_side(self) -> None:
+        """Open the panel beside the notebook (again: a closed tab comes back)."""
+        from sidecar import Sidecar
+
+        old, self._sidecar = self._sidecar, None
+        if old is not None:
+            try:
+                old.close()
+            except Exception:
+                pass
+        sc = Sidecar(title="hvdnb panel", anchor="split-right")
+        sc.append_display_data(self.box)
+        self._sidecar = sc
+
+    def want_side(self) -> None:
+        """Open the panel beside the notebook at the next tick (any thread)."""
+        self._want_side = True
+        if _kernel.kernel() is not None and self._subshell is None:
+            self.tick(False)  # no subshell: we are on the main thread already
+
+    def snapshot(self) -> None:
+        """Refresh the PNG kept in every displayed copy (what a saved notebook shows)."""
+        if not self._handles:
+            return
+        try:
+            self._png = render_png(
+                self.store, log_y=self.log_y.value, smoothing=self.smoothing.value
+            )
+        except Exception:  # a missing picture must not break the cell's end
+            return
+        for h, obj in self._handles:
+            try:
+                h.update(obj)
+            except Exception:
+                pass
+
+    # -------------------------------------------------------------- controls (any thread)
+    def request(self, values: dict[str, Any]) -> tuple[bool, str]:
+        """Ask for a knob change (validated by the store, scheduled by rank 0)."""
+        return self.controls.request(values)
+
+    def _invalidate(self) -> None:
+        self._drawn_version = -1  # redraw at the next tick
+
+    # -------------------------------------------------------------- drawing (main thread)
+    def tick(self, final: bool = False) -> None:
+        """Redraw if the store changed (at most every ``render_interval``); the cells'
+        wait hook calls it every ~50 ms and once with ``final=True`` when a cell ends."""
+        self.store.attach_current()
+        if self._want_side:  # the stand-in's button, pressed on the control thread
+            self._want_side = False
+            self.open_side()
+        now = time.monotonic()
+        if final:
+            self.render(force=True)
+            self.snapshot()
+            return
+        # a redraw may take most of this thread at 1,000 ranks: keep it under ~25 % of it
+        if now - self._last_render < max(self.render_interval, 3 * self._last_cost):
+            return
+        if self.store.version == self._drawn_version:
+            self._changed_at = 0.0
+            return
+        if not self._changed_at:
+            self._changed_at = now
+        # ranks in step flush within milliseconds of each other: one redraw for the round,
+        # not one per rank's message (each redraw takes the notebook's CPU, which on a
+        # small machine is the ranks' CPU); a rank that lags holds it back ``settle`` s
+        if now - self._changed_at < self.settle and not self._round_complete():
+            return
+        self.render()
+
+    def _round_complete(self) -> bool:
+        """Every rank heard from lately has sent a message since the last redraw."""
+        drawn = self._last_render_wall
+        recent = time.time() - 5.0
+        seen = [i.get("seen") or 0.0 for i in list(self.store.rank_info.values())]
+        return all(t > drawn for t in seen if t > recent)
+
+    def render(self, force: bool = False) -> bool:
+        """Draw now if anything changed; returns whether widgets were updated."""
+        with self._lock:
+            version = self.store.version
+            if version == self._drawn_version and not force:
+                return False
+            t0 = time.perf_counter()
+            self._drawn_version = version
+            self.controls.sync()
+            view = self._view_html()
+            if view != self.view.value:
+                with self.view.hold_sync():
+                    self.view.value = view
+            status = self.controls.status_html()
+            if status != self.knob_status.value:
+                self.knob_status.value = status
+            self._last_render = time.monotonic()
+            self._last_render_wall = time.time()
+            self._changed_at = 0.0
+            self.renders += 1
+            self._last_cost = time.perf_counter() - t0
+            self.render_seconds += self._last_cost
+            if self.measure_latency:
+                self._record_latency()
+            return True
+
+    def _record_latency(self) -> None:
+        now = time.time()
+        for r in self.store.ranks():
+            n = self.store.count("loss", r)
+            seen = self._seen_loss.get(r, 0)
+            if n > seen:
+                _, _, times = self.store.series("loss", r, last=n - seen)
+                self.latencies.extend(now - t for t in times)
+            self._seen_loss[r] = n
+
+    def _view_html(self) -> str:
+        head, prog = header_html(self.store)
+        if prog is not None:
+            head += (
+                f" <progress max='{prog[1]}' value='{min(prog[0], prog[1])}' "
+                "style='width:160px;vertical-align:middle'></progress>"
+            )
+        charts = charts_html(
+            self.store, log_y=self.log_y.value, alpha=self.smoothing.value, runs_x=self.cmp_x.value
+        )
+        hint = html.escape(self.store.hint()) if self.store.ranks() else ""
+        return (
+            f"<div class='hvdnb-header'>{head}</div>"
+            f"<div style='display:flex;flex-wrap:wrap;gap:6px'>{charts}</div>"
+            f"<div class='hvdnb-hint'><b>{hint}</b></div>{tables_html(self.store)}"
+        )
+
+    def close(self) -> None:
+        self._idle.stop()
+        if self._sidecar is not None:
+            self._sidecar.close()
+        self.box.close()
+
+
+class _Stub:
+    """What the ``%dist start`` cell shows when the panel is beside the notebook: a button
+    that brings the panel back, and the panel's last picture for saved notebooks."""
+
+    def __init__(self, panel: Panel) -> None:
+        import ipywidgets as w
+
+        self.panel = panel
+        self.button = w.Button(
+            description="show the panel",
+            icon="columns",
+            tooltip="open the live panel beside the notebook (again)",
+            layout=w.Layout(width="180px"),
+        )
+        self.button.add_class("hvdnb-show-panel")
+        self.button.on_click(self._on_click)
+        note = w.HTML(
+            "<span class='hvdnb-stub'>hvdnb: the live panel is open beside the "
+            "notebook. Not there? <code>%dist panel --inline</code> shows it "
+            "here.</span>"
+        )
+        self.box = w.HBox([self.button, note])
+        _kernel.route_comms([self.button], panel._subshell)
+
+    def _on_click(self, *_: Any) -> None:
+        self.panel.want_side()  # opened on the main thread (tick), never here
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
+        text = self.panel.text()
+        png = self.panel.png
+        img = (
+            f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/>"
+            if png
+            else ""
+        )
+        bundle["text/html"] = (
+            f"<div><b>hvdnb live panel</b> (last picture; the live panel "
+            f"opens beside the notebook)<pre>{html.escape(text)}</pre>"
+            f"{img}</div>"
+        )
+        if png:
+            bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        bundle["text/plain"] = text
+        return bundle
