@@ -32,8 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hvdnb.protocol import wire as channel
-from hvdnb.protocol.endpoint import outgoing
-from hvdnb.protocol.kinds import Kind
+from hvdnb.protocol.kinds import Kind, outgoing
 from hvdnb.rank.metrics.recorder import Recorder
 
 OUT = Path(__file__).parent / "results" / "channel.json"

@@ -310,12 +310,13 @@ def hot_path_cost() -> dict:
     for the wire (``hvdnb.protocol.wire.encode``: JSON, binary columns, signature)."""
     import timeit
 
+    from hvdnb.protocol.kinds import Kind, outgoing
     from hvdnb.protocol.wire import encode
     from hvdnb.rank.metrics.recorder import Recorder
 
     class Sink:
-        def send(self, kind: str, **payload: object) -> None:
-            encode(b"k" * 32, {"kind": kind, "rank": 0, **payload})
+        def send(self, kind: Kind, **payload: object) -> None:
+            encode(b"k" * 32, {**outgoing(kind, dict(payload)), "rank": 0})
 
     rec = Recorder(0, Sink(), flush_interval=100.0)
     rec._ensure_flusher = lambda: None  # type: ignore[method-assign]

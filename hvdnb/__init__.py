@@ -30,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 from hvdnb import metrics  # a callable module: hvdnb.metrics() returns every point as rows
 from hvdnb.config import Config, get_config
+from hvdnb.rank.metrics.ddp import ddp_comm_hook
 from hvdnb.rank.metrics.knobs import knobs
-from hvdnb.rank.metrics.recorder import ddp_comm_hook, log, phase
+from hvdnb.rank.metrics.recorder import log, phase
 from hvdnb.rank.state import State
 
 if TYPE_CHECKING:
     from hvdnb.notebook.cells import CellResult, DistributedCellError, run_cell
-    from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError, current
+    from hvdnb.notebook.cluster.lifecycle import Cluster, current
+    from hvdnb.notebook.cluster.spec import ClusterError
     from hvdnb.notebook.metrics.store import set_knobs
 
 __version__ = "0.1.0"
@@ -67,7 +69,7 @@ _LAZY = {
     "DistributedCellError": "hvdnb.notebook.cells",
     "run_cell": "hvdnb.notebook.cells",
     "Cluster": "hvdnb.notebook.cluster.lifecycle",
-    "ClusterError": "hvdnb.notebook.cluster.lifecycle",
+    "ClusterError": "hvdnb.notebook.cluster.spec",
     "current": "hvdnb.notebook.cluster.lifecycle",
     "set_knobs": "hvdnb.notebook.metrics.store",
 }

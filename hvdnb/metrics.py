@@ -17,8 +17,9 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from hvdnb.rank.metrics.ddp import ddp_comm_hook
 from hvdnb.rank.metrics.knobs import Knobs, knobs
-from hvdnb.rank.metrics.recorder import ddp_comm_hook, get_recorder, log, phase, set_enabled
+from hvdnb.rank.metrics.recorder import get_recorder, log, phase, set_enabled
 
 if TYPE_CHECKING:
     from hvdnb.notebook.metrics.store import (

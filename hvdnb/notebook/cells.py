@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvdnb.config import get_config
+from hvdnb.notebook.cluster import health
 from hvdnb.notebook.output import OutputCollapser, format_ranks
 from hvdnb.notebook.stall import StallWatch
 from hvdnb.protocol import kinds
@@ -355,15 +356,8 @@ def run_cell(
 
 def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int], bool, Any, float]:
     """Check the ranks, start the cell on them (apply_async) and begin its run in the store."""
-    cluster._check_alive()
-    dead = cluster.dead_ranks()
-    if dead:
-        from hvdnb.notebook.cluster.lifecycle import ClusterError
-
-        raise ClusterError(
-            f"rank(s) {format_ranks(dead)} of {cluster.n} are gone, so collectives would hang: "
-            "run `%dist restart` first"
-        )
+    cluster.check_alive()
+    health.require_all_ranks(cluster)
     ranks = parse_targets(targets, range(cluster.n))
     everyone = ranks == sorted(cluster.client.ids)
     cluster.cell_no += 1
@@ -474,7 +468,7 @@ def _wait_cell(
                     _interrupt(cluster, [r for r in ranks if r not in done])
                 if interrupted_at is not None and now - interrupted_at > 2.0:
                     stuck = [r for r in ranks if r not in done]
-                    cluster._check_alive()
+                    cluster.check_alive()
                     note = (
                         f"{note + '; ' if note else ''}rank(s) {format_ranks(stuck)} did not stop "
                         "within 2 s of an interrupt"
@@ -488,7 +482,7 @@ def _wait_cell(
                         }
                     break
                 if failed_at is None and interrupted_at is None:
-                    cluster._check_alive()
+                    cluster.check_alive()
                     watch.tick(done)
             except KeyboardInterrupt:
                 note = "interrupted from the notebook"
@@ -520,14 +514,10 @@ def _wait_cell(
         ExportCell(cell_no, code, None if everyone else list(ranks), not result.errors)
     )
     if result.errors:
-        dead = cluster.dead_ranks()
+        died = health.died_note(cluster)
         stuck = [r for r, e in result.errors.items() if e.get("ename") == "Unresponsive"]
-        if dead:
-            extra = (
-                f"rank(s) {format_ranks(dead)} died: run `%dist restart` to get all "
-                f"{cluster.n} ranks back (an hvdnb.State you committed is restored)"
-            )
-            note = f"{note}; {extra}" if note else extra
+        if died:
+            note = f"{note}; {died}" if note else died
         elif stuck:
             note = _escalate(cluster, stuck, note)
         else:
@@ -551,20 +541,7 @@ def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> 
             ename = getattr(exc, "ename", None) or type(exc).__name__
             evalue = getattr(exc, "evalue", None) or str(exc)
         if ename == "EngineError":  # the engine process is gone: say so, not ipyparallel's stack
-            why = (
-                "died or became unreachable (the controller stopped hearing from it: its "
-                "host may be down or cut off the network)"
-                if getattr(cluster, "multi_host", False)
-                else "died while running this cell (killed by a signal, for example out of memory)"
-            )
-            result.errors[rank] = {
-                "ename": "RankDied",
-                "evalue": f"rank {rank} {why}",
-                "traceback": "",
-                "dead": True,
-            }
-            if cluster is not None and hasattr(cluster, "death_notes"):
-                cluster.death_notes[rank] = f"died in cell {result.cell} ({why.split(' (')[0]})"
+            result.errors[rank] = health.rank_died(cluster, rank, result.cell)
             return
         result.errors[rank] = {
             "ename": ename,

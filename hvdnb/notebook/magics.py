@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from hvdnb.notebook import cells
+from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
 from hvdnb.notebook.output import format_ranks
 from hvdnb.protocol.remote import DEBUG_COMMAND
@@ -284,11 +285,9 @@ class DistMagics(Magics):
                 "no failed cell to debug: %dist debug opens pdb where a "
                 "%%distributed cell raised (its frames are kept until the next cell)"
             )
-        if rank in c.dead_ranks():
-            raise UsageError(
-                f"rank {rank} is dead, and its frames with it: `%dist status` "
-                "says what is known, `%dist restart` brings the ranks back"
-            )
+        refused = health.debug_refusal(c, rank)
+        if refused:
+            raise UsageError(refused)
 
         def send(line: str | None) -> dict[str, Any]:
             try:
@@ -395,26 +394,9 @@ class DistMagics(Magics):
             print("hvdnb: no cluster is running; `%dist start -n 2` starts one")
             return
         try:
-            rows = c.status()
+            print(health.status_report(c))
         except _cluster.ClusterError as exc:
             raise _usage(exc) from None
-        print(_table(rows))
-        dead = [r["rank"] for r in rows if str(r.get("state", "")).startswith("dead")]
-        if dead:
-            gone = c.launcher_exit()
-            print(
-                f"rank(s) {format_ranks(dead)} dead"
-                + (f"; {gone}" if gone else "")
-                + ": `%dist restart` starts all ranks afresh (an hvdnb.State you committed "
-                "is restored)"
-            )
-        hosts: dict[str, list[int]] = {}
-        for r in rows:
-            hosts.setdefault(str(r.get("host", "?")), []).append(r["rank"])
-        if len(hosts) > 1:
-            print(
-                "hosts: " + "; ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in hosts.items())
-            )
 
     @cell_magic
     @magic_arguments()
@@ -514,11 +496,3 @@ def _show_panel(c: Any) -> None:
         show_panel(c, only_with_frontend=True)
     except Exception as exc:  # the cluster is up: a panel problem must not hide that
         print(f"hvdnb: the live panel is unavailable ({type(exc).__name__}: {exc})")
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    cols = ["rank", "host", "pid", "device", "backend", "state", "last cell"]
-    cells_ = [[str(r.get(k, "")) for k in cols] for r in rows]
-    widths = [max(len(k), *(len(row[i]) for row in cells_)) for i, k in enumerate(cols)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*cols)] + [fmt.format(*row) for row in cells_])

@@ -10,13 +10,18 @@ was ended from outside or by ``os._exit`` (a SIGKILL is what the out-of-memory k
 Known gap: the exact signal or exit code is not shown. The ranks are children of MPICH's
 launcher, not of the notebook, and the launcher does not report them to us.
 
-Owns: reading and formatting those. Never: talk to the ranks (a dead one cannot answer).
+Owns: reading and formatting those; which ranks are dead and what is noted of their death
+is ``hvdnb.notebook.cluster.health``'s to say. Never: talk to the ranks (a dead one cannot
+answer).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from hvdnb.notebook.cluster import health
+from hvdnb.notebook.metrics.store import get_store
 
 __all__ = ["format_logs", "rank_log"]
 
@@ -51,9 +56,7 @@ def _fatal_dump(log: list[str]) -> list[str]:
 
 def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
     """The ``%dist logs`` report for ``ranks``."""
-    from hvdnb.notebook.metrics.store import get_store
-
-    dead = set(cluster.dead_ranks()) if cluster.running else set(range(cluster.n))
+    dead = health.gone_ranks(cluster)
     info = get_store().rank_info
     out = []
     for r in ranks:
@@ -76,20 +79,5 @@ def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
             out += log[-lines:] if lines else []
         if not log:
             out.append("(its log is empty)")
-        note = cluster.death_notes.get(r)
-        if note:
-            out.append(f"notebook: rank {r} {note}")
-        if r in dead:
-            tail = "\n".join(log)
-            if "Fatal Python error" in tail:
-                out.append(
-                    f"notebook: rank {r} crashed on a fatal signal: its Python stack is "
-                    "in the log above"
-                )
-            elif "Traceback (most recent call last)" not in tail:
-                out.append(
-                    f"notebook: rank {r} left no Python traceback: it was ended from "
-                    "outside (SIGKILL, as the out-of-memory killer sends, or its job "
-                    "was cancelled) or called os._exit; MPI then ends the other ranks"
-                )
+        out += health.log_notes(cluster, r, log, r in dead)
     return "\n".join(out)

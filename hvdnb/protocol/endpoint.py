@@ -19,9 +19,9 @@ from typing import Any
 
 import zmq
 
-from hvdnb.protocol.kinds import Kind, ProtocolError, check
+from hvdnb.protocol.kinds import Kind, ProtocolError, check, kind_name, outgoing
 
-__all__ = ["Endpoint", "Handler"]
+__all__ = ["Endpoint", "Handler", "outgoing"]
 
 log = logging.getLogger("hvdnb.channel")
 
@@ -68,11 +68,11 @@ class Endpoint:
     # -------------------------------------------------------------- public
     def on(self, kind: Kind, handler: Handler) -> None:
         """Call ``handler(msg)`` (on the I/O thread) for each message of ``kind``."""
-        self._handlers.setdefault(_name(kind), []).append(handler)
+        self._handlers.setdefault(kind_name(kind), []).append(handler)
 
     def off(self, kind: Kind, handler: Handler) -> None:
         try:
-            self._handlers.get(_name(kind), []).remove(handler)
+            self._handlers.get(kind_name(kind), []).remove(handler)
         except ValueError:
             pass
 
@@ -142,16 +142,3 @@ class Endpoint:
         finally:
             self._sock.close()
             self._wake_recv.close(0)
-
-
-def _name(kind: Kind) -> str:
-    if not isinstance(kind, Kind):
-        raise TypeError(f"channel kinds are hvdnb.protocol.kinds constants, not {kind!r}")
-    return kind.name
-
-
-def outgoing(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
-    """The message to send: ``kind`` checked against its fields, then the payload."""
-    _name(kind)
-    kind.check(payload)
-    return {"kind": kind.name, **payload}

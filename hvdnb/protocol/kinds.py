@@ -39,7 +39,9 @@ __all__ = [
     "Kind",
     "ProtocolError",
     "check",
+    "kind_name",
     "lookup",
+    "outgoing",
     "register",
 ]
 
@@ -174,3 +176,17 @@ def check(msg: Mapping[str, Any]) -> Kind:
     kind = lookup(msg.get("kind"))
     kind.check(msg)
     return kind
+
+
+def kind_name(kind: Kind) -> str:
+    """``kind``'s wire name; ``TypeError`` for anything but a ``Kind`` (a bare string)."""
+    if not isinstance(kind, Kind):
+        raise TypeError(f"channel kinds are hvdnb.protocol.kinds constants, not {kind!r}")
+    return kind.name
+
+
+def outgoing(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
+    """The message to send: ``kind`` checked against its fields, then the payload."""
+    kind_name(kind)
+    kind.check(payload)
+    return {"kind": kind.name, **payload}

@@ -268,7 +268,8 @@ def where() -> dict[str, Any]:
     blocked in that very collective)."""
     import threading
 
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    main_id = threading.main_thread().ident
+    frame = sys._current_frames().get(main_id) if main_id is not None else None
     stack = traceback.extract_stack(frame) if frame is not None else []
     user_i = None
     for i, fr in enumerate(stack):
@@ -434,8 +435,8 @@ def _breakpoint(*args: Any, **kwargs: Any) -> None:
     io = _ChannelPdbIO(ch)
     # skip this runner and the engine's machinery: `next` past the cell's end resumes it
     p = pdb.Pdb(
-        stdin=io,
-        stdout=io,
+        stdin=io,  # type: ignore[arg-type]  # readline/write/flush: all pdb uses of a stream
+        stdout=io,  # type: ignore[arg-type]
         nosigint=True,
         skip=[
             "kernels_ext.*",
@@ -463,7 +464,9 @@ def _progress() -> list[Any]:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            out[0] = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+            group = dist.distributed_c10d._get_default_group()
+            # torch's own count of collectives on the group (private in torch 2.x, no stub)
+            out[0] = group._get_sequence_number_for_group()  # type: ignore[attr-defined]
     except Exception:
         pass
     transport = sys.modules.get("hvdnb.torch.transport")
@@ -528,7 +531,9 @@ def _compile_cell(code: str, filename: str) -> tuple[Any, Any]:
     tree = ast.parse(code, filename=filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        expr = tree.body.pop()
+        assert isinstance(expr, ast.Expr)
+        last = ast.Expression(expr.value)
     body = compile(tree, filename, "exec")
     tail = compile(last, filename, "eval") if last is not None else None
     return body, tail

@@ -21,8 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hvdnb.protocol.endpoint import outgoing
-from hvdnb.protocol.kinds import Kind
+from hvdnb.protocol.kinds import Kind, outgoing
 
 __all__ = ["JsonlChannel", "init", "rank", "size"]
 

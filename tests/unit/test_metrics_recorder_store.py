@@ -10,7 +10,7 @@ import pytest
 
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.protocol import kinds
-from hvdnb.protocol.endpoint import outgoing
+from hvdnb.protocol.kinds import outgoing
 from hvdnb.protocol.wire import decode, encode
 from hvdnb.rank.metrics import knobs as kn
 from hvdnb.rank.metrics.recorder import Recorder
@@ -361,7 +361,7 @@ def test_thinned_views_are_the_full_views_sampled_and_read_only_the_tail():
     """What the live charts draw (``points=`` / ``thinned`` / ``last=``) equals the full
     view sampled at ``thin_indices``, also when a rank's first message for some steps
     comes after later steps (the run curve stays in step order)."""
-    from hvdnb.notebook.metrics.store import thin_indices
+    from hvdnb.notebook.metrics.points import thin_indices
 
     st = MetricsStore()
     st.on_spec({"spec": kn.make_spec({"batch_size": 32})})
@@ -427,7 +427,7 @@ def test_irregular_rows_wrapping_the_ring_pack_like_row_by_row():
 
 
 def test_pack_fast_path_and_general_path_agree():
-    from hvdnb.rank.metrics.recorder import _columns
+    from hvdnb.rank.metrics.ring import _columns
 
     names = ["a", "b", "c"]
     nids = array("i", [0, 1, 2] * 5 + [0, 1])  # a flush in the middle of a step
@@ -748,9 +748,10 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
     registered = []
     clock = [100.0]
     import hvdnb.rank.metrics.recorder as recmod
+    import hvdnb.rank.metrics.ring as ringmod
 
     real = recmod._perf_counter
-    recmod._perf_counter = lambda: clock[0]
+    recmod._perf_counter = ringmod._perf_counter = lambda: clock[0]
     try:
         for step in range(200):
             registered.append((rec.cur_step, rec._on_comm in listeners))
@@ -759,7 +760,7 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
             clock[0] += 0.001  # 1 ms steps
             rec.log(step, 0.5)
     finally:
-        recmod._perf_counter = real
+        recmod._perf_counter = ringmod._perf_counter = real
     rec._try_drain()
     assert rec.comm_every == 8  # 8 ms / 1 ms
     late = [(s, on) for s, on in registered if s >= 50]  # once the step time is known
@@ -795,9 +796,10 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
     rec._time_comm(True)
     clock = [100.0]
     import hvdnb.rank.metrics.recorder as recmod
+    import hvdnb.rank.metrics.ring as ringmod
 
     real = recmod._perf_counter
-    recmod._perf_counter = lambda: clock[0]
+    recmod._perf_counter = ringmod._perf_counter = lambda: clock[0]
     timed: list[int] = []
     try:
 
@@ -824,7 +826,7 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
         assert rec.comm_every == 8
         assert [s for s in timed if s >= 100] == list(range(104, 600, 8))
     finally:
-        recmod._perf_counter = real
+        recmod._perf_counter = ringmod._perf_counter = real
 
 
 def _rows(rec: Recorder) -> list[tuple[int, str, float]]:
@@ -923,6 +925,7 @@ def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, d
     the step-time estimate, the loop start, the sampling grid and what the message
     carries are those of writing them one by one."""
     import hvdnb.rank.metrics.recorder as recmod
+    import hvdnb.rank.metrics.ring as ringmod
 
     got = []
     runs: list[bool] = []
@@ -934,11 +937,12 @@ def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, d
         return r
 
     monkeypatch.setattr(Recorder, "_drain_run", spy)
-    run_min0 = recmod._RUN_MIN
+    run_min0 = ringmod._RUN_MIN
     for run_min in (run_min0, 10**9):  # numpy, then one by one
-        monkeypatch.setattr(recmod, "_RUN_MIN", run_min)
+        monkeypatch.setattr(ringmod, "_RUN_MIN", run_min)
         clock = [100.0]
         monkeypatch.setattr(recmod, "_perf_counter", lambda: clock[0])
+        monkeypatch.setattr(ringmod, "_perf_counter", lambda: clock[0])
         monkeypatch.setattr(recmod.time, "time", lambda: clock[0] + 1e9)
         rec = Recorder(0, None, flush_interval=0.25, capacity=1 << 12, comm_interval=0.008)
         _feed(rec, clock, drain_every)
@@ -972,9 +976,11 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
     messages on different steps stall the pair twice. Sends are put on a grid of steps
     (a power of two, ~1/16 of an interval): both ranks send on the same step."""
     import hvdnb.rank.metrics.recorder as recmod
+    import hvdnb.rank.metrics.ring as ringmod
 
     clock = [0.0]
     monkeypatch.setattr(recmod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(ringmod, "_perf_counter", lambda: clock[0])
     monkeypatch.setattr(recmod.time, "perf_counter", lambda: clock[0])
     sent: dict[int, list[int]] = {0: [], 1: []}
     recs = []
@@ -1003,8 +1009,8 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
 
 
 def test_columns_grouped_with_numpy_equal_columns_grouped_row_by_row(monkeypatch):
-    import hvdnb.rank.metrics.recorder as recmod
-    from hvdnb.rank.metrics.recorder import _columns
+    import hvdnb.rank.metrics.ring as ringmod
+    from hvdnb.rank.metrics.ring import _columns
 
     names = ["time/step", "loss", "samples", "comm/b/time", "comm/b/exposed", "comm/b/bytes"]
     ids: list[int] = []
@@ -1015,7 +1021,7 @@ def test_columns_grouped_with_numpy_equal_columns_grouped_row_by_row(monkeypatch
     times = array("d", [0.5 * s for s in steps])
     vals = array("d", [s * 0.25 for s in steps])
     fast = _columns(steps, times, nids, vals, names)
-    monkeypatch.setattr(recmod, "_GROUP_NP", 10**9)
+    monkeypatch.setattr(ringmod, "_GROUP_NP", 10**9)
     slow = _columns(steps, times, nids, vals, names)
     assert list(fast) == list(slow) == names  # in the order names first appear
     for name in names:

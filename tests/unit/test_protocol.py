@@ -10,7 +10,7 @@ import pytest
 
 from hvdnb.notebook.channel import ClientChannel
 from hvdnb.protocol import kinds
-from hvdnb.protocol.endpoint import outgoing
+from hvdnb.protocol.kinds import outgoing
 from hvdnb.protocol.knobs import KnobTextError, make_spec, parse, validate
 from hvdnb.protocol.remote import RUN_CELL, RemoteCall
 from hvdnb.protocol.wire import encode

@@ -1,2 +1,2 @@
-"""The cluster of engines the notebook drives: start options, launch, lifecycle, side
-channel relay, health."""
+"""The cluster of engines the notebook drives: start options (``spec``), launch, lifecycle,
+side channel relay (``hub``), health, and which cluster is current (``registry``)."""

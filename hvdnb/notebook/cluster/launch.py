@@ -1,14 +1,15 @@
-"""What a cluster is launched with: this host's cores and GPUs, the MPI launcher,
-hostfiles, and the ipyparallel configuration of an hvdnb ``Cluster``.
+"""What a cluster is launched with: the MPI launcher and the ipyparallel configuration of an
+hvdnb cluster.
 
 Owns: probes without side effects (no torch import, no CUDA initialisation, no process
-started), and turning a validated ``Cluster`` into an ``ipyparallel.Cluster`` that is
-configured but not started: controller flags (heartbeat), the engine command
-(``python -m hvdnb.rank.engine``) and its flags, the engines' environment (loopback
+started), and turning a checked ``StartSpec`` (``spec.py``) into an ``ipyparallel.Cluster``
+that is configured but not started: controller flags (heartbeat), the engine command
+(``python -m kernels_ext.engine``) and its flags, the engines' environment (loopback
 transports on one host, the side channel, the state directory), ``mpiexec`` or Slurm's
 sbatch script.
 
-Never: start or stop processes (``cluster.py`` does), choose fixed ports, or import torch.
+Never: start or stop processes (``lifecycle.py`` does), choose fixed ports, import torch,
+or know the ``Cluster`` object (it is given the spec and the few run-time facts it needs).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hvdnb.config import get_config
-
-
-if TYPE_CHECKING:
-    from hvdnb.notebook.cluster.lifecycle import Cluster
+from hvdnb.notebook.cluster.spec import ClusterError, StartSpec, hostfile_hosts, hostfile_slots
 
 __all__ = [
     "ClusterError",
@@ -39,12 +37,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("hvdnb")
-_ipp_log = logging.getLogger("hvdnb.ipyparallel")
+#: ipyparallel's own logger (``hvdnb.ipyparallel``): only its errors
+_ipp_log = log.getChild("ipyparallel")
 _ipp_log.setLevel(logging.ERROR)
-
-
-class ClusterError(RuntimeError):
-    """A cluster could not be started, reached or stopped; the message says what to do."""
 
 
 def find_mpiexec(local: bool = False) -> str:
@@ -97,49 +92,21 @@ def transient_mpi_init_failure(exc: BaseException, multi_host: bool) -> bool:
     return not multi_host and isinstance(exc, ClusterError) and "internal_Init_thread" in str(exc)
 
 
-def hostfile_slots(path: str) -> int:
-    """Ranks an MPI hostfile holds: ``host:4`` or ``host slots=4`` count 4, a bare host 1."""
-    total = 0
-    for line in Path(path).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        head, *rest = line.split()
-        slots = 1
-        if ":" in head:
-            slots = int(head.split(":", 1)[1] or 1)
-        for word in rest:
-            if word.startswith("slots="):
-                slots = int(word.split("=", 1)[1])
-        total += max(slots, 1)
-    return total
-
-
-def hostfile_hosts(path: str) -> list[str]:
-    """Host names of an MPI hostfile (``host[:slots]`` or ``host slots=N`` per line)."""
-    hosts = []
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            hosts.append(line.split()[0].split(":")[0])
-    return hosts
-
-
-def make_ipp(self: Cluster) -> Any:
-    """An ``ipyparallel.Cluster`` configured for ``self`` (an hvdnb Cluster), not started."""
+def make_ipp(
+    spec: StartSpec, cluster_id: str, channel_endpoint: str | None, state_dir: str | None
+) -> Any:
+    """An ``ipyparallel.Cluster`` configured for ``spec`` (a cluster's checked options) under
+    ``cluster_id``, not started; its ranks connect their side channel to
+    ``channel_endpoint`` and keep ``hvdnb.State`` commits in ``state_dir``."""
     import ipyparallel as ipp
 
     cfg = get_config()
-    local = not self.multi_host
-    env = {"HVDNB_BACKEND": self.backend or "", **self.engine_env}
-    if self.channel is not None:
-        env["HVDNB_CHANNEL"] = self.channel_endpoint
-    if self.state_dir is not None:
-        env["HVDNB_STATE_DIR"] = self.state_dir
+    local = not spec.multi_host
+    env = {"HVDNB_BACKEND": spec.backend or "", **spec.engine_env}
+    if channel_endpoint is not None:
+        env["HVDNB_CHANNEL"] = channel_endpoint
+    if state_dir is not None:
+        env["HVDNB_STATE_DIR"] = state_dir
     if local:
         # keep every transport on loopback: MPICH's UCX netmod and gloo's pairs would
         # otherwise listen on the host's public address
@@ -148,10 +115,10 @@ def make_ipp(self: Cluster) -> Any:
     env["PYTHONUNBUFFERED"] = "1"
     engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
     c = ipp.Cluster(
-        engines=self.launcher,
-        n=self.n,
-        cluster_id=self.cluster_id,
-        controller_ip=self.ip,
+        engines=spec.launcher,
+        n=spec.n,
+        cluster_id=cluster_id,
+        controller_ip=spec.ip,
         controller_args=[
             f"--HeartMonitor.period={cfg.heartbeat_ms}",
             # a fast heartbeat for start-up, but no less patience than 3 s before an
@@ -164,40 +131,40 @@ def make_ipp(self: Cluster) -> Any:
         # our own logger: ipyparallel's default writes to the sys.stdout of the moment
         # (a closed capture later), and what it would say we report ourselves
         log=_ipp_log,
-        engine_timeout=self.timeout,
+        engine_timeout=spec.timeout,
     )
     launcher_cls = c.engine_launcher_class.__name__
     c.config[launcher_cls].engine_cmd = engine_cmd
     c.config[launcher_cls].engine_args = [
-        f"--IPEngine.wait_for_url_file={self.timeout}",
+        f"--IPEngine.wait_for_url_file={spec.timeout}",
         "--log-level=WARN",
         # ipykernel's OutStream minus the cross-thread waits of empty flushes
         "--IPEngine.out_stream_factory=hvdnb.rank.iostream.OutStream",
     ]
     # ranks that rendezvous through the notebook read the session key from here
     env["HVDNB_ENGINE_FILE"] = os.path.join(
-        c.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json"
+        c.profile_dir, "security", f"ipcontroller-{cluster_id}-engine.json"
     )
     c.config[launcher_cls].environment = env
-    if self.launcher == "mpi":
-        hostfile = self.hosts is not None or any(
-            "host" in str(a) for a in self.launcher_config.get("mpi_args", [])
+    if spec.launcher == "mpi":
+        hostfile = spec.hosts is not None or any(
+            "host" in str(a) for a in spec.launcher_config.get("mpi_args", [])
         )
         c.config.MPILauncher.mpi_cmd = [find_mpiexec(local=not hostfile)]
-        if self.hosts:
-            c.config.MPILauncher.mpi_args = ["-f", self.hosts]
-    if self.launcher == "slurm":
+        if spec.hosts:
+            c.config.MPILauncher.mpi_args = ["-f", spec.hosts]
+    if spec.launcher == "slurm":
         # script and job output beside the connection files, not in the notebook's cwd
-        base = os.path.join(c.profile_dir, "log", f"ipengine-{self.cluster_id}-slurm")
+        base = os.path.join(c.profile_dir, "log", f"ipengine-{cluster_id}-slurm")
         c.config[launcher_cls].batch_file_name = base + ".sbatch"
         c.config[launcher_cls].output_file = base + ".out"
-        c.config[launcher_cls].batch_template = sbatch_template(self, base + ".out")
-    for k, v in self.launcher_config.items():
+        c.config[launcher_cls].batch_template = sbatch_template(spec, base + ".out")
+    for k, v in spec.launcher_config.items():
         c.config[launcher_cls][k] = v
     return c
 
 
-def sbatch_template(self: Cluster, output: str) -> str:
+def sbatch_template(spec: StartSpec, output: str) -> str:
     """The engines' sbatch script: ipyparallel fills ``{n}``, ``{cluster_id}`` and
     ``{program_and_args}``; ``srun`` starts one engine per task."""
     lines = [
@@ -207,20 +174,20 @@ def sbatch_template(self: Cluster, output: str) -> str:
         "#SBATCH --ntasks={n}",
         f"#SBATCH --output={output}",
     ]
-    for k, v in self.slurm.items():
+    for k, v in spec.slurm.items():
         if v not in (None, ""):
             lines.append(f"#SBATCH --{k}={v}")
-    lines += [f"#SBATCH {a}" for a in self.sbatch_args]
+    lines += [f"#SBATCH {a}" for a in spec.sbatch_args]
     lines.append("srun {program_and_args}")
     return "\n".join(lines) + "\n"
 
 
-def engine_set_env(self: Cluster, i: int, base: int) -> dict[str, str]:
+def engine_set_env(spec: StartSpec, i: int, base: int) -> dict[str, str]:
     """What tells the ranks of engine set ``i`` their global numbers."""
-    assert self.engine_sets is not None
+    assert spec.engine_sets is not None
     return {
         "HVDNB_RANK_BASE": str(base),
-        "HVDNB_WORLD_SIZE": str(self.n),
+        "HVDNB_WORLD_SIZE": str(spec.n),
         "HVDNB_CROSS_RANK": str(i),
-        "HVDNB_CROSS_SIZE": str(len(self.engine_sets)),
+        "HVDNB_CROSS_SIZE": str(len(spec.engine_sets)),
     }

@@ -1,12 +1,14 @@
-"""Start, watch and stop a cluster of ipyparallel engines under MPI, ready to train.
+"""Start, stop and restart a cluster of ipyparallel engines under MPI, ready to train.
 
 Owns: the life of the ``ipyparallel.Cluster`` (controller + engines) that ``launch.py``
-configures: input validation, starting engines and controller together (so the engines'
-``import torch`` overlaps the controller's start-up), connecting, watching the ranks, and
+configures from the checked options (``spec.py``): starting engines and controller together
+(so the engines' ``import torch`` overlaps the controller's start-up), connecting, and
 clean stops (engines first, then the controller: 0.2 s instead of ipyparallel's 3.5 s)
 that leave no process or file behind, even when the notebook is killed (a watchdog).
 Every ipyparallel coroutine runs on one private event-loop thread so that launcher
-callbacks (an engine set exiting) keep working.
+callbacks (an engine set exiting) keep working. On a start the cluster opens its side
+channel (``hub.py``), feeds the notebook's metrics store from it and becomes the current
+cluster (``registry.py``); whether its ranks are alive is ``health.py``'s to tell.
 
 Across hosts (``launcher="slurm"``/``"ssh"``/..., ``hosts=HOSTFILE`` for one MPI job over
 several hosts under hydra, or ``engine_sets=[...]`` for one engine set per host): the
@@ -27,43 +29,35 @@ import asyncio
 import atexit
 import logging
 import os
-import re
 import shutil
-import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any
 
-from hvdnb.config import get_config
-from hvdnb.notebook.cluster import launch
-from hvdnb.host import cores, gpu_count, route_addr
-from hvdnb.notebook.cluster.launch import ClusterError, find_mpiexec
-from hvdnb.protocol import kinds
-from hvdnb.protocol.remote import ENGINE_INFO
+from hvdnb.host import cores, gpu_count
+from hvdnb.notebook.cluster import health, launch, registry, spec
+from hvdnb.notebook.cluster.hub import Hub
+from hvdnb.notebook.cluster.launch import find_mpiexec
+from hvdnb.notebook.cluster.spec import ClusterError, StartSpec
+from hvdnb.notebook.cluster.watchdog import remove_files
+from hvdnb.notebook.metrics import store
 
 __all__ = ["Cluster", "ClusterError", "cores", "current", "find_mpiexec", "gpu_count"]
 
 log = logging.getLogger("hvdnb")
-#: engine output lines that only bury the message: C++ frames, ipengine start-up chatter
-_NOISE = re.compile(
-    r"^(frame #\d+:|<omitting python frames>|Exception raised from |.*\[IPEngine\] WARNING"
-    r"|.*WARNING \| (Not using CurveZMQ|debugpy_stream)|.*\[KernelNanny)"
-)
-
-#: launchers that start engines on this host only (controller stays on loopback)
-_LOCAL_LAUNCHERS = {"mpi", "local"}
 _ALL: weakref.WeakSet[Cluster] = weakref.WeakSet()
-_CURRENT: Cluster | None = None
 
 
 def current() -> Cluster | None:
     """The cluster that ``%dist`` and ``%%distributed`` act on (None before ``%dist start``)."""
-    return _CURRENT
+    c: Cluster | None = registry.current()
+    return c
 
 
 class _LoopThread:
@@ -144,163 +138,119 @@ class Cluster:
         account: str | None = None,
         sbatch_args: list[str] | None = None,
     ) -> None:
-        cfg = get_config()
-        if not isinstance(launcher, str) or not launcher:
-            raise ClusterError(
-                f"launcher must be a name such as 'mpi' or 'slurm', not {launcher!r}"
-            )
-        self.launcher = launcher.lower()
-        self.hosts = self._check_hostfile(hosts) if hosts else None
-        self.engine_sets = self._check_sets(engine_sets, n) if engine_sets else None
-        if self.hosts and self.launcher != "mpi":
-            raise ClusterError(
-                f"a hostfile runs one MPI job across hosts: use it with --launcher mpi, not "
-                f"{self.launcher!r} (Slurm chooses the hosts itself)"
-            )
-        if self.engine_sets is not None:
-            n = sum(int(es["n"]) for es in self.engine_sets)
-        if self.hosts and n is None:
-            n = launch.hostfile_slots(self.hosts)  # mpiexec -f fills the slots in order
-        #: ranks may run on other hosts: listen on a reachable address, pin nothing to lo
-        self.multi_host = bool(
-            self.launcher not in _LOCAL_LAUNCHERS or self.hosts or self.engine_sets
+        #: the checked start options (``n``, ``launcher``, ``backend``... read through them)
+        self.spec: StartSpec = spec.check(
+            n,
+            backend=backend,
+            launcher=launcher,
+            timeout=timeout,
+            oversubscribe=oversubscribe,
+            engine_env=engine_env,
+            launcher_config=launcher_config,
+            hosts=hosts,
+            engine_sets=engine_sets,
+            ip=ip,
+            partition=partition,
+            time_limit=time_limit,
+            gpus_per_node=gpus_per_node,
+            account=account,
+            sbatch_args=sbatch_args,
         )
-        self.slurm = {
-            "partition": partition,
-            "time": time_limit,
-            "gpus-per-node": gpus_per_node,
-            "account": account,
-        }
-        self.sbatch_args = list(sbatch_args or [])
-        if self.launcher != "slurm" and (any(self.slurm.values()) or self.sbatch_args):
-            raise ClusterError(
-                "--partition, --time, --gpus-per-node, --account and sbatch arguments are "
-                "Slurm options: add `--launcher slurm`"
-            )
-        gpus = gpu_count()
-        self.n = self._check_n(n, oversubscribe or bool(cfg.oversubscribe) or self.multi_host, gpus)
-        if backend not in (None, "auto", "gloo", "nccl", "mpi"):
-            raise ClusterError(
-                f"unknown backend {backend!r}: use gloo (CPU), nccl (GPU), mpi, or leave it "
-                "out for automatic"
-            )
-        self.backend = None if backend == "auto" else backend
-        if self.backend == "nccl" and not self.multi_host and 0 < gpus < self.n:
-            raise ClusterError(
-                f"--backend nccl needs one GPU per rank, and {self.n} ranks would share this "
-                f"host's {gpus} GPU(s): NCCL refuses two ranks on one GPU. Use `-n {gpus}`, or "
-                "leave --backend out (ranks that share a GPU use gloo)."
-            )
-        if timeout is not None and not timeout > 0:
-            raise ClusterError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        self.timeout = float(timeout or cfg.start_timeout)
-        self.engine_env = dict(engine_env or {})
-        self.launcher_config = dict(launcher_config or {})
-        self.ip = self._listen_ip(ip, cfg.ip)
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.client: Any = None
         self.view: Any = None
         self.channel: Any = None
         self.channel_endpoint = ""
+        #: rank -> the host it said it runs on (this start's side channel)
+        self.hosts_seen: dict[int, str] = {}
         self.state_dir: str | None = None
+        self._hub: Hub | None = None
         self._ipp: Any = None
         self._loop: _LoopThread | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self.generation = 0
         self.cell_no = 0
         #: every %%distributed cell run on this cluster (``hvdnb.notebook.export.ExportCell``)
         self.history: list[Any] = []
-        #: rank -> what the notebook saw of its death ("died in cell 4: ...")
+        #: rank -> what the notebook saw of its death ("died in cell 4: ..."; ``health``)
         self.death_notes: dict[int, str] = {}
-        self._info_seen: dict[int, Any] = {}  # last engine_info per rank (for dead ones)
+        #: rank -> its last ``engine_info`` (``health.status_rows`` shows it for dead ranks)
+        self.info_seen: dict[int, Any] = {}
         self.last_cell: dict[int, dict[str, Any]] = {}
         self.started_at: float | None = None
         self.start_seconds: float | None = None
 
-    # ------------------------------------------------------------------ validation
-    @staticmethod
-    def _check_n(n: Any, oversubscribe: bool, gpus: int) -> int:
-        if n is None:
-            n = get_config().ranks or gpus or 2
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ClusterError(f"-n must be a whole number of ranks, not {n!r}")
-        if n < 1:
-            raise ClusterError(f"-n must be at least 1 (got {n}); e.g. `%dist start -n 2`")
-        limit, what = (gpus, "GPUs") if gpus else (cores(), "CPU cores")
-        if n > limit and not oversubscribe:
-            share = " (ranks sharing a GPU use gloo: NCCL needs a GPU per rank)" if gpus else ""
-            raise ClusterError(
-                f"{n} ranks but this host has {limit} {what}: ranks would share them and run "
-                f"slower. Use `-n {limit}`, or add `--oversubscribe` if you mean it{share}."
-            )
-        return n
+    # ------------------------------------------------------------------ start options
+    @property
+    def n(self) -> int:
+        """Number of ranks."""
+        return self.spec.n
 
-    @staticmethod
-    def _check_hostfile(path: str) -> str:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise ClusterError(
-                f"hostfile {path!r} not found: write one host per line (`gpu1:4` for 4 "
-                "ranks on gpu1), then `%dist start --hosts FILE`"
-            )
-        if not launch.hostfile_hosts(str(p)):
-            raise ClusterError(f"hostfile {path!r} names no host: one `host[:slots]` per line")
-        return str(p.resolve())
+    @property
+    def launcher(self) -> str:
+        return self.spec.launcher
 
-    @staticmethod
-    def _check_sets(sets: Any, n: Any) -> list[dict[str, Any]]:
-        if not isinstance(sets, list) or not sets:
-            raise ClusterError("engine_sets must be a non-empty list of dicts with `n`")
-        out = []
-        for i, es in enumerate(sets):
-            k = es.get("n") if isinstance(es, dict) else None
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ClusterError(f"engine set {i} needs `n`, a whole number >= 1 (got {es!r})")
-            out.append(dict(es))
-        total = sum(es["n"] for es in out)
-        if n is not None and n != total:
-            raise ClusterError(f"-n {n} but the engine sets hold {total} ranks: leave -n out")
-        return out
+    @property
+    def backend(self) -> str | None:
+        """torch.distributed backend (None: automatic)."""
+        return self.spec.backend
 
-    def _listen_ip(self, ip: str | None, default: str) -> str:
-        """Loopback for one host; across hosts one reachable address, never every one."""
-        if not self.multi_host:
-            return ip or default
-        if ip:
-            return ip
-        if default not in ("127.0.0.1", "localhost"):
-            return default  # HVDNB_IP
-        peers = []
-        if self.hosts:
-            peers = launch.hostfile_hosts(self.hosts)
-        for es in self.engine_sets or []:
-            if es.get("host"):
-                peers.append(str(es["host"]))
-        for peer in peers:
-            try:
-                addr = route_addr(socket.gethostbyname(peer))
-            except OSError:
-                continue
-            if not addr.startswith("127."):
-                return addr
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            raise ClusterError(
-                "cannot tell which address the other hosts reach this one on: pass "
-                "`--ip ADDRESS` (or Cluster(ip=...))"
-            ) from None
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for every engine at a start."""
+        return self.spec.timeout
+
+    @property
+    def ip(self) -> str:
+        """The address the controller and the side channel listen on."""
+        return self.spec.ip
+
+    @property
+    def multi_host(self) -> bool:
+        """Ranks may run on other hosts: listen on a reachable address, pin nothing to lo."""
+        return self.spec.multi_host
+
+    @property
+    def hosts(self) -> str | None:
+        """The MPI hostfile (resolved path), if any."""
+        return self.spec.hosts
+
+    @property
+    def engine_sets(self) -> list[dict[str, Any]] | None:
+        return self.spec.engine_sets
+
+    @property
+    def engine_env(self) -> dict[str, str]:
+        return self.spec.engine_env
+
+    @property
+    def launcher_config(self) -> dict[str, Any]:
+        return self.spec.launcher_config
+
+    @property
+    def slurm(self) -> dict[str, Any]:
+        """Slurm job options (``#SBATCH --<key>=<value>``)."""
+        return self.spec.slurm
+
+    @property
+    def sbatch_args(self) -> list[str]:
+        return self.spec.sbatch_args
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def running(self) -> bool:
         return self.client is not None
 
+    @property
+    def ipp(self) -> Any:
+        """The ``ipyparallel.Cluster`` of this start (None when stopped)."""
+        return self._ipp
+
     def start(self) -> Cluster:
         """Start the controller and ``n`` engines; return when every rank can train.
 
         Raises ClusterError (and leaves nothing running) when engines fail to start.
         """
-        global _CURRENT
         if self.running:
             raise ClusterError(
                 "this cluster is already running; `%dist stop` or `%dist restart` first"
@@ -316,12 +266,15 @@ class Cluster:
         t0 = time.perf_counter()
         self._loop = self._loop or _LoopThread()
         if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
-            import tempfile
-
             self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
         for attempt in (1, 2):
             self._open_channel()
-            self._ipp = launch.make_ipp(self)
+            self._ipp = launch.make_ipp(
+                self.spec,
+                self.cluster_id,
+                self.channel_endpoint if self.channel is not None else None,
+                self.state_dir,
+            )
             try:
                 self._loop.run(self._start_async(), timeout=self.timeout + 30)
                 self._connect()
@@ -343,13 +296,11 @@ class Cluster:
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
         try:  # feed the metrics store (hvdnb.metrics(), the panel) from this cluster
-            from hvdnb.notebook.metrics import store
-
             store.attach(self)
         except Exception as exc:  # metrics are an extra: never fail a start over them
             log.warning("hvdnb: metrics are unavailable: %s", exc)
         _ALL.add(self)
-        _CURRENT = self
+        registry.set_current(self)
         return self
 
     async def _start_async(self) -> None:
@@ -365,7 +316,7 @@ class Cluster:
         for i, es in enumerate(self.engine_sets):
             c.config.MPIEngineSetLauncher.environment = {
                 **base_env,
-                **launch.engine_set_env(self, i, base),
+                **launch.engine_set_env(self.spec, i, base),
             }
             c.config.MPILauncher.mpi_cmd = list(es.get("mpi_cmd") or [find_mpiexec()])
             c.config.MPILauncher.mpi_args = list(es.get("mpi_args", base_args))
@@ -377,10 +328,10 @@ class Cluster:
         from ipyparallel import Client
 
         info = self._loop.run(self._connection_info(), timeout=self.timeout)  # type: ignore[union-attr]
-        if self.channel is not None and info.get("key"):
+        hub = self._hub
+        if hub is not None and info.get("key"):
             # ranks that rendezvous through the channel talk before they register
-            key = info["key"]
-            self.channel.key = key.encode() if isinstance(key, str) else bytes(key)
+            hub.sign_with(info["key"])
         self.client = Client(info, cluster=self._ipp, cluster_id=self.cluster_id)
         deadline = time.monotonic() + self.timeout
         while len(self.client.ids) < self.n:
@@ -389,54 +340,24 @@ class Cluster:
                 raise ClusterError(
                     f"only {len(self.client.ids)} of {self.n} engines were ready after "
                     f"{self.timeout:.0f} s. The machine may be overloaded: retry with a longer "
-                    f"`--timeout`. Engine output:\n{self._engine_output()}"
+                    f"`--timeout`. Engine output:\n{health.engine_output(self)}"
                 )
             time.sleep(0.01)
         self.view = self.client[:]
         self.view.block = False
-        if self.channel is not None:
+        if hub is not None:
             # engines sign with the session key of the (0600) connection file: so do we
-            self.channel.key = bytes(self.client.session.key)
+            hub.sign_with(bytes(self.client.session.key))
 
     def _open_channel(self) -> None:
-        import zmq
-
-        from hvdnb.notebook.channel import ClientChannel
-
-        try:
-            self.channel = ClientChannel(ip=self.ip)
-        except zmq.ZMQError as exc:
-            raise ClusterError(
-                f"cannot listen on {self.ip} ({exc}): --ip / HVDNB_IP must be an address of "
-                "this host; leave it unset for 127.0.0.1"
-            ) from None
-        self.channel_endpoint = f"tcp://{self.ip}:{self.channel.port}"
-        self._rdv: dict[str, Any] = {}
-        self.hosts_seen: dict[int, str] = {}
-        ch = self.channel
-        ch.on(kinds.RDV_ANNOUNCE, self._on_rdv_announce)
-        ch.on(kinds.RDV_ASK, self._on_rdv_ask)
-        ch.on(kinds.RANK_INFO, self._on_rank_info)
-
-    # rendezvous through the notebook (ranks without an MPI world): rank 0 announces its
-    # store, the others ask until it is known; every message is answered (channel thread)
-    def _on_rdv_announce(self, msg: dict[str, Any]) -> None:
-        if msg.get("rank") != 0:
-            return
-        self._rdv = {"addr": msg.get("addr"), "port": msg.get("port")}
-        self.channel.send(0, kinds.RDV_OK, **self._rdv)
-
-    def _on_rdv_ask(self, msg: dict[str, Any]) -> None:
-        if self._rdv and isinstance(msg.get("rank"), int):
-            self.channel.send(msg["rank"], kinds.RDV_STORE, **self._rdv)
-
-    def _on_rank_info(self, msg: dict[str, Any]) -> None:
-        if isinstance(msg.get("rank"), int) and msg.get("host"):
-            self.hosts_seen[msg["rank"]] = str(msg["host"])
+        self._hub = Hub(self.ip)
+        self.channel = self._hub.channel
+        self.channel_endpoint = self._hub.endpoint
+        self.hosts_seen = self._hub.hosts_seen
 
     def _root_pids(self) -> list[int]:
         pids = []
-        for launcher in [getattr(self._ipp, "controller", None), *self._engine_sets()]:
+        for launcher in [getattr(self._ipp, "controller", None), *self.engine_launchers()]:
             proc = getattr(launcher, "process", None)
             if proc is not None and getattr(proc, "pid", None):
                 pids.append(proc.pid)
@@ -444,10 +365,8 @@ class Cluster:
 
     def _start_watchdog(self) -> None:
         """A stdlib-only process that stops this cluster if the notebook kernel is killed."""
-        import subprocess
-
         cancel: list[str] = []
-        for es in self._engine_sets():  # batch jobs (Slurm, PBS...) are cancelled, not killed
+        for es in self.engine_launchers():  # batch jobs (Slurm, PBS...) are cancelled, not killed
             job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
             if job and delete:
                 cancel += ["--cancel", *map(str, delete), str(job)]
@@ -474,60 +393,30 @@ class Cluster:
         info = await self._ipp.controller.get_connection_info()
         return info["client"]
 
-    def _engine_sets(self) -> list[Any]:
+    def engine_launchers(self) -> list[Any]:
+        """ipyparallel's launcher of each engine set (empty when stopped)."""
         return list(self._ipp.engines.values()) if self._ipp is not None else []
 
-    def _engine_output(self, tail: int = 20) -> str:
-        """What the engines said: hvdnb's own one-line reports first, then the last lines
-        without C++ stack frames (torch prints dozens when a peer has already gone)."""
-        ours, rest = [], []
-        for es in self._engine_sets():
-            try:
-                text = es.get_output(remove=False) or ""
-            except Exception:
-                text = ""
-            for line in text.splitlines():
-                if line.startswith("hvdnb:"):
-                    ours.append(line)
-                elif not _NOISE.match(line):
-                    rest.append(line)
-        return "\n".join(ours + rest[-tail:]) or "(no output)"
+    def check_alive(self) -> None:
+        """Raise ClusterError if the controller or an engine set has exited
+        (``health.check_alive``)."""
+        self._check_alive()
 
-    def _check_alive(self) -> None:
-        """Raise ClusterError if the controller or an engine set has exited."""
-        if self._ipp is None:
-            raise ClusterError("the cluster is not running; `%dist start` first")
-        ctrl = self._ipp.controller
-        if ctrl is not None and ctrl.stop_data is not None:
-            raise ClusterError(f"the controller exited ({ctrl.stop_data}); `%dist restart`")
-        for es in self._engine_sets():
-            if es.stop_data is not None:
-                code = es.stop_data.get("exit_code")
-                where = ""
-                if len(self._engine_sets()) > 1:
-                    where = f" of engine set {getattr(es, 'engine_set_id', '?')}"
-                raise ClusterError(
-                    f"the engines{where} exited (launcher exit code {code}). Last output:\n"
-                    f"{self._engine_output()}\nFix the cause above, then `%dist restart`."
-                )
+    def _check_alive(self) -> None:  # the one hook behind check_alive (tests wrap it)
+        health.check_alive(self)
 
     def dead_ranks(self) -> list[int]:
-        """Ranks of this cluster whose engine has gone away (empty when all are there)."""
-        if self.client is None:
-            return []
-        ids = set(self.client.ids)
-        return [r for r in range(self.n) if r not in ids]
+        """Ranks of this cluster whose engine has gone away (``health.dead_ranks``)."""
+        return health.dead_ranks(self)
 
     def stop(self) -> None:
         """Stop engines, then the controller; leaves no process behind."""
-        global _CURRENT
         self._teardown()
         if self.state_dir is not None:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.state_dir = None
         _ALL.discard(self)
-        if _CURRENT is self:
-            _CURRENT = None
+        registry.forget(self)
 
     def _teardown(self, force: bool = False) -> None:
         """Stop everything. ``force``: ranks are known to be stuck, so kill them first
@@ -545,8 +434,9 @@ class Cluster:
                 pass
             self.client = None
             self.view = None
-        if self.channel is not None:
-            self.channel.close()
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
             self.channel = None
         if self._ipp is not None and self._loop is not None:
             try:
@@ -558,7 +448,7 @@ class Cluster:
         _kill_survivors(pids)
         if profile is not None:
             _remove_cluster_files(profile, self.cluster_id)
-        wd, self._watchdog = getattr(self, "_watchdog", None), None
+        wd, self._watchdog = self._watchdog, None
         if wd is not None and wd.poll() is None:
             wd.terminate()
             try:
@@ -616,9 +506,9 @@ class Cluster:
         """The engine processes themselves (children of each mpiexec)."""
         import psutil
 
-        pids = []
-        for es in self._engine_sets():
-            proc = getattr(es, "process", None)
+        pids: list[int] = []
+        for es in self.engine_launchers():
+            proc: Any = getattr(es, "process", None)  # None: AttributeError below, skipped
             try:
                 pids.extend(p.pid for p in psutil.Process(proc.pid).children())
             except (AttributeError, psutil.NoSuchProcess):
@@ -638,7 +528,7 @@ class Cluster:
             for p in ranks
         ):
             await asyncio.sleep(0.02)
-        for es in self._engine_sets():  # the ranks are gone: mpiexec has nothing left to do
+        for es in self.engine_launchers():  # the ranks are gone: mpiexec has nothing left to do
             proc = getattr(es, "process", None)  # a psutil.Process in ipyparallel 9
             try:
                 if proc is not None and proc.status() != psutil.STATUS_ZOMBIE:
@@ -654,7 +544,7 @@ class Cluster:
     def _kill_all(self) -> None:
         import signal
 
-        for launcher in [*self._engine_sets(), getattr(self._ipp, "controller", None)]:
+        for launcher in [*self.engine_launchers(), getattr(self._ipp, "controller", None)]:
             if launcher is None:
                 continue
             try:
@@ -686,69 +576,12 @@ class Cluster:
 
     # ------------------------------------------------------------------ introspection
     def status(self) -> list[dict[str, Any]]:
-        """One row per rank of the job, dead ones included: rank, host, pid, device,
-        backend, state, last cell.
-
-        Never raises because a rank is gone: its state says "dead" and what the notebook
-        knows of it (the cell it died in; MPI ends every rank of a job when one dies).
-        Host and pid of a dead rank are the last ones seen.
-        """
-        if not self.running:
-            raise ClusterError("no cluster is running; `%dist start -n 2` first")
-
-        dead = set(self.dead_ranks())
-        alive = [r for r in range(self.n) if r not in dead]
-        infos: dict[int, Any] = {}
-        queue: dict[Any, Any] = {}
-        if alive:
-            try:
-                queue = self.client.queue_status()
-            except Exception:
-                queue = {}
-            try:
-                vals = self.client[alive].apply_async(ENGINE_INFO).get(timeout=5)
-                infos = dict(zip(alive, vals if isinstance(vals, list) else [vals]))
-            except Exception:
-                infos = {}
-        self._info_seen.update({r: i for r, i in infos.items() if i is not None})
-        rows = []
-        for r in range(self.n):
-            info = infos.get(r) or self._info_seen.get(r)
-            row: dict[str, Any] = {
-                "rank": r,
-                "host": "?",
-                "pid": "?",
-                "device": "?",
-                "backend": "?",
-            }
-            if info is not None:
-                row.update({k: info[k] for k in ("host", "pid", "device", "backend")})
-                row["group"] = info.get("group")
-            else:  # what the rank told the notebook's side channel before it went
-                from hvdnb.notebook.metrics.store import get_store
-
-                said = get_store().rank_info.get(r, {})
-                row["host"], row["pid"] = said.get("host") or "?", said.get("pid") or "?"
-            if r in dead:
-                row["state"] = "dead: " + self.death_notes.get(
-                    r, "gone (MPI ends every rank of a job when one of them dies)"
-                )
-            else:
-                q = queue.get(r, {}) if isinstance(queue, dict) else {}
-                busy = q.get("tasks", 0) > 0 or q.get("queue", 0) > 0
-                row["state"] = "busy" if busy else ("idle" if r in infos else "no answer")
-            last = self.last_cell.get(r)
-            row["last cell"] = f"[{last['cell']}] {last['state']}" if last else "-"
-            rows.append(row)
-        return rows
+        """One row per rank of the job, dead ones included (``health.status_rows``)."""
+        return health.status_rows(self)
 
     def launcher_exit(self) -> str | None:
         """How the engines' launcher (mpiexec, sbatch) ended, or None while it runs."""
-        for es in self._engine_sets():
-            if es.stop_data is not None:
-                code = es.stop_data.get("exit_code")
-                return f"the ranks' launcher exited (exit code {code})"
-        return None
+        return health.launcher_exit(self)
 
 
 def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:
@@ -796,8 +629,6 @@ def _remove_cluster_files(profile: str, cluster_id: str) -> None:
     """After a stop: ipyparallel removes its own files on a clean stop, but not the hub's
     engine-state file, the Slurm script, or anything of a controller that had to be
     killed (a forced restart), so one start left up to four files behind."""
-    from hvdnb.notebook.cluster.watchdog import remove_files  # the same removal the watchdog does
-
     remove_files(_cluster_files(profile, cluster_id))
 
 

@@ -1,5 +1,5 @@
-"""``python -m hvdnb.notebook.cluster.watchdog KERNEL_PID PID... [--cancel CMD...] [--files GLOB...]``: stop
-a cluster whose notebook died.
+"""Stop a cluster whose notebook died:
+``python -m hvdnb.notebook.cluster.watchdog KERNEL_PID PID... [--cancel CMD...] [--files GLOB...]``.
 
 A kernel killed with SIGKILL (or by the OOM killer) runs no atexit hook, and ipyparallel
 leaves its controller, mpiexec and the engines running. Each started cluster gets one of

@@ -1,0 +1,249 @@
+"""What a cluster is started with: ``Cluster``'s arguments, checked once, as a ``StartSpec``.
+
+Owns: every input check of a start (rank count against this host's cores or GPUs, backend,
+launcher, timeout, hostfile, engine sets, Slurm options), reading MPI hostfiles, choosing
+the address the controller and the side channel listen on (loopback for one host; across
+hosts one reachable address, never every interface), and ``ClusterError``, the one
+exception a start, a stop or a dead cluster raises.
+
+Never: start, stop or signal a process, open a socket, or import torch: a refused start
+leaves nothing behind because nothing was started.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hvdnb.config import get_config
+from hvdnb.host import cores, gpu_count, route_addr
+
+__all__ = [
+    "LOCAL_LAUNCHERS",
+    "ClusterError",
+    "StartSpec",
+    "check",
+    "hostfile_hosts",
+    "hostfile_slots",
+]
+
+#: launchers that start engines on this host only (controller stays on loopback)
+LOCAL_LAUNCHERS = frozenset({"mpi", "local"})
+
+
+class ClusterError(RuntimeError):
+    """A cluster could not be started, reached or stopped; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """A cluster's start options, checked (``check`` makes one; see ``Cluster``)."""
+
+    n: int
+    launcher: str
+    backend: str | None
+    timeout: float
+    ip: str
+    #: ranks may run on other hosts: listen on a reachable address, pin nothing to lo
+    multi_host: bool
+    hosts: str | None
+    engine_sets: list[dict[str, Any]] | None
+    engine_env: dict[str, str]
+    launcher_config: dict[str, Any]
+    #: ``#SBATCH --<key>=<value>`` lines (None: left out)
+    slurm: dict[str, Any]
+    sbatch_args: list[str]
+
+
+def check(
+    n: int | None = None,
+    *,
+    backend: str | None = None,
+    launcher: str = "mpi",
+    timeout: float | None = None,
+    oversubscribe: bool = False,
+    engine_env: dict[str, str] | None = None,
+    launcher_config: dict[str, Any] | None = None,
+    hosts: str | None = None,
+    engine_sets: list[dict[str, Any]] | None = None,
+    ip: str | None = None,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    gpus_per_node: int | None = None,
+    account: str | None = None,
+    sbatch_args: list[str] | None = None,
+) -> StartSpec:
+    """``Cluster``'s arguments as a ``StartSpec``; raises ClusterError, saying what to
+    change, for the first one that cannot work."""
+    cfg = get_config()
+    if not isinstance(launcher, str) or not launcher:
+        raise ClusterError(f"launcher must be a name such as 'mpi' or 'slurm', not {launcher!r}")
+    launcher = launcher.lower()
+    hostfile = _check_hostfile(hosts) if hosts else None
+    sets = _check_sets(engine_sets, n) if engine_sets else None
+    if hostfile and launcher != "mpi":
+        raise ClusterError(
+            f"a hostfile runs one MPI job across hosts: use it with --launcher mpi, not "
+            f"{launcher!r} (Slurm chooses the hosts itself)"
+        )
+    if sets is not None:
+        n = sum(int(es["n"]) for es in sets)
+    if hostfile and n is None:
+        n = hostfile_slots(hostfile)  # mpiexec -f fills the slots in order
+    multi_host = bool(launcher not in LOCAL_LAUNCHERS or hostfile or sets)
+    slurm = {
+        "partition": partition,
+        "time": time_limit,
+        "gpus-per-node": gpus_per_node,
+        "account": account,
+    }
+    sbatch = list(sbatch_args or [])
+    if launcher != "slurm" and (any(slurm.values()) or sbatch):
+        raise ClusterError(
+            "--partition, --time, --gpus-per-node, --account and sbatch arguments are "
+            "Slurm options: add `--launcher slurm`"
+        )
+    gpus = gpu_count()
+    n = _check_n(n, oversubscribe or bool(cfg.oversubscribe) or multi_host, gpus)
+    if backend not in (None, "auto", "gloo", "nccl", "mpi"):
+        raise ClusterError(
+            f"unknown backend {backend!r}: use gloo (CPU), nccl (GPU), mpi, or leave it "
+            "out for automatic"
+        )
+    backend = None if backend == "auto" else backend
+    if backend == "nccl" and not multi_host and 0 < gpus < n:
+        raise ClusterError(
+            f"--backend nccl needs one GPU per rank, and {n} ranks would share this "
+            f"host's {gpus} GPU(s): NCCL refuses two ranks on one GPU. Use `-n {gpus}`, or "
+            "leave --backend out (ranks that share a GPU use gloo)."
+        )
+    if timeout is not None and not timeout > 0:
+        raise ClusterError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return StartSpec(
+        n=n,
+        launcher=launcher,
+        backend=backend,
+        timeout=float(timeout or cfg.start_timeout),
+        ip=_listen_ip(ip, cfg.ip, multi_host, hostfile, sets),
+        multi_host=multi_host,
+        hosts=hostfile,
+        engine_sets=sets,
+        engine_env=dict(engine_env or {}),
+        launcher_config=dict(launcher_config or {}),
+        slurm=slurm,
+        sbatch_args=sbatch,
+    )
+
+
+def _check_n(n: Any, oversubscribe: bool, gpus: int) -> int:
+    if n is None:
+        n = get_config().ranks or gpus or 2
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ClusterError(f"-n must be a whole number of ranks, not {n!r}")
+    if n < 1:
+        raise ClusterError(f"-n must be at least 1 (got {n}); e.g. `%dist start -n 2`")
+    limit, what = (gpus, "GPUs") if gpus else (cores(), "CPU cores")
+    if n > limit and not oversubscribe:
+        share = " (ranks sharing a GPU use gloo: NCCL needs a GPU per rank)" if gpus else ""
+        raise ClusterError(
+            f"{n} ranks but this host has {limit} {what}: ranks would share them and run "
+            f"slower. Use `-n {limit}`, or add `--oversubscribe` if you mean it{share}."
+        )
+    return n
+
+
+def _check_hostfile(path: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ClusterError(
+            f"hostfile {path!r} not found: write one host per line (`gpu1:4` for 4 "
+            "ranks on gpu1), then `%dist start --hosts FILE`"
+        )
+    if not hostfile_hosts(str(p)):
+        raise ClusterError(f"hostfile {path!r} names no host: one `host[:slots]` per line")
+    return str(p.resolve())
+
+
+def _check_sets(sets: Any, n: Any) -> list[dict[str, Any]]:
+    if not isinstance(sets, list) or not sets:
+        raise ClusterError("engine_sets must be a non-empty list of dicts with `n`")
+    out = []
+    for i, es in enumerate(sets):
+        k = es.get("n") if isinstance(es, dict) else None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ClusterError(f"engine set {i} needs `n`, a whole number >= 1 (got {es!r})")
+        out.append(dict(es))
+    total = sum(es["n"] for es in out)
+    if n is not None and n != total:
+        raise ClusterError(f"-n {n} but the engine sets hold {total} ranks: leave -n out")
+    return out
+
+
+def _listen_ip(
+    ip: str | None,
+    default: str,
+    multi_host: bool,
+    hostfile: str | None,
+    sets: list[dict[str, Any]] | None,
+) -> str:
+    """Loopback for one host; across hosts one reachable address, never every one."""
+    if not multi_host:
+        return ip or default
+    if ip:
+        return ip
+    if default not in ("127.0.0.1", "localhost"):
+        return default  # HVDNB_IP
+    peers = []
+    if hostfile:
+        peers = hostfile_hosts(hostfile)
+    for es in sets or []:
+        if es.get("host"):
+            peers.append(str(es["host"]))
+    for peer in peers:
+        try:
+            addr = route_addr(socket.gethostbyname(peer))
+        except OSError:
+            continue
+        if not addr.startswith("127."):
+            return addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        raise ClusterError(
+            "cannot tell which address the other hosts reach this one on: pass "
+            "`--ip ADDRESS` (or Cluster(ip=...))"
+        ) from None
+
+
+def hostfile_slots(path: str) -> int:
+    """Ranks an MPI hostfile holds: ``host:4`` or ``host slots=4`` count 4, a bare host 1."""
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        head, *rest = line.split()
+        slots = 1
+        if ":" in head:
+            slots = int(head.split(":", 1)[1] or 1)
+        for word in rest:
+            if word.startswith("slots="):
+                slots = int(word.split("=", 1)[1])
+        total += max(slots, 1)
+    return total
+
+
+def hostfile_hosts(path: str) -> list[str]:
+    """Host names of an MPI hostfile (``host[:slots]`` or ``host slots=N`` per line)."""
+    hosts = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            hosts.append(line.split()[0].split(":")[0])
+    return hosts
