@@ -69,7 +69,6 @@ def _cells(n: int) -> tuple[list[float], list[float], list[float]]:
     raw_client = raw_cluster.start_and_connect_sync()
     raw_client.wait_for_engines(2)
     c = hvdnb.Cluster(n=2).start()
-    hvdnb.notebook.cluster.lifecycle._CURRENT = c
     raw_view, same_view = raw_client[:], c.client[:]
     raw, ours, same = [], [], []
     real_stdout = sys.stdout

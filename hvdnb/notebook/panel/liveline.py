@@ -48,10 +48,10 @@ class LiveLine:
 
     def __call__(self, final: bool) -> None:
         st = self.store
-        cell = st._cell_no
+        cell = st.cell_no
         if cell != self._cell:  # a new cell: a new line, if it logs
             self._cell, self._handle, self._version = cell, None, -1
-        run = st._run(st.run_id)
+        run = st.current_run()
         if run is None or run["cell"] != cell or cell is None:
             return
         now = time.monotonic()
