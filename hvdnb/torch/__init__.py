@@ -1,11 +1,15 @@
 """Horovod's torch API on torch.distributed and mpi4py: ``import hvdnb.torch as hvd``.
 
-Owns: the public names (explicit ``__all__``); the modules own the behaviour: ``basics``
-(init, rank, size), ``ops`` (collectives), ``optimizer``, ``functions``, ``compression``,
-``collectives`` (the rest), ``rounds`` (negotiation, async queue, join), ``schedule``
-(lr scaling, warmup, LARS), ``timeline``, ``listeners``, ``process_sets``,
-``transport`` (headers, MPI and torch.distributed transports),
-``sync_batch_norm``. Never: do work at import time (no process group, no MPI init).
+Owns: the public names (explicit ``__all__``); the modules own the behaviour, each
+importing only the ones below it (never this package): ``basics`` (init, rank, size),
+``ops`` (the allreduce family), ``collectives`` (the other collectives), ``optimizer``,
+``functions``, ``compression``, ``sync_batch_norm``, ``schedule`` (lr scaling, warmup,
+LARS), ``timeline``; below them ``plans`` (planned fast allreduces over MPI), ``reduce``
+(the general allreduce), ``adasum``, ``handles`` (async handles, poll, synchronize),
+``spec`` (op and dtype codes, names, transport choice), ``process_sets``, ``rounds``
+(negotiation, async queue, join), ``transport`` (headers, MPI and torch.distributed
+transports), ``timing`` (NCCL and gloo timings) and ``listeners``. Never: do work at import
+time (no process group, no MPI init).
 """
 
 from __future__ import annotations
@@ -44,10 +48,6 @@ from hvdnb.torch.collectives import (
     broadcast_async_,
     grouped_allgather,
     grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
     join,
@@ -77,6 +77,10 @@ from hvdnb.torch.ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
     poll,
     synchronize,
 )
@@ -91,7 +95,7 @@ from hvdnb.torch.schedule import LARS, LinearWarmup, scale_lr, warmup_lr
 from hvdnb.torch.sync_batch_norm import SyncBatchNorm
 from hvdnb.torch.timeline import merge_timelines, start_timeline, stop_timeline
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by role, in the order of Horovod's API docs)
     # basics
     "init",
     "shutdown",

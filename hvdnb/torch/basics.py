@@ -12,9 +12,16 @@ import atexit
 from collections.abc import Sequence
 from typing import Any
 
+import hvdnb.torch.handles as handles
 from hvdnb.config import get_config
 from hvdnb.rank import rendezvous
-from hvdnb.torch.process_sets import STATE, ProcessSet, _build, add_process_set, global_process_set
+from hvdnb.torch.process_sets import (
+    STATE,
+    ProcessSet,
+    add_process_set,
+    build_transports,
+    global_process_set,
+)
 
 __all__ = [
     "ccl_built",
@@ -80,7 +87,7 @@ def init(
     if dist.get_backend() == "nccl" and STATE.comm is None:
         # headers must not queue behind NCCL kernels, and gloo can read them on the CPU
         STATE.ctrl = dist.new_group(backend="gloo")
-    _build(global_process_set, list(range(w.size)))
+    build_transports(global_process_set, list(range(w.size)))
     global_process_set.process_set_id = 0
     STATE.sets = {0: global_process_set}
     STATE.initialized = True
@@ -96,9 +103,7 @@ def shutdown() -> None:
     """Forget the transports (the default process group stays: it may not be ours)."""
     if not STATE.initialized:
         return
-    from hvdnb.torch import ops
-
-    ops._HANDLES.clear()
+    handles.clear()
     for ps in STATE.sets.values():
         for tr in (ps.mpi, ps.torch):
             if tr is not None:
@@ -125,7 +130,8 @@ def is_initialized() -> bool:
 def _w() -> rendezvous.World:
     if not STATE.initialized:
         raise ValueError("hvdnb.torch is not initialised: call hvd.init() first")
-    return STATE.world  # type: ignore[no-any-return]
+    w: rendezvous.World = STATE.world
+    return w
 
 
 def size() -> int:
@@ -202,8 +208,8 @@ def nccl_built() -> int:
 
     if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
         return 0
-    try:
-        v = torch.cuda.nccl.version()
+    try:  # torch.cuda.nccl.version is unannotated
+        v = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
     except Exception:
         return 0
     if isinstance(v, tuple):

@@ -1,12 +1,13 @@
 """Horovod's other collectives: allgather, broadcast, alltoall, reducescatter, their grouped
-and async forms, sparse allreduce, Adasum's combination, barrier and join.
+and async forms, sparse allreduce, barrier and join.
 
 Owns: their semantics (shapes, splits, which ranks get which rows, gradients) on top of the
-negotiation in ``rounds.py`` and the helpers in ``ops.py``. Every blocking call negotiates
-its header (so ranks that disagree raise on every rank); every ``*_async`` call queues its
-op and returns a handle. Never: move data before the round agreed, or raise a local
-argument error after the header went out (arguments are checked first, identically on
-every rank that passes the same arguments).
+negotiation in ``rounds.py``, the call helpers in ``spec.py`` and the general allreduce in
+``reduce.py`` (reducescatter, and the gradients that average). Every blocking call
+negotiates its header (so ranks that disagree raise on every rank); every ``*_async`` call
+queues its op and returns a handle (``handles.py``). Never: move data before the round
+agreed, or raise a local argument error after the header went out (arguments are checked
+first, identically on every rank that passes the same arguments).
 """
 
 from __future__ import annotations
@@ -17,30 +18,26 @@ from typing import Any
 
 import torch
 
-from hvdnb.torch import listeners as _lst
-from hvdnb.torch.ops import (
+import hvdnb.torch.listeners as _lst
+from hvdnb.torch.basics import rank
+from hvdnb.torch.handles import Group, register, submit, synchronize
+from hvdnb.torch.process_sets import ProcessSet, global_process_set
+from hvdnb.torch.reduce import allreduce_launch, allreduce_op
+from hvdnb.torch.rounds import Handle, Op, blocking, join_round
+from hvdnb.torch.spec import (
     Adasum,
     Average,
     Sum,
-    _allreduce_launch,
-    _allreduce_op,
-    _async,
-    _auto_name,
-    _dcode,
-    _desc,
-    _done,
-    _nh,
-    _op,
-    _register,
-    _transport,
-    allreduce,
+    auto_name,
+    describe,
+    dtype_code,
+    grouped_names,
+    name_hash,
+    transport_for,
 )
-from hvdnb.torch.process_sets import ProcessSet, global_process_set
-from hvdnb.torch.rounds import Handle, Op, blocking, join_round
 from hvdnb.torch.transport import HDR, Kind
 
 __all__ = [
-    "adasum_tree",
     "allgather",
     "allgather_async",
     "alltoall",
@@ -52,10 +49,6 @@ __all__ = [
     "broadcast_async_",
     "grouped_allgather",
     "grouped_allgather_async",
-    "grouped_allreduce",
-    "grouped_allreduce_",
-    "grouped_allreduce_async",
-    "grouped_allreduce_async_",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
     "join",
@@ -65,186 +58,18 @@ __all__ = [
 ]
 
 
-class _Group:
-    """A handle over several async ops: ``synchronize`` returns the list of results."""
-
-    __slots__ = ("ids", "post")
-
-    def __init__(self, ids: list[int], post: Callable[[list[Any]], Any] | None = None) -> None:
-        self.ids, self.post = ids, post
-
-    def done(self) -> bool:
-        from hvdnb.torch.ops import _HANDLES
-
-        return all(_HANDLES[i].done() for i in self.ids if i in _HANDLES)
-
-    def wait(self) -> Any:
-        from hvdnb.torch.ops import synchronize
-
-        out = [synchronize(i) for i in self.ids]
-        return out if self.post is None else self.post(out)
-
-
-# -- grouped allreduce --------------------------------------------------------------------
-def _grouped_names(ps: ProcessSet, name: str | None, kind: int, n: int) -> list[str]:
-    base = name if name is not None else _auto_name(ps, kind)
-    return [f"{base}.{i}" for i in range(n)]
-
-
-def _grouped(
-    tensors: Sequence[torch.Tensor],
-    inplace: bool,
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    pre: float,
-    post: float,
-    ps: ProcessSet,
-    is_async: bool,
-) -> Any:
-    op = _op(op, average)
-    tensors = list(tensors)
-    if len({t.device for t in tensors}) > 1:
-        raise RuntimeError(  # Horovod raises RuntimeError here (a fatal op error)
-            "grouped_allreduce: every tensor of a group must be on one device; reduce CPU "
-            "and GPU tensors in separate groups"
-        )
-    names = _grouped_names(ps, name, Kind.ALLREDUCE, len(tensors))
-    if (
-        not is_async
-        and not inplace
-        and torch.is_grad_enabled()
-        and any(t.requires_grad for t in tensors)
-    ):
-        return [
-            allreduce(t, name=nm, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
-            for t, nm in zip(tensors, names)
-        ]
-    if is_async:
-        ids = []
-        for t, nm in zip(tensors, names):
-            tr, o, _ = _allreduce_op(t, inplace, nm, op, pre, post, ps)
-            ids.append(_async(tr, o))
-        return _register(_Group(ids))
-    hs = [_allreduce_launch(t, inplace, nm, op, pre, post, ps) for t, nm in zip(tensors, names)]
-    return [h.wait() for h in hs]
-
-
-def grouped_allreduce(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Allreduce a list of tensors as one group; returns new tensors. Differentiable.
-
-    SPMD contract: the same list (count, order, shapes, dtypes) and name on every rank.
-    """
-    if compression is not None:
-        packed = [compression.compress(t) for t in tensors]
-        out = _grouped(
-            [c for c, _ in packed],
-            False,
-            average,
-            name,
-            op,
-            prescale_factor,
-            postscale_factor,
-            process_set,
-            False,
-        )
-        return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
-    return _grouped(
-        tensors,
-        False,
-        average,
-        name,
-        op,
-        prescale_factor,  # type: ignore
-        postscale_factor,
-        process_set,
-        False,
-    )
-
-
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """In-place ``grouped_allreduce``. Same SPMD contract."""
-    return _grouped(
-        tensors,
-        True,
-        average,
-        name,
-        op,
-        prescale_factor,  # type: ignore
-        postscale_factor,
-        process_set,
-        False,
-    )
-
-
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Queue a ``grouped_allreduce``; ``synchronize`` returns the list."""
-    return _grouped(
-        tensors,
-        False,
-        average,
-        name,
-        op,
-        prescale_factor,  # type: ignore
-        postscale_factor,
-        process_set,
-        True,
-    )
-
-
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: int | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Queue an in-place ``grouped_allreduce``."""
-    return _grouped(
-        tensors,
-        True,
-        average,
-        name,
-        op,
-        prescale_factor,  # type: ignore
-        postscale_factor,
-        process_set,
-        True,
-    )
+def _done(name: str, nbytes: int, t0: float, backend: str) -> None:
+    """Report a collective that ran inside one blocking call started at ``t0``."""
+    if t0:
+        dt = time.perf_counter() - t0
+        _lst.notify(name, nbytes, dt, backend, dt)
 
 
 # -- allgather ------------------------------------------------------------------------------
 def _allgather_op(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> tuple[Any, Op]:
-    tr = _transport(ps, tensor)
+    tr = transport_for(ps, tensor)
     if name is None:
-        name = _auto_name(ps, Kind.ALLGATHER)
+        name = auto_name(ps, Kind.ALLGATHER)
     x = tensor.contiguous()
     if x.dim() == 0:
         x = x.reshape(1)
@@ -252,8 +77,8 @@ def _allgather_op(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> tup
     rowbytes = torch.Size(trailing).numel() * x.element_size()
     hdr = HDR.pack(
         Kind.ALLGATHER,
-        _nh(name),
-        _dcode(x),
+        name_hash(name),
+        dtype_code(x),
         0,
         0,
         hash(trailing),
@@ -276,15 +101,15 @@ def _allgather_op(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> tup
             tr.allgatherv(x, out, [d * rowbytes for d in dims])
         return Handle(None, None, out)
 
-    return tr, Op(name, hdr, _desc(Kind.ALLGATHER, name, tensor, trailing_shape=trailing), start)
+    return tr, Op(name, hdr, describe(Kind.ALLGATHER, name, tensor, trailing_shape=trailing), start)
 
 
 def _allgather(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
     tr, o = _allgather_op(tensor, name, ps)
-    out = blocking(tr, o).wait()
+    out: torch.Tensor = blocking(tr, o).wait()
     _done(o.name, tensor.numel() * tensor.element_size(), t0, tr.backend)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 class _AllgatherGrad(torch.autograd.Function):
@@ -296,7 +121,7 @@ class _AllgatherGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         # Horovod averages the incoming gradients (each rank holds the whole output)
-        g = _allreduce_launch(grad.contiguous(), False, None, Average, 1.0, 1.0, ctx.ps).wait()
+        g = allreduce_launch(grad.contiguous(), False, None, Average, 1.0, 1.0, ctx.ps).wait()
         dims = [int(d) for d in _allgather(torch.tensor([ctx.dim0]), None, ctx.ps)]
         r = ctx.ps.rank()
         start = sum(dims[:r])
@@ -313,7 +138,11 @@ def allgather(
     Differentiable.
     """
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherGrad.apply(tensor, name, process_set)  # type: ignore[no-any-return]
+        # torch.autograd.Function.apply is unannotated
+        out: torch.Tensor = _AllgatherGrad.apply(  # type: ignore[no-untyped-call]
+            tensor, name, process_set
+        )
+        return out
     return _allgather(tensor, name, process_set)
 
 
@@ -322,7 +151,7 @@ def allgather_async(
 ) -> int:
     """Queue an ``allgather``; ``synchronize`` returns the gathered tensor."""
     tr, o = _allgather_op(tensor, name, process_set)
-    return _async(tr, o)
+    return submit(tr, o)
 
 
 def grouped_allgather(
@@ -334,7 +163,7 @@ def grouped_allgather(
 
     SPMD contract: the same number of tensors, dtypes and trailing shapes on every rank.
     """
-    names = _grouped_names(process_set, name, Kind.ALLGATHER, len(tensors))
+    names = grouped_names(process_set, name, Kind.ALLGATHER, len(tensors))
     return [allgather(t, nm, process_set) for t, nm in zip(tensors, names)]
 
 
@@ -344,21 +173,21 @@ def grouped_allgather_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Queue a ``grouped_allgather``; ``synchronize`` returns the list."""
-    names = _grouped_names(process_set, name, Kind.ALLGATHER, len(tensors))
-    return _register(_Group([allgather_async(t, nm, process_set) for t, nm in zip(tensors, names)]))
+    names = grouped_names(process_set, name, Kind.ALLGATHER, len(tensors))
+    return register(Group([allgather_async(t, nm, process_set) for t, nm in zip(tensors, names)]))
 
 
 # -- broadcast -------------------------------------------------------------------------------
 def _broadcast_op(
     tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet, inplace: bool
 ) -> tuple[Any, Op]:
-    tr = _transport(ps, tensor)
+    tr = transport_for(ps, tensor)
     if name is None:
-        name = _auto_name(ps, Kind.BROADCAST)
+        name = auto_name(ps, Kind.BROADCAST)
     hdr = HDR.pack(
         Kind.BROADCAST,
-        _nh(name),
-        _dcode(tensor),
+        name_hash(name),
+        dtype_code(tensor),
         0,
         int(root_rank),
         hash(tensor.shape),
@@ -391,7 +220,7 @@ def _broadcast_op(
             out = tensor
         return Handle(None, None, out)
 
-    return tr, Op(name, hdr, _desc(Kind.BROADCAST, name, tensor, root_rank=root_rank), start)
+    return tr, Op(name, hdr, describe(Kind.BROADCAST, name, tensor, root_rank=root_rank), start)
 
 
 def _broadcast(
@@ -399,9 +228,9 @@ def _broadcast(
 ) -> torch.Tensor:
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
     tr, o = _broadcast_op(tensor, root_rank, name, ps, inplace)
-    out = blocking(tr, o).wait()
+    out: torch.Tensor = blocking(tr, o).wait()
     _done(o.name, tensor.numel() * tensor.element_size(), t0, tr.backend)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 class _BroadcastGrad(torch.autograd.Function):
@@ -416,9 +245,7 @@ class _BroadcastGrad(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         # every rank's output came from root: root's input gets the (Horovod: averaged)
         # incoming gradient, the others zero
-        g = _allreduce_launch(grad.contiguous(), False, None, Average, 1.0, 1.0, ctx.ps).wait()
-        from hvdnb.torch.basics import rank
-
+        g = allreduce_launch(grad.contiguous(), False, None, Average, 1.0, 1.0, ctx.ps).wait()
         if rank() != ctx.root:
             g = g * 0
         return g, None, None, None
@@ -437,7 +264,11 @@ def broadcast(
     arrive.
     """
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastGrad.apply(tensor, root_rank, name, process_set)  # type: ignore
+        # torch.autograd.Function.apply is unannotated
+        out: torch.Tensor = _BroadcastGrad.apply(  # type: ignore[no-untyped-call]
+            tensor, root_rank, name, process_set
+        )
+        return out
     return _broadcast(tensor, root_rank, name, process_set, False)
 
 
@@ -459,7 +290,7 @@ def broadcast_async(
 ) -> int:
     """Queue a ``broadcast``; ``synchronize`` returns root's tensor."""
     tr, o = _broadcast_op(tensor, root_rank, name, process_set, False)
-    return _async(tr, o)
+    return submit(tr, o)
 
 
 def broadcast_async_(
@@ -470,14 +301,14 @@ def broadcast_async_(
 ) -> int:
     """Queue an in-place ``broadcast``; ``tensor`` holds root's values after ``synchronize``."""
     tr, o = _broadcast_op(tensor, root_rank, name, process_set, True)
-    return _async(tr, o)
+    return submit(tr, o)
 
 
 # -- alltoall --------------------------------------------------------------------------------
 def _alltoall_op(
     tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet
 ) -> tuple[Any, Op]:
-    tr = _transport(ps, tensor)
+    tr = transport_for(ps, tensor)
     x = tensor.contiguous()
     if x.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
@@ -498,12 +329,12 @@ def _alltoall_op(
                 f"splits {s} must have {n} non-negative entries summing to dim 0 ({x.shape[0]})"
             )
     if name is None:
-        name = _auto_name(ps, Kind.ALLTOALL)
+        name = auto_name(ps, Kind.ALLTOALL)
     trailing = tuple(x.shape[1:])
     hdr = HDR.pack(
         Kind.ALLTOALL,
-        _nh(name),
-        _dcode(x),
+        name_hash(name),
+        dtype_code(x),
         0,
         0,
         hash(trailing),
@@ -529,7 +360,7 @@ def _alltoall_op(
         tr.alltoallv(x, [v * rowbytes for v in s], out, [v * rowbytes for v in rs])
         return Handle(None, None, (out, torch.tensor(rs, dtype=torch.int32, device=sdev)))
 
-    return tr, Op(name, hdr, _desc(Kind.ALLTOALL, name, tensor, trailing_shape=trailing), start)
+    return tr, Op(name, hdr, describe(Kind.ALLTOALL, name, tensor, trailing_shape=trailing), start)
 
 
 def _alltoall(
@@ -537,9 +368,9 @@ def _alltoall(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
     tr, o = _alltoall_op(tensor, splits, name, ps)
-    out = blocking(tr, o).wait()
+    out: tuple[torch.Tensor, torch.Tensor] = blocking(tr, o).wait()
     _done(o.name, tensor.numel() * tensor.element_size(), t0, tr.backend)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 class _AlltoallGrad(torch.autograd.Function):
@@ -569,7 +400,10 @@ def alltoall(
     given also the received splits (as Horovod does). Differentiable.
     """
     if tensor.requires_grad and torch.is_grad_enabled():
-        out, rs = _AlltoallGrad.apply(tensor, splits, name, process_set)
+        # torch.autograd.Function.apply is unannotated
+        out, rs = _AlltoallGrad.apply(  # type: ignore[no-untyped-call]
+            tensor, splits, name, process_set
+        )
     else:
         out, rs = _alltoall(tensor, splits, name, process_set)
     return out if splits is None else (out, rs)
@@ -583,7 +417,7 @@ def alltoall_async(
 ) -> int:
     """Queue an ``alltoall``; ``synchronize`` returns what ``alltoall`` would."""
     tr, o = _alltoall_op(tensor, splits, name, process_set)
-    return _async(tr, o, (lambda r: r[0]) if splits is None else None)
+    return submit(tr, o, (lambda r: r[0]) if splits is None else None)
 
 
 # -- reducescatter -----------------------------------------------------------------------------
@@ -600,8 +434,8 @@ def _reducescatter_op(
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     if op == Adasum:
         raise NotImplementedError("reducescatter does not support Adasum (nor does Horovod)")
-    tr, o, _ = _allreduce_op(
-        tensor, False, name or _auto_name(ps, Kind.REDUCESCATTER), op, pre, post, ps
+    tr, o = allreduce_op(
+        tensor, False, name or auto_name(ps, Kind.REDUCESCATTER), op, pre, post, ps
     )
     o.hdr = Kind.REDUCESCATTER.to_bytes(8, "little") + o.hdr[8:]
     o.inline = None  # its one-message form would send the allreduce header
@@ -625,7 +459,8 @@ class _ReducescatterGrad(torch.autograd.Function):
         ctx.scale = pre * post * (1 if op == Average else ps.size())
         ctx.ps = ps
         tr, o, cut = _reducescatter_op(t, name, op, pre, post, ps)
-        return cut(blocking(tr, o).wait())  # type: ignore[no-any-return]
+        out: torch.Tensor = cut(blocking(tr, o).wait())
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -651,24 +486,22 @@ def reducescatter(
     if compression is not None:
         comp, ctx = compression.compress(tensor)
         if comp is not tensor:
-            out = reducescatter(
+            part = reducescatter(
                 comp, name, None, op, process_set, prescale_factor, postscale_factor
             )
-            return compression.decompress(out, ctx)  # type: ignore[no-any-return]
+            dec: torch.Tensor = compression.decompress(part, ctx)
+            return dec
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _ReducescatterGrad.apply(
-            tensor,
-            name,
-            op,
-            prescale_factor,  # type: ignore
-            postscale_factor,
-            process_set,
+        # torch.autograd.Function.apply is unannotated
+        grad: torch.Tensor = _ReducescatterGrad.apply(  # type: ignore[no-untyped-call]
+            tensor, name, op, prescale_factor, postscale_factor, process_set
         )
+        return grad
     t0 = time.perf_counter() if _lst.LISTENERS else 0.0
     tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor, process_set)
-    out = cut(blocking(tr, o).wait())
+    out: torch.Tensor = cut(blocking(tr, o).wait())
     _done(o.name, tensor.numel() * tensor.element_size(), t0, tr.backend)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 def reducescatter_async(
@@ -681,7 +514,7 @@ def reducescatter_async(
 ) -> int:
     """Queue a ``reducescatter``; ``synchronize`` returns this rank's rows."""
     tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor, process_set)
-    return _async(tr, o, cut)
+    return submit(tr, o, cut)
 
 
 def grouped_reducescatter(
@@ -694,7 +527,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """``reducescatter`` of each tensor of a list, as one group. Same SPMD contract."""
-    names = _grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
+    names = grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
     return [
         reducescatter(t, nm, compression, op, process_set, prescale_factor, postscale_factor)
         for t, nm in zip(tensors, names)
@@ -710,9 +543,9 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Queue a ``grouped_reducescatter``; ``synchronize`` returns the list."""
-    names = _grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
-    return _register(
-        _Group(
+    names = grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
+    return register(
+        Group(
             [
                 reducescatter_async(t, nm, op, process_set, prescale_factor, postscale_factor)
                 for t, nm in zip(tensors, names)
@@ -737,8 +570,6 @@ def sparse_allreduce_async(
     val = allgather_async(t.values().contiguous(), f"{name}.values", process_set)
 
     def wait() -> torch.Tensor:
-        from hvdnb.torch.ops import synchronize
-
         values = synchronize(val)
         indices = synchronize(idx)
         if op == Average:
@@ -748,32 +579,10 @@ def sparse_allreduce_async(
     return wait
 
 
-# -- Adasum --------------------------------------------------------------------------------
-def adasum_tree(parts: torch.Tensor) -> torch.Tensor:
-    """Horovod's Adasum of rank vectors (rows of ``parts``, a power-of-two count).
-
-    Pairs at distance 1, 2, 4, ... combine as ``(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``
-    (dot products in float64), the order Horovod's recursive halving uses.
-    """
-    v = [p for p in parts]
-    d = 1
-    while d < len(v):
-        for i in range(0, len(v), 2 * d):
-            a, b = v[i], v[i + d]
-            a64, b64 = a.double(), b.double()
-            dot = float(torch.dot(a64, b64))
-            na, nb = float(torch.dot(a64, a64)), float(torch.dot(b64, b64))
-            ca = 1.0 - dot / (2 * na) if na >= 1e-8 else 1.0
-            cb = 1.0 - dot / (2 * nb) if nb >= 1e-8 else 1.0
-            v[i] = (a64 * ca + b64 * cb).to(a.dtype)
-        d *= 2
-    return v[0]
-
-
 # -- barrier / join ---------------------------------------------------------------------------
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of the process set calls ``barrier``."""
-    tr = _transport(process_set, torch.empty(0))
+    tr = transport_for(process_set, torch.empty(0))
     hdr = HDR.pack(Kind.BARRIER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     blocking(
         tr,
@@ -795,7 +604,7 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     (ranks that joined in the same round) go to the highest rank. ``device`` is accepted
     for Horovod compatibility.
     """
-    tr = _transport(process_set, torch.empty(0))
+    tr = transport_for(process_set, torch.empty(0))
     served = 0
     while True:
         last = join_round(tr, served)

@@ -14,16 +14,17 @@ import contextlib
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from hvdnb.config import get_config
 from hvdnb.rank import nvtx as _nvtx
-from hvdnb.torch import ops
-from hvdnb.torch.collectives import sparse_allreduce_async as ops_sparse
+from hvdnb.torch.collectives import sparse_allreduce_async
 from hvdnb.torch.compression import Compression
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
+from hvdnb.torch.reduce import allreduce_launch
+from hvdnb.torch.spec import Adasum, Average, Sum
 
 __all__ = ["DistributedOptimizer"]
 
@@ -31,7 +32,7 @@ __all__ = ["DistributedOptimizer"]
 class _Bucket:
     __slots__ = ("ctx", "flat", "handle", "key", "name", "nvtx", "params", "ready", "sizes")
 
-    def __init__(self, params: list[torch.nn.Parameter], name: str, names: list[str]) -> None:
+    def __init__(self, params: list[torch.Tensor], name: str, names: list[str]) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
         self.name = name
@@ -58,16 +59,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        if op == ops.Adasum:
+        if op == Adasum:
             raise NotImplementedError(
                 "DistributedOptimizer(op=hvd.Adasum) is not implemented: Horovod's Adasum "
                 "optimizer combines each rank's parameter *update* after a local step (a "
                 "different algorithm from averaging gradients); use hvd.allreduce(t, "
                 "op=hvd.Adasum) on tensors, or op=hvd.Average"
             )
-        if op not in (ops.Average, ops.Sum):
+        if op not in (Average, Sum):
             raise ValueError("DistributedOptimizer supports op=hvd.Average or hvd.Sum")
-        if gradient_predivide_factor != 1.0 and op != ops.Average:
+        if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average")
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names: dict[torch.Tensor, str] = {}
@@ -107,9 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             old = getattr(p, "_hvdnb_hook", None)
             if old is not None:
                 old.remove()
-            p._hvdnb_hook = p.register_post_accumulate_grad_hook(  # type: ignore[union-attr]
-                self._hvd_hook
-            )
+            p._hvdnb_hook = p.register_post_accumulate_grad_hook(self._hvd_hook)
 
     @staticmethod
     def _hvd_plan(params: list[torch.Tensor], pname: list[str], groups: Any) -> list[_Bucket]:
@@ -184,7 +183,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif g.is_sparse:
                 if not self._hvd_dense:
                     # Horovod: sparse gradients travel as gathered indices and values
-                    self._hvd_sparse[p] = ops_sparse(
+                    self._hvd_sparse[p] = sparse_allreduce_async(
                         g, self._parameter_names[p], self._hvd_op, self._hvd_ps
                     )
                     g = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
@@ -195,7 +194,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         wire, b.ctx = self._hvd_comp.compress(b.flat)
         pre, post = self._hvd_scale
         b.nvtx = _nvtx.start("allreduce " + b.name.replace("DistributedOptimizer.", ""))
-        b.handle = ops._allreduce_launch(
+        b.handle = allreduce_launch(
             wire, True, b.name, self._hvd_op, pre, post, self._hvd_ps, shape_key=b.key
         )
 
@@ -242,7 +241,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._hvd_skip_sync = False
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if not self._hvd_skip_sync:
             if self._hvd_synced:
                 # gradients are averaged already: averaging them again would be wasted work
@@ -273,7 +272,7 @@ def DistributedOptimizer(
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
     compression: Any = Compression.none,
     backward_passes_per_step: int = 1,
-    op: int = ops.Average,
+    op: int = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
     groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
@@ -311,7 +310,9 @@ def DistributedOptimizer(
     torch.optim.Optimizer
     """
     base = optimizer.__class__
-    cls = type(base.__name__, (_DistributedOptimizer, base), {})
+    cls = cast(
+        "type[_DistributedOptimizer]", type(base.__name__, (_DistributedOptimizer, base), {})
+    )
     dist_opt = cls.__new__(cls)
     dist_opt.__dict__.update(optimizer.__dict__)
     if num_groups:
@@ -329,4 +330,4 @@ def DistributedOptimizer(
         sparse_as_dense,
         process_set,
     )
-    return dist_opt  # type: ignore[no-any-return]
+    return dist_opt

@@ -1,9 +1,10 @@
 """Process sets: subsets of ranks that run collectives among themselves (Horovod's API).
 
 Owns: ``ProcessSet`` (its ranks, its MPI and torch transports, its auto-name counters),
-``global_process_set``, ``add_process_set`` / ``remove_process_set``, and the job state
-that ``init`` fills. Never: run a collective on behalf of a non-member, or create a
-group on some ranks only (group creation is collective on every rank of the job).
+``global_process_set``, ``add_process_set`` / ``remove_process_set``,
+``build_transports``, and the job state that ``init`` fills (``STATE``). Never: run a
+collective on behalf of a non-member, or create a group on some ranks only (group
+creation is collective on every rank of the job).
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ __all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_proces
 
 
 class _State:
-    initialized = False
-    world: Any = None
-    comm: Any = None  # private Dup of MPI COMM_WORLD, None without mpiexec
-    ctrl: Any = None  # gloo group for headers when the default group is NCCL and no MPI
-    inline_bytes = 0
-    next_id = 1
-    sets: dict[int, ProcessSet] = {}
-    #: ops' cached fast paths (they hold transports): cleared when transports go away
-    plans: dict[Any, Any] = {}
+    """The job state ``init`` fills (one instance: ``STATE``)."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.world: Any = None
+        self.comm: Any = None  # private Dup of MPI COMM_WORLD, None without mpiexec
+        self.ctrl: Any = None  # gloo group for headers when the default group is NCCL, no MPI
+        self.inline_bytes = 0
+        self.next_id = 1
+        self.sets: dict[int, ProcessSet] = {}
+        #: the planned allreduces (plans.py; they hold transports): cleared when
+        #: transports go away
+        self.plans: dict[Any, Any] = {}
 
 
 STATE = _State()
@@ -51,30 +56,21 @@ class ProcessSet:
         self.torch: TorchTransport | None = None
         self.counters: dict[int, int] = {}
 
-    def _require(self) -> None:
-        if not STATE.initialized:
-            raise ValueError("hvdnb.torch is not initialised: call hvd.init() first")
-        if self.process_set_id is None:
-            raise ValueError(
-                f"process set {self.ranks} is not registered: call hvd.add_process_set(ranks) "
-                "on every rank first"
-            )
-
     def included(self) -> bool:
         """Whether this process is a member."""
-        self._require()
+        check_registered(self)
         assert self.ranks is not None
         return STATE.world.rank in self.ranks
 
     def size(self) -> int:
         """Number of ranks in the set."""
-        self._require()
+        check_registered(self)
         assert self.ranks is not None
         return len(self.ranks)
 
     def rank(self) -> int:
         """This process's rank within the set (-1 for non-members)."""
-        self._require()
+        check_registered(self)
         assert self.ranks is not None
         r = STATE.world.rank
         return self.ranks.index(r) if r in self.ranks else -1
@@ -86,7 +82,18 @@ class ProcessSet:
 global_process_set = ProcessSet()
 
 
-def _build(ps: ProcessSet, ranks: list[int]) -> None:
+def check_registered(ps: ProcessSet) -> None:
+    """ValueError unless hvdnb.torch is initialised and ``ps`` is registered."""
+    if not STATE.initialized:
+        raise ValueError("hvdnb.torch is not initialised: call hvd.init() first")
+    if ps.process_set_id is None:
+        raise ValueError(
+            f"process set {ps.ranks} is not registered: call hvd.add_process_set(ranks) "
+            "on every rank first"
+        )
+
+
+def build_transports(ps: ProcessSet, ranks: list[int]) -> None:
     """Create the transports of ``ps``; collective on every rank of the job."""
     import torch.distributed as dist
 
@@ -137,7 +144,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     for other in STATE.sets.values():
         if other.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} exists already: {other}")
-    _build(ps, ps.ranks)
+    build_transports(ps, ps.ranks)
     ps.process_set_id = STATE.next_id
     STATE.next_id += 1
     STATE.sets[ps.process_set_id] = ps

@@ -26,12 +26,12 @@ How ranks agree (Horovod's contract without its background thread):
   collective on the active ranks, until every rank has joined.
 
 Never: issue a collective outside a round, decide differently on different ranks (every
-decision is a function of what all ranks sent), or block in ``poll``.
+decision is a function of what all ranks sent), block in ``poll``, or know any collective's
+semantics (those live above: ``reduce.py``, ``collectives.py``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from collections.abc import Callable
@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from hvdnb.torch import listeners as _lst
+import hvdnb.torch.listeners as _lst
+from hvdnb.torch.timing import cuda_wait
 from hvdnb.torch.transport import HDR, HDR_BYTES, SIG_BYTES, Kind
 
 __all__ = [
@@ -47,9 +48,12 @@ __all__ = [
     "CollectiveMismatchError",
     "Handle",
     "Op",
+    "after_exchange",
     "blocking",
     "defer",
     "full_round",
+    "join_round",
+    "kind_of",
     "mismatch_error",
     "rounds",
     "settle",
@@ -91,115 +95,18 @@ def kind_of(h: bytes) -> int:
 
 
 # -- handles ----------------------------------------------------------------------------
-class _NcclSeconds:
-    """A collective's own GPU time as ProcessGroupNCCL measures it: CUDA events it records
-    on its own stream around the kernel (``Work._get_duration`` in torch 2.11 and 2.13,
-    ``get_duration`` where a torch names it so; needs ``TORCH_NCCL_ENABLE_TIMING=1``, which
-    hvdnb's rendezvous sets for NCCL groups). Read later (the recorder's flusher thread,
-    the timeline's flush), never in the step; read once, then kept; NaN ("n/a") when the
-    group was made without timing. Seen on an H100: 7.8 us for a 4 MB one-rank allreduce."""
-
-    __slots__ = ("value", "work")
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-        self.value: float | None = None
-
-    def ready(self) -> bool:
-        """Has the GPU finished it (never waits)?"""
-        w = self.work
-        return w is None or self.value is not None or bool(w.is_completed())
-
-    def item(self) -> float:
-        if self.value is not None:
-            return self.value
-        w = self.work
-        if w is None:
-            return math.nan
-        deadline = time.monotonic() + 60.0
-        try:
-            while not w.is_completed():  # polls the end event; never blocks the device
-                if time.monotonic() > deadline:
-                    return math.nan
-                time.sleep(0.0002)
-            get = getattr(w, "_get_duration", None) or w.get_duration  # torch >= 2.11: private
-            v = float(get()) / 1000.0
-        except Exception:  # timing off for this group, or the work failed
-            v = math.nan
-        self.value, self.work = v, None
-        return v
-
-
-class _CudaGap:
-    """How long the compute stream waited for a collective: CUDA events on the current
-    stream just before and just after it was made to wait for the collective's end."""
-
-    __slots__ = ("after", "before")
-
-    def __init__(self, before: Any, after: Any) -> None:
-        self.before, self.after = before, after
-
-    def ready(self) -> bool:
-        return bool(self.after.query())
-
-    def item(self) -> float:
-        self.after.synchronize()
-        return float(self.before.elapsed_time(self.after)) / 1000.0
-
-
-def _cuda_wait(work: Any) -> _CudaGap:
-    """``work.wait()`` (the current stream waits for NCCL; the host does not) between two
-    timing events: the exposed communication on the GPU."""
-    before = torch.cuda.Event(enable_timing=True)
-    after = torch.cuda.Event(enable_timing=True)
-    before.record()
-    work.wait()
-    after.record()
-    return _CudaGap(before, after)
-
-
-class GlooClock:
-    """Completion times of one process group's gloo works, in enqueue order.
-
-    A work's own time runs from max(its enqueue, completion of the work enqueued before it
-    on the same group) to its completion: queueing behind earlier buckets is not counted.
-    """
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: list[float] | None = None  # [done time] of the previous work, shared cell
-
-    def attach(self, work: Any) -> list[float]:
-        """Stamp ``work``; returns [enqueue, own seconds or nan until done, done cell]."""
-        prev = self.last
-        cell = [float("nan")]
-        rec: list[Any] = [time.perf_counter(), float("nan"), cell, prev]
-        self.last = cell
-
-        def done(_fut: Any) -> None:
-            t = time.perf_counter()
-            cell[0] = t
-            p = rec[3]
-            start = rec[0] if p is None or p[0] != p[0] else max(rec[0], p[0])
-            rec[1] = t - start
-            rec[3] = None  # do not keep the chain alive
-            return None
-
-        work.get_future().then(done)
-        return rec
-
-
 class Handle:
     """A started collective: ``wait()`` finishes it once and returns its result.
 
     ``meta`` is (name, nbytes, backend) when comm listeners were registered at launch;
     ``own`` / ``exp`` accumulate the blocking seconds of the collective and of the calling
-    thread, ``gloo`` is a GlooClock record, ``cuda`` an _NcclSeconds (NCCL's own timing;
-    the exposed time is then a _CudaGap on the compute stream).
+    thread, ``gloo`` is a GlooClock record, ``cuda`` an NcclSeconds (NCCL's own timing;
+    the exposed time is then a CudaGap on the compute stream).
     """
 
     __slots__ = ("cuda", "exp", "finish", "gloo", "meta", "own", "result", "work")
+    #: seconds (a float); on NCCL, once waited, a CudaGap that ``report`` hands on
+    exp: Any
 
     def __init__(
         self, work: Any, finish: Callable[[], Any] | None, result: Any, meta: Any = None
@@ -221,7 +128,7 @@ class Handle:
             if self.meta is None:
                 w.Wait() if hasattr(w, "Test") else w.wait()
             elif self.cuda is not None:
-                self.exp = _cuda_wait(w)
+                self.exp = cuda_wait(w)
             else:
                 t0 = time.perf_counter()
                 w.Wait() if hasattr(w, "Test") else w.wait()
@@ -418,7 +325,7 @@ def full_round(tr: Any, cur: Op | None, target: Op | None, joined: int = -1) -> 
         mine.append(cur)
     wait = None if target is None else target.name
     info = {"join": joined, "ops": [(o.name, o.hdr) for o in mine], "wait": wait}
-    allinfo = tr.gather_objects(info)
+    allinfo: list[Any] = tr.gather_objects(info)
     n = len(allinfo)
     active = [r for r in range(n) if allinfo[r]["join"] < 0]
     if not active:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvdnb.torch import ops
+from hvdnb.torch.ops import allreduce
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
+from hvdnb.torch.spec import Sum
 
 __all__ = ["SyncBatchNorm"]
 
@@ -50,25 +51,24 @@ class SyncBatchNorm(_BatchNorm):
         # statistics come from the same formulas, and a batch of one value per channel
         # (which torch's BatchNorm refuses in training) gives variance 0
         c = x.shape[1]
-        dims = [0] + list(range(2, x.dim()))
+        dims = [0, *range(2, x.dim())]
         xf = x.float()
         count = torch.full((1,), x.numel() // c, dtype=torch.float32, device=x.device)
         stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
-        stats = ops.allreduce(stats, op=ops.Sum, process_set=self.process_set)
+        stats = allreduce(stats, op=Sum, process_set=self.process_set)
         total = stats[-1]
         mean = stats[:c] / total
         var = (stats[c : 2 * c] / total - mean * mean).clamp_min(0)
-        if self.track_running_stats and self.running_mean is not None:
+        rm = self.running_mean
+        if self.track_running_stats and rm is not None:
             with torch.no_grad():
-                self.num_batches_tracked += 1
-                m = (
-                    1.0 / float(self.num_batches_tracked)
-                    if self.momentum is None
-                    else self.momentum
-                )
+                nbt, rv = self.num_batches_tracked, self.running_var
+                assert nbt is not None and rv is not None  # tracked: all three buffers exist
+                nbt.add_(1)  # in place, as ``+= 1`` on the buffer
+                m = 1.0 / float(nbt) if self.momentum is None else self.momentum
                 unbiased = var * total / (total - 1).clamp_min(1)
-                self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)
-                self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)
+                rm.mul_(1 - m).add_(mean.to(rm.dtype), alpha=m)
+                rv.mul_(1 - m).add_(unbiased.to(rv.dtype), alpha=m)
         shape = [1, c] + [1] * (x.dim() - 2)
         y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdnb.config import get_config
-from hvdnb.torch import listeners
+from hvdnb.torch.listeners import add_comm_listener, remove_comm_listener
 
 __all__ = ["TimelineWriter", "merge_timelines", "start_timeline", "stop_timeline"]
 
@@ -44,7 +44,7 @@ class TimelineWriter:
         self.max_bytes = get_config().timeline_max_bytes if max_bytes is None else max_bytes
         self.flush_interval = flush_interval
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "w+b")
+        self._f = open(self.path, "w+b")  # noqa: SIM115 (open until close(), by design)
         meta = {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}}
         self._f.write(b"[\n" + json.dumps(meta).encode() + b"\n]\n")
         self._f.flush()
@@ -211,7 +211,7 @@ def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False)
     path = Path(file_path)
     mine = _rank_path(path, rank())
     _ACTIVE.update(writer=TimelineWriter(mine, rank()), path=path)
-    listeners.add_comm_listener(_listener)
+    add_comm_listener(_listener)
     if not _ACTIVE.get("hooked"):
         atexit.register(lambda: _ACTIVE.get("writer") and _ACTIVE["writer"].close())
         try:
@@ -229,7 +229,7 @@ def stop_timeline(merge: bool = True) -> Path | None:
     into the path given to ``start_timeline`` and returns it (other ranks return None).
     """
     w = _ACTIVE.pop("writer", None)
-    listeners.remove_comm_listener(_listener)
+    remove_comm_listener(_listener)
     if w is None:
         return None
     w.close()

@@ -1,23 +1,36 @@
 """Wire level of hvdnb.torch: headers, negotiation and the two transports.
 
 Owns: the fixed 128-byte header every collective sends before (or with) its data, the
-negotiation that compares headers across ranks, and the per-process-set transports:
-``MPITransport`` (mpi4py over a private communicator, CPU tensors, zero-copy through
-numpy views) and ``TorchTransport`` (torch.distributed: NCCL for CUDA tensors, gloo
-without MPI). Never: decide Horovod semantics (scaling, averaging, names), allocate per
-call what can be cached, or issue a collective outside the SPMD order of the caller.
+header exchange, the count of negotiated calls (``negotiated_calls``, the stall
+detector's progress counter), and the per-process-set transports: ``MPITransport`` (mpi4py
+over a private communicator, CPU tensors, zero-copy through numpy views) and
+``TorchTransport`` (torch.distributed: NCCL for CUDA tensors, gloo without MPI). Never:
+decide Horovod semantics (scaling, averaging, names), allocate per call what can be
+cached, or issue a collective outside the SPMD order of the caller.
 """
 
 from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-__all__ = ["HDR", "HDR_BYTES", "SIG_BYTES", "TAG", "Kind", "MPITransport", "TorchTransport"]
+from hvdnb.torch.timing import GlooClock
+
+__all__ = [
+    "CALLS",
+    "HDR",
+    "HDR_BYTES",
+    "SIG_BYTES",
+    "TAG",
+    "Kind",
+    "MPITransport",
+    "TorchTransport",
+    "negotiated_calls",
+]
 
 #: 12 signature words (must be equal on every rank) + 4 per-rank words
 HDR = struct.Struct("<16q")
@@ -27,6 +40,12 @@ HDR_BYTES = HDR.size
 CALLS = [0]
 SIG_BYTES = 12 * 8
 TAG = 17
+
+
+def negotiated_calls() -> int:
+    """How many collectives this process has negotiated so far (``CALLS``); safe to call
+    from any thread (the stall detector's progress counter)."""
+    return CALLS[0]
 
 
 class Kind:
@@ -41,7 +60,7 @@ class Kind:
     JOIN = 7
     #: a rank with queued async ops (or several ops to settle) asks for a full round
     ROUND = 8
-    NAMES = {
+    NAMES: ClassVar[dict[int, str]] = {
         1: "allreduce",
         2: "allgather",
         3: "broadcast",
@@ -76,8 +95,8 @@ class MPITransport:
         cap = HDR_BYTES + self.inline
         self.sbuf = np.zeros(cap, np.uint8)
         self.rbuf = np.zeros(cap, np.uint8)
-        self.smv = memoryview(self.sbuf)
-        self.rmv = memoryview(self.rbuf)
+        self.smv = self.sbuf.data  # memoryview(ndarray), spelled so numpy's stubs accept it
+        self.rmv = self.rbuf.data
         self.rspec = [self.rbuf, MPI.BYTE]
         self._sspecs: dict[int, list[Any]] = {}
         self.saddr = self.sbuf.ctypes.data
@@ -146,7 +165,8 @@ class MPITransport:
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Pickled allgather: only for slow paths (error reports, object helpers)."""
-        return self.comm.allgather(obj)
+        out: list[Any] = self.comm.allgather(obj)
+        return out
 
     # -- data ----------------------------------------------------------------------------
     @staticmethod
@@ -170,7 +190,7 @@ class MPITransport:
         MPI = self.MPI
         s = send.reshape(-1).view(torch.uint8).numpy()
         r = out.reshape(-1).view(torch.uint8).numpy()
-        displs = np.cumsum([0] + counts[:-1]).tolist()
+        displs = np.cumsum([0, *counts[:-1]]).tolist()
         self.comm.Allgatherv([s, MPI.BYTE], [r, (counts, displs), MPI.BYTE])
 
     def bcast(self, t: torch.Tensor, root: int) -> None:
@@ -180,8 +200,8 @@ class MPITransport:
         self, send: torch.Tensor, scounts: list[int], out: torch.Tensor, rcounts: list[int]
     ) -> None:
         MPI = self.MPI
-        sd = np.cumsum([0] + scounts[:-1]).tolist()
-        rd = np.cumsum([0] + rcounts[:-1]).tolist()
+        sd = np.cumsum([0, *scounts[:-1]]).tolist()
+        rd = np.cumsum([0, *rcounts[:-1]]).tolist()
         s = send.reshape(-1).view(torch.uint8).numpy()
         r = out.reshape(-1).view(torch.uint8).numpy()
         self.comm.Alltoallv([s, (scounts, sd), MPI.BYTE], [r, (rcounts, rd), MPI.BYTE])
@@ -215,8 +235,6 @@ class TorchTransport:
         self.ops = {0: R.SUM, 1: R.SUM, 3: R.MIN, 4: R.MAX, 5: R.PRODUCT}
         # headers over MPI: one queue of async ops for both transports (one round order)
         self.pending: list[Any] = mpi.pending if mpi is not None else []
-        from hvdnb.torch.rounds import GlooClock
-
         self.clock = GlooClock()
 
     def exchange(self, hdr: bytes) -> list[bytes]:

@@ -65,7 +65,7 @@ def test_fp16_compression_round_trip() -> None:
 
 
 class _LateTiming:
-    """Stands in for an NCCL timing (``rounds._NcclSeconds``: CUDA needs a GPU, absent
+    """Stands in for an NCCL timing (``timing.NcclSeconds``: CUDA needs a GPU, absent
     here): not ready until the test says so, then reads ``value``."""
 
     def __init__(self, value: float) -> None:

@@ -1,0 +1,218 @@
+"""The general allreduce: one call turned into a negotiated ``Op`` and its data phase.
+
+Owns: the semantics every allreduce path shares (Average on integers truncates and on
+floats divides, pre/post scaling, Horovod's 16-bit scaling on CUDA, wire dtypes where a
+transport refuses a type, Adasum's gather and combination, the one-message form of small
+two-rank allreduces over MPI, NCCL's own timing for the listeners), ``allreduce_op`` (the
+transport and Op of one call) and ``allreduce_launch`` (negotiate now, start the data).
+Used by the public allreduce family (``ops.py``), the planned paths' fallback
+(``plans.py``), reducescatter and the gradients of the other collectives
+(``collectives.py``) and DistributedOptimizer's buckets. Never: reduce half types in half
+precision, call ``cuda.synchronize``, or skip the header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hvdnb.torch.listeners as _lst
+from hvdnb.torch.adasum import adasum_tree
+from hvdnb.torch.process_sets import ProcessSet
+from hvdnb.torch.rounds import Handle, Op, blocking, wire_dtype
+from hvdnb.torch.spec import (
+    OPNAMES,
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Sum,
+    auto_name,
+    describe,
+    dtype_code,
+    name_hash,
+    transport_for,
+)
+from hvdnb.torch.timing import NcclSeconds
+from hvdnb.torch.transport import HDR, HDR_BYTES, Kind, MPITransport
+
+__all__ = ["allreduce_launch", "allreduce_op"]
+
+
+def _scale(t: torch.Tensor, f: float, inplace: bool) -> torch.Tensor:
+    if t.is_floating_point():
+        if t.is_cuda and t.element_size() == 2:
+            # Horovod's GPU kernels scale 16-bit floats by the factor rounded to that type
+            # (on CPU they compute in float32, as hvdnb's wire dtype does there)
+            f = float(torch.tensor(f, dtype=t.dtype))
+        return t.mul_(f) if inplace else t * f
+    # Horovod scales integers in double precision and truncates
+    s = (t.double() * f).to(t.dtype)
+    return t.copy_(s) if inplace else s
+
+
+def _meta(name: str, nbytes: int, backend: str) -> Any:
+    return (name, nbytes, backend) if _lst.LISTENERS else None
+
+
+def _check_op(op: int) -> None:
+    if op not in OPNAMES:
+        raise ValueError(
+            f"op {op!r} is not an hvd op; use hvd.Average, Sum, Adasum, Min, Max or Product"
+        )
+
+
+def allreduce_op(
+    tensor: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: int,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    shape_key: int | None = None,
+    tr: Any = None,
+) -> tuple[Any, Op]:
+    """Build one allreduce: (transport, Op).
+
+    Two ranks over MPI, small tensors: the Op gets an ``inline`` attempt that swaps header
+    and data in one message and returns the finished Handle, or every rank's header when
+    they differed (the round is then settled with the op's regular data phase).
+    """
+    _check_op(op)
+    if tr is None:
+        tr = transport_for(ps, tensor)
+    if name is None:
+        name = auto_name(ps, Kind.ALLREDUCE)
+    dtype = tensor.dtype
+    dcode = dtype_code(tensor)
+    x = tensor if tensor.is_contiguous() else tensor.contiguous()
+    wd = wire_dtype(dtype, tr.backend, x.is_cuda)
+    wire = x if wd == dtype else x.to(wd)
+    if op == Adasum:
+        if not wire.is_floating_point():
+            raise ValueError(f"Adasum needs a floating point tensor, not {dtype}")
+        if tr.size & (tr.size - 1):
+            raise NotImplementedError(
+                f"Adasum needs a power-of-two number of ranks (this process set has "
+                f"{tr.size}): its pairwise combination tree, like Horovod's, has no rule "
+                "for an unpaired rank"
+            )
+    if pre != 1.0:
+        wire = _scale(wire, pre, inplace=wire is not tensor)
+    nbytes = x.numel() * x.element_size()
+    hdr = HDR.pack(
+        Kind.ALLREDUCE,
+        name_hash(name),
+        dcode,
+        op,
+        0,
+        hash(x.shape) if shape_key is None else shape_key,
+        x.numel(),
+        hash(pre),
+        hash(post),
+        0,
+        0,
+        0,
+        0,
+        nbytes,
+        0,
+        0,
+    )
+    n = tr.size
+    direct = inplace and wire is tensor
+    backend = tr.backend
+
+    def finish(r: torch.Tensor) -> torch.Tensor:
+        post_eff = post
+        if op == Average:
+            if r.is_floating_point():
+                if post == 1.0:
+                    r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
+                else:
+                    post_eff = post / n
+            else:
+                r.div_(n, rounding_mode="trunc")
+        if post_eff != 1.0:
+            _scale(r, post_eff, inplace=True)
+        if inplace:
+            if r is not tensor:
+                tensor.copy_(r.view(tensor.shape) if r.shape != tensor.shape else r)
+            return tensor
+        return r if r.dtype == dtype else r.to(dtype)
+
+    def start(hdrs: list[bytes]) -> Handle:
+        if op == Adasum:
+            parts = torch.empty((n, wire.numel()), dtype=wire.dtype)
+            tr.allgatherv(wire, parts, [wire.numel() * wire.element_size()] * n)
+            res = adasum_tree(parts).view(wire.shape)
+            return Handle(None, None, finish(res), _meta(name, nbytes, backend))
+        res = wire if direct else torch.empty_like(wire)
+        meta = _meta(name, nbytes, backend)
+        if meta is not None and backend == "nccl":
+            return _nccl_timed(tr, wire, res, op, finish, meta)
+        work = tr.allreduce(wire, res, op, True)
+        h = Handle(work, lambda: finish(res), None, meta)
+        if meta is not None and backend == "gloo" and work is not None:
+            h.gloo = tr.clock.attach(work)
+        return h
+
+    o = Op(
+        name,
+        hdr,
+        describe(Kind.ALLREDUCE, name, tensor, op=OPNAMES[op], prescale=pre, postscale=post),
+        start,
+    )
+    nbw = wire.numel() * wire.element_size()
+
+    def inline() -> Any:
+        if not tr.exchange_inline(hdr, wire, nbw):
+            peer = tr.rbuf[:HDR_BYTES].tobytes()
+            return [hdr, peer] if tr.rank == 0 else [peer, hdr]
+        peer_t = tr.peer_view(wire.dtype, wire.shape)
+        out = wire if direct else None
+        if op <= Sum:
+            res = torch.add(wire, peer_t, out=out)
+        elif op == Min:
+            res = torch.minimum(wire, peer_t, out=out)
+        elif op == Max:
+            res = torch.maximum(wire, peer_t, out=out)
+        else:
+            res = torch.mul(wire, peer_t, out=out)
+        return Handle(None, None, finish(res), _meta(name, nbytes, backend))
+
+    if type(tr) is MPITransport and nbw <= tr.inline and op != Adasum:
+        o.inline = inline
+    return tr, o
+
+
+def _nccl_timed(
+    tr: Any,
+    wire: torch.Tensor,
+    res: torch.Tensor,
+    op: int,
+    finish: Callable[[torch.Tensor], Any],
+    meta: Any,
+) -> Handle:
+    """NCCL, its own kernel time read later from the Work (never here)."""
+    work = tr.allreduce(wire, res, op, True)
+    h = Handle(work, lambda: finish(res), None, meta)
+    h.cuda = NcclSeconds(work)
+    return h
+
+
+def allreduce_launch(
+    tensor: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: int,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    shape_key: int | None = None,
+) -> Handle:
+    """Negotiate now and start the data phase (the caller waits on the Handle)."""
+    tr, o = allreduce_op(tensor, inplace, name, op, pre, post, ps, shape_key)
+    return blocking(tr, o)
