@@ -376,6 +376,11 @@ class DistMagics(Magics):
             print("hvdnb: no cluster is running")
             return
         c.stop()
+        from hvdnb.notebook.panel import get_panel
+
+        panel = get_panel(create=False)
+        if panel is not None:  # the last cell of a notebook leaves a current picture
+            panel.snapshot(if_stale=True)
         print("hvdnb: cluster stopped")
 
     def _restart(self, args: Any) -> None:

@@ -18,8 +18,12 @@ jupyterlab-sidecar's ``Sidecar``), so it stays in view while the user scrolls to
 that trains; ``%dist panel --inline`` (or ``HVDNB_PANEL=inline``) shows it in a cell's
 output instead, for front ends without a side area (classic Notebook, VS Code). The
 ``%dist start`` cell keeps a small stand-in: a button that brings the side panel back
-after its tab was closed, and a PNG of the charts (refreshed when each cell ends), so a
-saved notebook on GitHub or nbviewer shows the last picture.
+after its tab was closed, and a PNG of the charts, so a saved notebook on GitHub or nbviewer
+shows the last picture. The PNG (a matplotlib draw, ~100 ms) is never drawn on a cell's
+path: when a cell ends the picture is only marked stale; the idle timer draws it in a
+background thread once the store changed (at most every ``snapshot_interval`` s) and swaps
+it into the display handles from the kernel's event loop; ``%dist stop`` draws a stale one
+at once, so the last cell of a notebook run headless still leaves it.
 
 What is drawn: the header and tables (``tables``), the live SVG charts (``svg``) and the
 saved PNG (``png``), both drawn from the chart models (``charts``).
@@ -79,6 +83,14 @@ class Panel:
         self._lock = threading.RLock()
         self._handles: list[Any] = []
         self._png = b""
+        self._png_version = -1  # the store version the saved picture shows
+        self._png_ready: tuple[int, bytes] | None = None  # drawn in the background, unshown
+        self._png_thread: threading.Thread | None = None
+        self._png_lock = threading.Lock()  # one matplotlib draw at a time
+        self._last_snapshot = 0.0
+        #: least seconds between two background draws of the saved picture
+        self.snapshot_interval = 2.0
+        self.snapshots = 0
         self._seen_loss: dict[int, int] = {}
         self.latencies: list[float] = []
         self.measure_latency = False
@@ -92,6 +104,7 @@ class Panel:
         c = self.controls
         # the widgets by their old names (bench, tests and users read them off the panel)
         self.log_y, self.smoothing, self.cmp_x = c.log_y, c.smoothing, c.cmp_x
+        self.window = c.window
         self.cmp_clear, self.knob_box, self.knob_text = c.cmp_clear, c.knob_box, c.knob_text
         self.knob_apply, self.knob_status = c.knob_apply, c.knob_status
         # the knobs first: tuning is what the panel is for, and a side area is narrow
@@ -101,7 +114,7 @@ class Panel:
                 w.HBox([c.knob_text, c.knob_apply]),
                 c.knob_status,
                 self.view,
-                w.HBox([c.log_y, c.smoothing]),
+                w.HBox([c.log_y, c.smoothing, c.window], layout=w.Layout(flex_flow="row wrap")),
                 w.HBox([c.cmp_x, c.cmp_clear]),
             ]
         )
@@ -110,7 +123,7 @@ class Panel:
         self._sidecar: Any = None
         self._want_side = False
         self._stub: _Stub | None = None
-        self._idle = _kernel.IdleTimer(lambda: self.tick(False), 0.5)
+        self._idle = _kernel.IdleTimer(self._idle_tick, 0.5)
         self.render(force=True)
 
     # -------------------------------------------------------------- display
@@ -166,21 +179,67 @@ class Panel:
         if _kernel.kernel() is not None and self._subshell is None:
             self.tick(False)  # no subshell: we are on the main thread already
 
-    def snapshot(self) -> None:
-        """Refresh the PNG kept in every displayed copy (what a saved notebook shows)."""
+    def snapshot(self, if_stale: bool = False) -> None:
+        """Draw the PNG kept in every displayed copy (what a saved notebook shows) now, on
+        this thread; with ``if_stale``, only when the store changed since the last one."""
         if not self._handles:
             return
-        try:
-            self._png = render_png(
-                self.store, log_y=self.log_y.value, smoothing=self.smoothing.value
-            )
-        except Exception:  # a missing picture must not break the cell's end
+        version = self.store.version
+        if if_stale and version == self._png_version and self._png_ready is None:
             return
+        try:
+            png = self._draw_png()
+        except Exception:  # a missing picture must never break a command
+            return
+        self._png_ready = None
+        self._show_png(version, png)
+
+    def _draw_png(self) -> bytes:
+        with self._png_lock:
+            self.snapshots += 1
+            return render_png(
+                self.store,
+                log_y=self.log_y.value,
+                smoothing=self.smoothing.value,
+                window=self.window.value,
+            )
+
+    def _show_png(self, version: int, png: bytes) -> None:
+        self._png, self._png_version = png, version
         for h, obj in self._handles:
             try:
                 h.update(obj)
             except Exception:
                 pass
+
+    def _idle_tick(self) -> None:
+        """Between cells (the kernel's event loop): redraw, show a picture drawn in the
+        background, and start the next background draw when the store changed."""
+        self.tick(False)
+        ready = self._png_ready
+        if ready is not None:
+            self._png_ready = None
+            self._show_png(*ready)
+        busy = self._png_thread is not None and self._png_thread.is_alive()
+        now = time.monotonic()
+        if (
+            busy
+            or not self._handles
+            or self.store.version == self._png_version
+            or now - self._last_snapshot < self.snapshot_interval
+        ):
+            return
+        self._last_snapshot = now
+        version = self.store.version
+
+        def draw() -> None:
+            try:
+                self._png_ready = (version, self._draw_png())
+            except Exception:
+                pass
+
+        self._png_thread = threading.Thread(target=draw, name="hvdnb-snapshot", daemon=True)
+        self._png_thread.start()
 
     # -------------------------------------------------------------- controls (any thread)
     def request(self, values: dict[str, Any]) -> tuple[bool, str]:
@@ -189,19 +248,20 @@ class Panel:
 
     def _invalidate(self) -> None:
         self._drawn_version = -1  # redraw at the next tick
+        self._png_version = -1  # a view control changed: the saved picture follows (idle)
 
     # -------------------------------------------------------------- drawing (main thread)
     def tick(self, final: bool = False) -> None:
         """Redraw if the store changed (at most every ``render_interval``); the cells'
-        wait hook calls it every ~50 ms and once with ``final=True`` when a cell ends."""
+        wait hook calls it every ~50 ms and once with ``final=True`` when a cell ends
+        (then only if the store changed: a no-op cell costs the panel nothing)."""
         self.store.attach_current()
         if self._want_side:  # the stand-in's button, pressed on the control thread
             self._want_side = False
             self.open_side()
         now = time.monotonic()
-        if final:
-            self.render(force=True)
-            self.snapshot()
+        if final:  # the cell's end: draw what changed; the saved picture waits for idle
+            self.render()
             return
         # a redraw may take most of this thread at 1,000 ranks: keep it under ~25 % of it
         if now - self._last_render < max(self.render_interval, 3 * self._last_cost):
@@ -269,7 +329,11 @@ class Panel:
                 "style='width:160px;vertical-align:middle'></progress>"
             )
         charts = charts_html(
-            self.store, log_y=self.log_y.value, alpha=self.smoothing.value, runs_x=self.cmp_x.value
+            self.store,
+            log_y=self.log_y.value,
+            alpha=self.smoothing.value,
+            runs_x=self.cmp_x.value,
+            window=self.window.value,
         )
         hint = html.escape(self.store.hint()) if self.store.ranks() else ""
         return (
