@@ -14,7 +14,14 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["DEBUG_COMMAND", "ENGINE_INFO", "REBUILD_GROUP", "RUN_CELL", "RemoteCall"]
+__all__ = [
+    "CONNECT_CHANNEL",
+    "DEBUG_COMMAND",
+    "ENGINE_INFO",
+    "REBUILD_GROUP",
+    "RUN_CELL",
+    "RemoteCall",
+]
 
 
 class RemoteCall:
@@ -54,5 +61,7 @@ RUN_CELL: Final = RemoteCall("hvdnb.rank.engine:run_cell")
 REBUILD_GROUP: Final = RemoteCall("hvdnb.rank.engine:rebuild_group")
 #: a rank's host, pid, device and state, for ``%dist status``
 ENGINE_INFO: Final = RemoteCall("hvdnb.rank.engine:engine_info")
+#: connect the rank's side channel now (``%dist start`` returns once every rank has)
+CONNECT_CHANNEL: Final = RemoteCall("hvdnb.rank.engine:connect_channel")
 #: one command for pdb on the frames of a rank's last failed cell
 DEBUG_COMMAND: Final = RemoteCall("hvdnb.rank.engine:debug_command")

@@ -32,7 +32,15 @@ from typing import Any
 from hvdnb.protocol import kinds
 from hvdnb.rank.metrics import recorder
 
-__all__ = ["bootstrap", "engine_info", "main", "rebuild_group", "run_cell"]
+__all__ = [
+    "bootstrap",
+    "connect_channel",
+    "debug_command",
+    "engine_info",
+    "main",
+    "rebuild_group",
+    "run_cell",
+]
 
 _STATE: dict[str, Any] = {"backend": None, "last_cell": None, "device": "cpu"}
 
@@ -477,7 +485,7 @@ def _progress() -> list[Any]:
     return out
 
 
-def _connect_channel() -> None:
+def connect_channel() -> None:
     """Connect the side channel once, and answer "where are you?" from its thread."""
     if _STATE.get("channel_ready"):
         return
@@ -586,7 +594,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     """
     rank = int(os.environ.get("RANK", -1))
     filename = f"<cell {cell_no}>"
-    _connect_channel()
+    connect_channel()
     _new_cell_metrics()
     _STATE["last_error"] = _STATE["post_mortem"] = None  # a new cell: old frames go
     sys.breakpointhook = _breakpoint  # breakpoint() in the cell: pdb, prompted in the notebook

@@ -47,6 +47,7 @@ from hvdnb.notebook.cluster.launch import find_mpiexec
 from hvdnb.notebook.cluster.spec import ClusterError, StartSpec
 from hvdnb.notebook.cluster.watchdog import remove_files
 from hvdnb.notebook.metrics import store
+from hvdnb.protocol.remote import CONNECT_CHANNEL
 
 __all__ = ["Cluster", "ClusterError", "cores", "current", "find_mpiexec", "gpu_count"]
 
@@ -278,6 +279,7 @@ class Cluster:
             try:
                 self._loop.run(self._start_async(), timeout=self.timeout + 30)
                 self._connect()
+                self._wait_channels()
                 self._protect_files()
                 self._start_watchdog()
                 break
@@ -348,6 +350,26 @@ class Cluster:
         if hub is not None:
             # engines sign with the session key of the (0600) connection file: so do we
             hub.sign_with(bytes(self.client.session.key))
+
+    def _wait_channels(self) -> None:
+        """Ready means ready: every rank connects its side channel now (a rank otherwise
+        connects on its first cell) and start returns only once each has said hello, so a
+        `%dist where`, `knobs` or `debug` right after a start or restart reaches every rank."""
+        if self.channel is None or self.view is None:
+            return
+        self.view.apply_sync(CONNECT_CHANNEL)
+        want = set(range(self.n))
+        deadline = time.monotonic() + min(self.timeout, 30.0)
+        while not want <= set(self.channel.ranks):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                missing = sorted(want - set(self.channel.ranks))
+                raise ClusterError(
+                    f"rank(s) {missing} started but never reached the notebook's side channel "
+                    f"at {self.channel_endpoint}: is that address reachable from their host? "
+                    "Pass `%dist start --ip ADDRESS` (an address of this host they can reach)"
+                )
+            time.sleep(0.002)
 
     def _open_channel(self) -> None:
         self._hub = Hub(self.ip)
