@@ -40,6 +40,9 @@ class Config:
     output_interval: float = 0.05
     #: a cell running this long gets its ranks' positions checked for a stall (0: never)
     stall_after: float = 5.0
+    #: a cell's output shown in the notebook stops at this many MB (a browser tab slows
+    #: down past tens of MB): the rest goes to a file the cell names, with its last lines
+    output_limit_mb: float = 5.0
     #: identical lines from several ranks are held this long to be merged (seconds)
     collapse_window: float = 0.25
     #: metrics flush interval on engines (seconds) for the first ``flush_warm`` seconds of

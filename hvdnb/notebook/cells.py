@@ -12,9 +12,11 @@ per rank.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,8 +24,9 @@ from typing import Any
 
 from hvdnb.config import get_config
 from hvdnb.notebook.cluster import health
-from hvdnb.notebook.output import OutputCollapser, format_ranks
+from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.stall import StallWatch
+from hvdnb.notebook.streaming import Streamer
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import REBUILD_GROUP, RUN_CELL
 
@@ -206,53 +209,6 @@ def parse_targets(spec: str | int | Sequence[int] | None, ids: Sequence[int]) ->
     return sorted(set(chosen))
 
 
-class _Streamer:
-    """Reads each rank's accumulated stdout/stderr from the client and feeds the collapser."""
-
-    def __init__(self, metadata: list[Any], ranks: list[int], window: float) -> None:
-        # hold the metadata dicts themselves: ipyparallel drops them from client.metadata
-        # as soon as a result's output is complete
-        self.pairs = list(zip(ranks, metadata))
-        self.offsets: dict[tuple[int, str], int] = {}
-        self.n_outputs: dict[int, int] = {}
-        self.collapser = OutputCollapser(ranks, self._write, window)
-
-    @staticmethod
-    def _write(stream: str, text: str) -> None:
-        (sys.stderr if stream == "stderr" else sys.stdout).write(text)
-
-    def pump(self, final: bool = False) -> None:
-        now = time.monotonic()
-        for rank, md in self.pairs:
-            for name in ("stdout", "stderr"):
-                text = md.get(name) or ""
-                off = self.offsets.get((rank, name), 0)
-                if len(text) < off:  # a carriage return rewrote the buffer
-                    off = 0
-                if len(text) > off:
-                    self.collapser.feed(rank, name, text[off:], now)
-                    self.offsets[(rank, name)] = len(text)
-            outputs = md.get("outputs") or []
-            seen = self.n_outputs.get(rank, 0)
-            for out in outputs[seen:]:
-                self._display(rank, out)
-            self.n_outputs[rank] = len(outputs)
-        if final:
-            self.collapser.flush()
-        else:
-            self.collapser.poll(now)
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-    def _display(self, rank: int, content: dict[str, Any]) -> None:
-        from IPython.display import publish_display_data
-
-        self.collapser.flush()
-        sys.stdout.write(f"[{rank}] output:\n")
-        sys.stdout.flush()
-        publish_display_data(content.get("data", {}), content.get("metadata", {}))
-
-
 _RUNNER: Any = None
 
 
@@ -395,7 +351,10 @@ def _wait_cell(
     # lookup after that (a fast cell, a loaded machine) made a fresh empty one: the cell's
     # output was lost (1 cell in ~40 under load)
     metadata = list(ar._metadata)
-    streamer = _Streamer(metadata, ranks, cfg.collapse_window)
+    limit = int(cfg.output_limit_mb * 1e6) if cfg.output_limit_mb > 0 else None
+    state_dir = getattr(cluster, "state_dir", None) or tempfile.gettempdir()
+    spill = os.path.join(state_dir, "output", f"cell{cell_no}.txt")
+    streamer = Streamer(metadata, ranks, cfg.collapse_window, limit, spill)
     note = ""
     interrupted_at: float | None = None
     failed_at: float | None = None

@@ -12,11 +12,12 @@ of thousands of lines: each costs O(1) amortised, whatever the backlog).
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["OutputCollapser", "format_ranks"]
+__all__ = ["OutputCollapser", "format_ranks", "parse_ranks", "per_rank_lines"]
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -34,6 +35,26 @@ def format_ranks(ranks: Iterable[int]) -> str:
             parts.extend(str(r) for r in rs[i : j + 1])
         i = j + 1
     return ",".join(parts)
+
+
+def parse_ranks(label: str) -> list[int]:
+    """The inverse of ``format_ranks``: ``0,2,4-7`` as ``[0, 2, 4, 5, 6, 7]``."""
+    out: list[int] = []
+    for part in label.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def per_rank_lines(text: str, pattern: str) -> dict[int, list[int]]:
+    """Each rank's numbers in merged output: every line ``[ranks] <pattern>`` (``pattern``
+    with one ``(\\d+)`` group) counts for each rank its label names. What a reader (a test,
+    a benchmark) uses to check that every rank's lines arrived once and in order."""
+    got: dict[int, list[int]] = {}
+    for label, num in re.findall(rf"^\[([\d,-]+)\] {pattern}$", text, re.M):
+        for r in parse_ranks(label):
+            got.setdefault(r, []).append(int(num))
+    return got
 
 
 @dataclass

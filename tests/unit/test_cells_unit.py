@@ -54,3 +54,36 @@ def test_root_cause_first_and_released_peers_summarised():
     assert any("released because rank 0 failed" in ln for ln in lines)
     assert exc.failed_ranks == [0, 1]
     assert str(exc).startswith("--- rank 0")
+
+
+def test_output_past_the_limit_goes_to_a_file_with_head_tail_and_one_note(tmp_path, capsys):
+    """A cell printing more than a browser tab should hold: the notebook gets the first
+    ``limit`` bytes, one note naming the file, and the last lines; the file has all of it,
+    in order, the shown part included."""
+    from hvdnb.notebook.streaming import Streamer
+
+    md = [{"stdout": ""}, {"stdout": ""}]
+    spill = tmp_path / "output" / "cell7.txt"
+    s = Streamer(md, [0, 1], window=10.0, limit=2000, spill=str(spill), tail=5)
+    lines = [f"step {i} loss 0.5\n" for i in range(1000)]
+    for chunk in range(0, 1000, 100):  # both ranks print the same lines, in chunks
+        for m in md:
+            m["stdout"] += "".join(lines[chunk : chunk + 100])
+        s.pump()
+    s.pump(final=True)
+    out = capsys.readouterr().out
+    head, _note, tail = out.partition("hvdnb: this cell's output passed")
+    assert len(head) <= 2000 and head.startswith("[0,1] step 0 loss 0.5\n")
+    assert f"The whole output is in {spill}" in tail
+    assert tail.splitlines()[1:] == [f"[0,1] step {i} loss 0.5" for i in range(995, 1000)]
+    assert spill.read_text() == "".join(f"[0,1] {line}" for line in lines)
+    assert out.count("hvdnb: this cell's output passed") == 1
+
+
+def test_output_under_the_limit_writes_no_file(tmp_path, capsys):
+    from hvdnb.notebook.streaming import Streamer
+
+    md = [{"stdout": "a\n"}]
+    s = Streamer(md, [0], window=0.0, limit=2000, spill=str(tmp_path / "x.txt"))
+    s.pump(final=True)
+    assert capsys.readouterr().out == "[0] a\n" and not (tmp_path / "x.txt").exists()

@@ -149,3 +149,17 @@ def test_random_interleavings_keep_every_ranks_order(seed):
             if r in got:
                 seen.append(text)
         assert seen == lines[r]
+
+
+@pytest.mark.parametrize("ranks", [[0], [0, 1], [0, 1, 2, 3], [0, 2, 4, 5, 6, 7], [3, 9]])
+def test_parse_ranks_inverts_format_ranks(ranks):
+    from hvdnb.notebook.output import format_ranks, parse_ranks
+
+    assert parse_ranks(format_ranks(ranks)) == ranks
+
+
+def test_per_rank_lines_counts_a_merged_line_for_each_rank():
+    from hvdnb.notebook.output import per_rank_lines
+
+    text = "[0,1] step 0\n[0] step 1\n[1] step 1\n[0-2] step 2\nnoise\n"
+    assert per_rank_lines(text, r"step (\d+)") == {0: [0, 1, 2], 1: [0, 1, 2], 2: [2]}
