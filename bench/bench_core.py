@@ -7,9 +7,16 @@
   cluster, interleaved with both alive; plus ``view.execute`` on the hvdnb cluster (the
   "same controller" row) to separate hvdnb's controller settings from its cell path
 - stop: ``stop_cluster_sync()`` vs ``hvdnb.Cluster.stop()``
+- the real kernel (``bench_kernel.py``): the "Python 3 (hvdnb)" kernel started from its
+  kernelspec and driven over jupyter_client, the panel shown, ``%%distributed`` against
+  ``%%px`` on the same engines: no-op cells (empty panel, after a logged run), an output
+  flood, the first cell after ``%dist start``. The bare-shell rows above stay beside it:
+  a bare ``InteractiveShell`` has no panel display and no IOPub, so it cannot see what
+  only the real kernel pays.
 
 Prints a table and writes ``bench/results/core.json``.
-Usage: ``python bench/bench_core.py [--starts 3] [--cells 200]``
+Usage: ``python bench/bench_core.py [--starts 3] [--cells 200] [--kernel-cells 40]
+[--steps 20000] [--lines 20000]`` (``--kernel-cells 0`` skips the real kernel)
 """
 
 from __future__ import annotations
@@ -116,6 +123,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--cells", type=int, default=200)
+    ap.add_argument("--kernel-cells", type=int, default=40, help="0: skip the real kernel")
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--lines", type=int, default=20000)
     args = ap.parse_args()
     # raw ipyparallel finds mpiexec on PATH (hvdnb uses the environment's own): give the
     # baseline the same one, as an activated venv would
@@ -135,6 +145,13 @@ def main() -> None:
         our_start.append(s)
         our_stop.append(p)
     raw_cell, our_cell, same_cell = _cells(args.cells)
+
+    real_kernel = None
+    if args.kernel_cells:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_kernel
+
+        real_kernel = bench_kernel.run(args.kernel_cells, args.steps, args.lines)
 
     med = statistics.median
 
@@ -175,6 +192,7 @@ def main() -> None:
                 "execute_on_hvdnb_cluster_ms_median": 1e3 * med(same_cell),
                 "hvdnb_cell_ms_p90": 1e3 * p90(our_cell),
                 "ratios": {name: ours / raw for name, raw, ours, _ in rows},
+                "real_kernel": real_kernel,
             },
             indent=1,
         )

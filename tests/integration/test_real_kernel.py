@@ -1,0 +1,82 @@
+"""The real kernel, as JupyterLab drives it: the "Python 3 (hvdnb)" kernelspec started by
+jupyter_client, the panel shown, every IOPub message of a cell read until its idle status.
+
+A bare ``InteractiveShell`` has no display and no IOPub: it hid a ~110 ms per-cell cost that
+only the real kernel paid (the panel's saved picture redrawn at every cell end). These tests
+check what a person gets in that kernel; its speed is measured in ``bench/bench_kernel.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hvdnb.notebook.output import per_rank_lines
+from hvdnb.notebook.runner import Kernel
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with Kernel({"HVDNB_PANEL": "inline", "HVDNB_RANKS": "2"}) as k:
+        r = k.run("%dist start -n 2 --timeout 120", timeout=180)
+        assert r.error is None, r
+        assert "2 ranks ready" in r.text and r.displays >= 1, r  # the panel is shown
+        yield k
+
+
+@pytest.mark.timeout(300)
+def test_noop_cells_are_correct_with_the_panel_shown(kernel):
+    for _ in range(5):
+        r = kernel.run("%%distributed\npass")
+        assert r.error is None and r.text == "", r
+    r = kernel.run("%%distributed\nimport torch.distributed as d\nd.get_rank()")
+    assert r.error is None, r
+    # the logged run the panel draws, then a no-op cell: still nothing printed, no error
+    r = kernel.run(
+        "%%distributed -q\nimport hvdnb\nfor s in range(2000):\n    hvdnb.log(s, 1.0 / (s + 1))"
+    )
+    assert r.error is None, r
+    r = kernel.run("%%distributed\npass")
+    assert r.error is None and r.text == "", r
+
+
+@pytest.mark.timeout(300)
+def test_twenty_thousand_lines_per_rank_arrive_whole_and_in_order(kernel):
+    n = 20000
+    same = kernel.run(f"%%distributed\nfor i in range({n}):\n    print('step', i, 'loss', 0.5)")
+    assert same.error is None, same
+    # each rank's lines once and in order; identical lines are merged as [0,1] unless a rank
+    # fell more than the merge window behind (a loaded machine): then tagged apart
+    got = per_rank_lines(same.text, r"step (\d+) loss 0\.5")
+    assert got[0] == list(range(n)) and got[1] == list(range(n)), {
+        r: len(v) for r, v in got.items()
+    }
+    assert same.text.count("[0,1] step") > n // 2, "identical lines were mostly not merged"
+    # ranks printing different lines: each rank's lines whole and in its own order
+    mine = kernel.run(
+        "%%distributed\nimport os\nr = os.environ['RANK']\n"
+        f"for i in range({n}):\n    print('rank', r, 'step', i)"
+    )
+    assert mine.error is None, mine
+    for rank in (0, 1):
+        got = [int(m) for m in re.findall(rf"^\[{rank}\] rank {rank} step (\d+)$", mine.text, re.M)]
+        assert got == list(range(n)), f"rank {rank}: {len(got)} lines of {n}"
+
+
+@pytest.mark.timeout(300)
+def test_every_dist_command_works_right_after_a_restart(kernel):
+    r = kernel.run("%dist restart", timeout=240)
+    assert r.error is None and "fresh ranks ready" in r.text, r
+    where = kernel.run("%dist where")
+    assert where.error is None, where
+    assert "has not connected" not in where.text and "did not answer" not in where.text, where
+    assert re.search(r"ranks? 0[,-]1", where.text), where.text  # both ranks answered
+    status = kernel.run("%dist status")
+    assert status.error is None and "dead" not in status.text, status
+    knobs = kernel.run("%dist knobs")
+    assert knobs.error is None and "no knobs yet" in knobs.text, knobs
+    cell = kernel.run("%%distributed\nimport torch.distributed as d\nprint(d.get_world_size())")
+    assert cell.error is None and "[0,1] 2" in cell.text, cell
