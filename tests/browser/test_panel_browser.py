@@ -5,16 +5,24 @@ One server fixture per module. The notebook has ``%dist start`` at the top, then
 text to push the training cell below the fold, as a real notebook does. The test starts
 2 ranks (the panel opens beside the notebook), runs the training cell, and while it is
 still running checks that the panel and the running cell are on screen together, that
-the panel redraws at least 3 times and the live line under the cell updates, drags the
-``warmup_steps`` slider and sees both ranks apply it at one step. A second, shorter run
-then appears overlaid on the runs chart with its knob values in the legend, and a
-saved notebook keeps the panel's picture. Screenshots go to ``test-artifacts/``.
+the panel redraws at least 3 times and the live line under the cell updates; that the
+three knob sliders (``batch_size``, ``warmup_steps``, ``lr``) each have a usable track and
+a whole label at JupyterLab's default split; drags each to a value (aimed from the
+track's box and the slider's bounds) and sees both ranks apply it at one step (the
+status line, and each rank's ``knobs.history`` printed when the cell ends); that the
+loss chart's ticks are round; and that hovering the loss chart shows the step and each
+rank's loss. A second, shorter run then appears overlaid on the runs chart with its knob
+values in the legend, and a saved notebook keeps the panel's picture. Screenshots go to
+``test-artifacts/`` (``panel-hover.png``, ``panel-hover-chart.png``: the readout).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -48,9 +56,12 @@ model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.L
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters())
 knobs = hvdnb.knobs(batch_size=32, warmup_steps=20, lr=0.1)
-seen, t_end = [], time.time() + 40
+seen = []
 step = 0
-while time.time() < t_end or step < 50:
+# until the test has moved the three sliders, and 150 steps more (at most 6,000 steps):
+# a condition both ranks reach at the same step (a clock could part them at a collective)
+while step < 50 or (step < 6000 and not (
+        len(knobs.history) >= 3 and step > knobs.history[-1][0] + 150)):
     knobs.step(step)
     seen.append(knobs.warmup_steps)
     x = torch.randn(knobs.batch_size, 64)
@@ -60,10 +71,9 @@ while time.time() < t_end or step < 50:
     hvdnb.log(step, loss, samples=knobs.batch_size)
     time.sleep(0.02)
     step += 1
-    if step > 50 and len(knobs.history) and step > knobs.history[-1][0] + 40:
-        break
 hvdnb.metrics.get_recorder().flush()
 print("applied", [(h[0], h[1], h[2]) for h in knobs.history])
+print("rank", hvd.rank(), "history", [(h[0], h[1]) for h in knobs.history])
 """
 
 
@@ -231,6 +241,141 @@ def _on_screen(page, selector: str) -> bool:
     )
 
 
+#: the knobs the training cell makes, and where the test drags each slider
+KNOBS = {"warmup_steps": 50, "batch_size": 48, "lr": 0.01}
+#: their sliders' bounds (controls.py: an int to max(4 x value, 100), lr two decades
+#: either side of 0.1, in exponents)
+SLIDER_BOUNDS = {"warmup_steps": (0, 100), "batch_size": (1, 128), "lr": (-3, 1)}
+
+
+def _slider_geometry(page) -> dict:
+    """Per knob slider: its track's width, its label's text and whether it is cut."""
+    return page.evaluate(
+        """(names) => Object.fromEntries(names.map(n => {
+            const w = document.querySelector(`.hvdnb-panel .hvdnb-knob-${n}`);
+            const track = w.querySelector('.noUi-target').getBoundingClientRect();
+            const label = w.querySelector('.widget-label');
+            return [n, {track: track.width, label: label.innerText.trim(),
+                        labelScroll: label.scrollWidth, labelClient: label.clientWidth}];
+        }))""",
+        list(KNOBS),
+    )
+
+
+def _drag_to(page, name: str, target: float) -> float:
+    """Drag the knob's slider handle to ``target`` (log position for a float knob: the
+    slider's bounds are exponents) and return the value its readout shows after."""
+    sel = f".hvdnb-panel .hvdnb-knob-{name}"
+    page.locator(sel).first.scroll_into_view_if_needed()
+    info = page.evaluate(
+        """(sel) => { const w = document.querySelector(sel);
+            const b = w.querySelector('.noUi-base').getBoundingClientRect();
+            const h = w.querySelector('.noUi-handle').getBoundingClientRect();
+            const s = w.querySelector('.noUi-target').noUiSlider;
+            const r = s ? s.options.range : null;
+            const v = (x) => (r ? [].concat(x)[0] : null);
+            return {left: b.left, width: b.width, hx: h.left + h.width / 2,
+                    hy: h.top + h.height / 2, lo: r && v(r.min), hi: r && v(r.max)}; }""",
+        sel,
+    )
+    if info["lo"] is None:  # no noUiSlider API on the element: the bounds controls.py sets
+        info["lo"], info["hi"] = SLIDER_BOUNDS[name]
+    pos = math.log10(target) if name == "lr" else target
+    frac = (pos - info["lo"]) / (info["hi"] - info["lo"])
+    x = info["left"] + frac * info["width"]
+    page.mouse.move(info["hx"], info["hy"])
+    page.mouse.down()
+    page.mouse.move(x, info["hy"], steps=10)
+    page.mouse.up()
+    text = page.locator(f"{sel} .widget-readout").first.inner_text().strip()
+    shown = float(text.replace(",", ""))
+    tolerance = 0.1 if name == "lr" else 0.03  # a pixel's worth (of the decades: 10 %)
+    span = 1.0 if name == "lr" else info["hi"] - info["lo"]
+    off = abs(math.log10(shown) - pos) if name == "lr" else abs(shown - target) / span
+    assert off <= tolerance, f"{name}: aimed at {target}, the readout says {text}"
+    return shown
+
+
+def _wait_applied(page, name: str, shown: float) -> tuple[int, float]:
+    """Wait until the status says both ranks applied ``name`` (at its new value) at one
+    step; returns (step, value)."""
+    fn = """([name, shown]) => {
+        const t = (document.querySelector('.hvdnb-knob-status') || {}).innerText || '';
+        const m = t.match(new RegExp(name + '=([0-9.e+-]+)'));
+        return t.includes('applied on ranks 0,1 at step') && m
+            && Math.abs(parseFloat(m[1]) - shown) <= 0.01 * Math.abs(shown) ? t : null; }"""
+    try:
+        handle = page.wait_for_function(fn, arg=[name, shown], timeout=30_000)
+    except Exception:
+        _shot(page, "knob-timeout")
+        status = page.locator(".hvdnb-knob-status").inner_text()
+        raise AssertionError(f"{name}={shown} not applied; status: {status!r}") from None
+    text = handle.json_value()
+    assert " at step " in text and "late" not in text, text
+    step = int(text.split("applied on ranks 0,1 at step ")[1].split()[0].strip(",;"))
+    value = float(re.search(name + r"=([0-9.e+-]+)", text).group(1))
+    return step, value
+
+
+def _tick_value(text: str) -> float:
+    """An axis label as a number: ``1,500``, ``20k``, ``2.5e-4``."""
+    t = text.replace(",", "").strip()
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
+    return float(t[:-1] if scale != 1.0 else t) * scale
+
+
+def _is_125(values: list[float]) -> bool:
+    """Two or more ticks evenly 1, 2 or 5 x 10^k apart (or whole decades, log axis)."""
+    if len(values) < 2:
+        return False
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    ratios = [b / a for a, b in zip(values, values[1:]) if a > 0]
+    even = all(math.isclose(d, diffs[0], rel_tol=1e-6) for d in diffs)
+    mant = diffs[0] / 10 ** math.floor(math.log10(diffs[0])) if diffs[0] > 0 else 0
+    decades = len(ratios) == len(diffs) and all(math.isclose(r, 10) for r in ratios)
+    return (even and any(math.isclose(mant, m) for m in (1, 2, 5))) or decades
+
+
+_LOSS_SVG = "svg.hvdnb-chart[data-title^='loss']"
+
+
+def _hover_loss(page) -> str:
+    """Point at the middle of the loss chart's plot and return the readout the chart
+    shows (its text), waiting for it (the panel redraws the chart while a cell runs)."""
+    page.evaluate("(s) => document.querySelector(s).scrollIntoView({block: 'center'})", _LOSS_SVG)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        box = page.evaluate(
+            "(s) => { const r = document.querySelector(s).getBoundingClientRect();"
+            " return {x: r.left, y: r.top}; }",
+            _LOSS_SVG,
+        )
+        for dx in (0, 3):  # a move over the plot: the column under it is :hover
+            page.mouse.move(box["x"] + 52 + 0.55 * 398 + dx, box["y"] + 22 + 110)
+        text = page.evaluate(
+            "(s) => { const v = [...document.querySelectorAll(s + ' .readout')]"
+            ".filter(e => getComputedStyle(e).visibility === 'visible');"
+            " return v.length === 1 ? [...v[0].querySelectorAll('text')]"
+            ".map(t => t.textContent).join(' | ') : ''; }",
+            _LOSS_SVG,
+        )
+        if text:
+            return text
+        time.sleep(0.2)
+    raise AssertionError("no readout shown while hovering the loss chart")
+
+
+def _shot_loss_chart(page, name: str) -> None:
+    """A picture of the loss chart alone, readout included (the mouse stays over it)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    box = page.evaluate(
+        "(s) => { const r = document.querySelector(s).getBoundingClientRect();"
+        " return {x: r.left, y: r.top, width: r.width, height: r.height}; }",
+        _LOSS_SVG,
+    )
+    page.screenshot(path=str(ARTIFACTS / f"panel-{name}.png"), clip=box)
+
+
 def test_live_tuning_journey(lab):
     from playwright.sync_api import sync_playwright
 
@@ -291,44 +436,70 @@ def test_live_tuning_journey(lab):
             assert _on_screen(page, f"{train} .hvdnb-liveline"), "running cell off-screen"
             assert _on_screen(page, ".hvdnb-panel .hvdnb-view"), "panel off-screen"
             _shot(page, "2-live-beside-running-cell")
-            # drag the warmup slider while the cell still runs
-            page.wait_for_selector(".hvdnb-knob-warmup_steps .noUi-handle", timeout=30_000)
-            handle = page.locator(".hvdnb-knob-warmup_steps .noUi-handle").first
-            handle.scroll_into_view_if_needed()
-            box = handle.bounding_box()
-            assert box is not None
-            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-            page.mouse.down()
-            page.mouse.move(box["x"] + 60, box["y"] + box["height"] / 2, steps=8)
-            page.mouse.up()
-            status = page.locator(".hvdnb-knob-status")
-            try:
-                page.wait_for_function(
-                    "() => (document.querySelector('.hvdnb-knob-status')||{}).innerText"
-                    "?.includes('applied on ranks 0,1 at step')",
-                    timeout=30_000,
-                )
-            except Exception:
-                _shot(page, "knob-timeout")
-                raise AssertionError(f"knob not applied; status: {status.inner_text()!r}")
-            assert _cell_busy(page, 2), "the change was applied only after the cell ended"
-            text = status.inner_text()
-            _shot(page, "3-knob-applied")
-            assert " at step " in text and "late" not in text, text
-            applied_step = int(
-                text.split("applied on ranks 0,1 at step ")[1].split()[0].strip(",;")
+            # three knob sliders, one per row: each track wide enough to aim at a value
+            # and each label whole (side by side at JupyterLab's default split, the
+            # tracks were 0 px wide and the labels cut to "warmup_s...")
+            for name in KNOBS:
+                page.wait_for_selector(f".hvdnb-knob-{name} .noUi-handle", timeout=30_000)
+            geometry = _slider_geometry(page)
+            for name in KNOBS:
+                g = geometry[name]
+                assert g["track"] > 80, f"{name}'s track is {g['track']:.0f} px wide: {geometry}"
+                assert g["label"] == name, geometry
+                assert g["labelScroll"] <= g["labelClient"], f"{name}'s label is cut: {g}"
+            page.locator(".hvdnb-panel .hvdnb-knob-lr").first.scroll_into_view_if_needed()
+            _shot(page, "3-knobs")
+            # drag each slider to a value while the cell still runs; both ranks apply it
+            # at one step (rank 0 picks the step)
+            applied: dict[str, tuple[int, float]] = {}
+            for name, target in KNOBS.items():
+                shown = _drag_to(page, name, target)
+                step, value = _wait_applied(page, name, shown)
+                applied[name] = (step, value)
+                assert _cell_busy(page, 2), "the change was applied only after the cell ended"
+                if name == "warmup_steps":
+                    _shot(page, "3-knob-applied")
+                    # the plot marks the step
+                    page.wait_for_selector(
+                        ".hvdnb-view .hvdnb-mark", state="attached", timeout=10_000
+                    )
+            applied_step = applied["warmup_steps"][0]
+            # the loss chart's ticks are round (1, 2 or 5 x 10^k apart), on both axes
+            ticks = page.evaluate(
+                "(sel) => { const s = document.querySelector(sel);"
+                " const t = (c) => [...s.querySelectorAll(c + ' text')].map(e => e.textContent);"
+                " return {x: t('.hvdnb-ticks-x'), y: t('.hvdnb-ticks-y')}; }",
+                _LOSS_SVG,
             )
-            # the plot marks the step
-            page.wait_for_selector(".hvdnb-view .hvdnb-mark", state="attached", timeout=10_000)
+            for axis in ("x", "y"):
+                values = [_tick_value(v) for v in ticks[axis]]
+                assert _is_125(values), f"{axis} ticks not round: {ticks[axis]}"
+            # hovering the loss chart shows the step and each rank's loss there
+            readout = _hover_loss(page)
+            assert readout.startswith("step ") and "rank 0" in readout and "rank 1" in readout
+            _shot(page, "hover")
+            _shot_loss_chart(page, "hover-chart")
             # the cell ends, then the queued one runs (no message was lost)
             page.wait_for_selector(
                 ".jp-OutputArea-output:has-text('after the training cell')",
                 state="attached",
-                timeout=120_000,
+                timeout=180_000,
             )
             page.wait_for_selector("text=/applied \\[\\(/", state="attached", timeout=30_000)
             out = cells.nth(2).locator(".jp-OutputArea").inner_text()
             assert f"[0,1] applied [({applied_step}," in out, out
+            # each rank's own history: the three changes, each at the step the status
+            # said, with the value the slider showed
+            histories = {
+                int(m.group(1)): ast.literal_eval(m.group(2))
+                for m in re.finditer(r"rank (\d) history (\[.*\])", out)
+            }
+            assert set(histories) == {0, 1} and histories[0] == histories[1], out
+            got = {name: (st, v) for st, vals in histories[0] for name, v in vals.items()}
+            assert set(got) == set(KNOBS), got
+            for name, (st, v) in applied.items():
+                assert got[name][0] == st, (name, got[name], st)
+                assert math.isclose(got[name][1], v, rel_tol=1e-2), (name, got[name], v)
             # a second run: overlaid on the runs chart, its knob values in the legend
             page.wait_for_function(
                 "() => [...document.querySelectorAll('.hvdnb-runs .hvdnb-legend')]"

@@ -5,19 +5,24 @@ One model per chart, as dask's dashboard has one ``DashboardComponent`` per plot
 (``breakdown_chart``), memory (``memory_chart``) and the runs compared (``runs_chart``).
 Each turns the ``MetricsStore`` into the numbers a chart shows: a line per rank, or beyond
 ``MAX_LINES`` ranks a min/max band with the median and one median line per host; EMA
-smoothing; the breakdown's stacked parts (per rank, or the median per host); the memory
-columns; the axis limits with spike clipping (``axis_limits``). The live SVG
+smoothing; the window of last steps the loss and allreduce charts show; the breakdown's
+stacked parts (per rank, or the median per host); the memory columns; the axis limits with
+spike clipping (``axis_limits``); the axes' round ticks (``nice_ticks``: 1-2-5 x 10^k, or
+decades on a log axis, labelled for their range); what a hover reads at each step
+(``readouts``). The live SVG
 (``hvdnb.notebook.panel.svg``) and the saved PNG (``hvdnb.notebook.panel.png``) both draw
 these models, so each shaping rule exists once, here; ``points`` (how many points a line
 keeps) is the one thing a renderer picks.
 
-Owns: the data of the charts. Never: touch widgets, matplotlib or SVG text; write to the
-store; turn a missing reading into 0 (None and NaN stay missing).
+Owns: the data of the charts and their ticks. Never: touch widgets, matplotlib or SVG
+text; write to the store; turn a missing reading into 0 (None and NaN stay missing).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import re
 import statistics
 import warnings
 from collections.abc import Sequence
@@ -26,19 +31,23 @@ from typing import Any
 
 import numpy as np
 
+from hvdnb.notebook.metrics.points import thin_indices
 from hvdnb.notebook.metrics.store import MetricsStore
 
 __all__ = [
     "BAND_COLUMNS",
+    "HOVER_COLUMNS",
     "LIVE_POINTS",
     "MAX_LINES",
     "PHASES",
     "PNG_POINTS",
     "SPIKE_FACTOR",
+    "WINDOWS",
     "BarChart",
     "Limits",
     "LineChart",
     "MemoryChart",
+    "Readout",
     "RunsChart",
     "allreduce_chart",
     "axis_limits",
@@ -50,8 +59,11 @@ __all__ = [
     "fmt_value",
     "loss_chart",
     "memory_chart",
+    "nice_ticks",
+    "readouts",
     "resample",
     "runs_chart",
+    "window_note",
 ]
 
 #: more ranks than this: a min/max band, the median and one median line per host
@@ -70,6 +82,11 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("compute", "#4c78a8"),
     ("comm", "#e45756"),
 )
+
+#: the step windows the loss and allreduce charts offer (0: the whole run)
+WINDOWS: tuple[int, ...] = (0, 100, 1000, 10000)
+#: a hover reads the lines on at most this many columns of the plot
+HOVER_COLUMNS = 40
 
 #: (label, xs, ys)
 Line = tuple[str, list[float], list[float]]
@@ -124,6 +141,99 @@ def fmt_value(v: float) -> str:
     if a >= 1e4 or a < 1e-3:
         return f"{v:.1e}"
     return f"{v:.4g}"
+
+
+# ------------------------------------------------------------------ ticks
+_SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def _nice_step(span: float, n: int) -> float:
+    """The 1, 2 or 5 x 10^k step nearest (on a log scale) to ``span / n``, as d3's ticks
+    pick it: ``n`` = 5 gives 3 to 9 ticks."""
+    raw = span / max(1, n)
+    mag = 10.0 ** math.floor(math.log10(raw))
+    err = raw / mag
+    if err >= math.sqrt(50):
+        return 10 * mag
+    if err >= math.sqrt(10):
+        return 5 * mag
+    if err >= math.sqrt(2):
+        return 2 * mag
+    return mag
+
+
+def _decimals(step: float) -> int:
+    """Decimals that tell ticks ``step`` apart (0.05: 2; 0.5: 1; 20: 0)."""
+    return max(0, -math.floor(math.log10(step) + 1e-9))
+
+
+def _fmt_ticks(values: list[float], step: float) -> list[str]:
+    """Labels for ticks ``step`` apart, one format for all of them: ``0.05``, ``1,500``,
+    ``20k`` (10^4 and more: k, M, G, T), ``2.5e-4`` (values under 10^-3 whose steps need
+    more than 4 decimals), ``0.693102`` (a narrow range: the decimals it takes)."""
+    big = max(abs(v) for v in values)
+    if big >= 1e4:
+        unit, suffix = next((u, s) for u, s in _SI if big >= u)
+        d = _decimals(step / unit)
+        return ["0" if v == 0 else f"{v / unit:,.{d}f}{suffix}" for v in values]
+    d = _decimals(step)
+    if d > 4 and 0 < big < 1e-3:  # tiny: a mantissa and the exponent of the largest
+        e = math.floor(math.log10(big))
+        dm = max(0, e - math.floor(math.log10(step) + 1e-9))
+        return ["0" if v == 0 else f"{v / 10.0**e:.{dm}f}e{e}" for v in values]
+    return [f"{0.0 if v == 0 else v:,.{d}f}" for v in values]
+
+
+def _fmt_round(v: float) -> str:
+    """One round value (a decade, or 1, 2, 5 x 10^k) on its own: ``0.002``, ``50``,
+    ``2,000``, ``20k``, ``2e-4``."""
+    if v >= 1e4:
+        unit, suffix = next((u, s) for u, s in _SI if v >= u)
+        return f"{v / unit:g}{suffix}"
+    if v < 1e-3:
+        e = math.floor(math.log10(v) + 1e-9)
+        return f"{v / 10.0**e:g}e{e}"
+    return f"{v:,.{_decimals(v)}f}"
+
+
+def nice_ticks(
+    lo: float, hi: float, *, log: bool = False, integer: bool = False, n: int = 5
+) -> list[tuple[float, str]]:
+    """Round ticks inside ``lo``..``hi``, as (position, label), the labels formatted for
+    the range. Linear: about ``n`` ticks 1, 2 or 5 x 10^k apart (``integer``: never less
+    than 1 apart: steps). ``log``: ``lo`` and ``hi`` are log10 units and so are the
+    positions; decades where three or more fit (every 2nd, 3rd... when many do), else the
+    1, 2, 5 x 10^k values when three fit, else two decades, else round values as on a
+    linear axis."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
+        return [(lo, _fmt_round(10.0**lo) if log else _fmt_ticks([lo], 1.0)[0])]
+    if log:
+        k0, k1 = math.ceil(lo - 1e-9), math.floor(hi + 1e-9)
+        if k1 - k0 >= 2:  # three decades or more
+            every = max(1, math.ceil((k1 - k0) / n))
+            ks = [k for k in range(k0, k1 + 1) if k % every == 0]
+            return [(float(k), _fmt_round(10.0**k)) for k in ks]
+        vals = [
+            m * 10.0**k
+            for k in range(math.floor(lo) - 1, math.ceil(hi) + 1)
+            for m in (1, 2, 5)
+            if lo - 1e-9 <= math.log10(m) + k <= hi + 1e-9
+        ]
+        if len(vals) >= 3:
+            return [(math.log10(v), _fmt_round(v)) for v in vals]
+        if k1 > k0:  # two decades
+            return [(float(k), _fmt_round(10.0**k)) for k in (k0, k1)]
+        a, b = 10.0**lo, 10.0**hi
+        lin = nice_ticks(a, b, n=max(2, n - 1))
+        return [(math.log10(v), lab) for v, lab in lin if v > 0]
+    step = _nice_step(hi - lo, n)
+    if integer:
+        step = max(step, 1.0)
+    first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+    values = [k * step for k in range(first, last + 1)]
+    if not values:
+        values = [lo]
+    return list(zip(values, _fmt_ticks(values, step)))
 
 
 def backend_name(b: Any) -> str:
@@ -197,6 +307,95 @@ def axis_limits(
     return Limits(x0, x1, y0, y1, clipped, y_max)
 
 
+@dataclass(frozen=True)
+class Readout:
+    """What a hover shows over one column of a line chart: the column's span ``a``..``b``
+    (x units), the step ``x`` it reads, and (label, value, line) for each line with a
+    point there; ``line`` is the index in ``series`` (its colour), -1 for the band's
+    min / median / max."""
+
+    a: float
+    b: float
+    x: float
+    rows: list[tuple[str, float, int]]
+
+
+def _short(label: str) -> str:
+    """A line's label as a readout row names it: ``run 3``, not the run's knob values;
+    ``collective``, not ``collective (all buckets)``."""
+    return re.split(r": | \(", label, maxsplit=1)[0]
+
+
+def _nearest(xs: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Per value of ``at``, the index of the nearest of the sorted ``xs``."""
+    i = np.clip(np.searchsorted(xs, at), 1, len(xs) - 1)
+    return np.where(np.abs(xs[i - 1] - at) <= np.abs(xs[i] - at), i - 1, i)
+
+
+def readouts(
+    series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+    band: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]] | None,
+    x0: float,
+    x1: float,
+    columns: int = HOVER_COLUMNS,
+) -> list[Readout]:
+    """The hover readouts of a chart whose x axis runs ``x0``..``x1``, like plotly's
+    "x unified" hover: the axis cut into ``columns`` columns, each reading the drawn
+    point nearest its middle (of the band's grid, else of the first line) and every
+    line's value at that step (the band's max / median / min first). A line without a
+    point within a column's width of that step (or a NaN there) has no row; neighbouring
+    columns that read the same step are one (a short run has a few wide columns)."""
+    if x1 <= x0 or columns < 1:
+        return []
+    xs_of: list[tuple[np.ndarray, np.ndarray]] = []
+    for _, xs, ys in series:
+        x = np.asarray(xs, dtype=float)
+        y = np.asarray(ys, dtype=float)
+        if len(x) and np.any(np.diff(x) < 0):  # two loops in one run: steps start over
+            order = np.argsort(x, kind="stable")
+            x, y = x[order], y[order]
+        xs_of.append((x, y))
+    bx: np.ndarray | None = None
+    stats: list[tuple[str, np.ndarray]] = []
+    if band is not None and len(band[0]):
+        bx = np.asarray(band[0], dtype=float)
+        stats = [
+            ("max", np.asarray(band[2], dtype=float)),
+            ("median", np.asarray(band[3], dtype=float)),
+            ("min", np.asarray(band[1], dtype=float)),
+        ]
+    ref = bx if bx is not None else next((x for x, _ in xs_of if len(x)), None)
+    if ref is None:
+        return []
+    width = (x1 - x0) / columns
+    mids = x0 + width * (np.arange(columns) + 0.5)
+    at = ref[_nearest(ref, mids)] if len(ref) > 1 else np.full(columns, ref[0])
+    if bx is not None:  # the band's grid is resampled: it reads the nearest whole step
+        at = np.rint(at)
+    picks: list[tuple[list[bool], list[float]]] = []  # per line: (has a row, value) a column
+    for x, y in ([(bx, v) for _, v in stats] if bx is not None else []) + xs_of:
+        if not len(x):
+            picks.append(([False] * columns, [math.nan] * columns))
+            continue
+        i = _nearest(x, at) if len(x) > 1 else np.zeros(columns, int)
+        v = y[i]
+        picks.append((((np.abs(x[i] - at) <= width) & (v == v)).tolist(), v.tolist()))
+    labels = [(name, -1) for name, _ in stats] + [
+        (_short(lab), k) for k, (lab, _, _) in enumerate(series)
+    ]
+    steps = at.tolist()
+    out: list[Readout] = []
+    for c in range(columns):
+        a, b, step = x0 + c * width, x0 + (c + 1) * width, steps[c]
+        if out and out[-1].x == step and out[-1].b >= a - 1e-9 * width:
+            out[-1] = Readout(out[-1].a, b, step, out[-1].rows)
+            continue
+        rows = [(name, vs[c], k) for (name, k), (ok, vs) in zip(labels, picks) if ok[c]]
+        if rows:
+            out.append(Readout(a, b, step, rows))
+    return out
+
+
 # ------------------------------------------------------------------ the models
 @dataclass
 class LineChart:
@@ -213,9 +412,69 @@ class LineChart:
     clip_spikes: bool = False
     #: the ranks' backends (the allreduce chart's title)
     backends: str = ""
+    #: the last steps shown (0: the whole run)
+    window: int = 0
 
     def limits(self) -> Limits | None:
         return axis_limits(self.lines, self.band, log_y=self.log_y, clip_spikes=self.clip_spikes)
+
+
+def window_note(window: int) -> str:
+    """How a chart's title says its window: `` (last 1,000 steps)``; "" for the whole run."""
+    return f" (last {window:,} steps)" if window else ""
+
+
+def _cut(lines: list[Line], window: int) -> list[Line]:
+    """``lines`` from the last ``window`` steps of the furthest one on (0: all of them)."""
+    ends = [xs[-1] for _, xs, _ in lines if xs]
+    if not window or not ends:
+        return lines
+    first = max(ends) - window
+    out: list[Line] = []
+    for label, xs, ys in lines:
+        keep = [i for i, x in enumerate(xs) if x > first] if xs and xs[0] <= first else None
+        if keep is None:
+            out.append((label, xs, ys))
+        elif keep:
+            out.append((label, [xs[i] for i in keep], [ys[i] for i in keep]))
+    return out
+
+
+def _loss_lines(
+    store: MetricsStore, ranks: list[int], points: int, window: int
+) -> list[tuple[int, list[float], list[float], int]]:
+    """(rank, steps, losses, stride) of each rank with a loss: at most ~``points`` points
+    of the run, or of its last ``window`` steps (counted from the furthest rank)."""
+    if not window:
+        out = []
+        for r in ranks:
+            xs, ys, stride = store.thinned("loss", r, points)
+            if xs:  # thinned by ``stride``: one drawn point stands for ``stride`` steps
+                out.append((r, xs, ys, stride))
+        return out
+    raw: list[tuple[int, list[int], list[float]]] = []
+    for r in ranks:  # copies at most ``window`` points per rank
+        if store.count("loss", r) <= points:
+            xs, ys, _ = store.thinned("loss", r, points)
+            raw.append((r, [int(x) for x in xs], ys))
+        else:
+            steps, vals, _ = store.series("loss", r, last=window)
+            raw.append((r, steps, vals))
+    ends = [steps[-1] for _, steps, _ in raw if steps]
+    if not ends:
+        return []
+    first = max(ends) - window
+    out = []
+    for r, steps, vals in raw:
+        a = bisect.bisect_right(steps, first)  # steps rise within a loop
+        if a == len(steps):
+            continue
+        idx, stride = thin_indices(len(steps) - a, points)
+        if idx is None:
+            out.append((r, [float(x) for x in steps[a:]], vals[a:], 1))
+        else:
+            out.append((r, [float(steps[a + i]) for i in idx], [vals[a + i] for i in idx], stride))
+    return out
 
 
 def loss_chart(
@@ -225,19 +484,18 @@ def loss_chart(
     alpha: float = 0.0,
     log_y: bool = False,
     ranks: list[int] | None = None,
+    window: int = 0,
 ) -> LineChart:
-    """Each rank's loss of the current run (at most ~``points`` points, EMA-smoothed with
-    ``alpha`` per step); beyond ``MAX_LINES`` ranks the min/max band and median over all
-    of them, plus one median line per host (2 to ``MAX_LINES`` hosts); the last 8 knob
-    changes as marks."""
+    """Each rank's loss of the current run, or of its last ``window`` steps (at most
+    ~``points`` points, EMA-smoothed with ``alpha`` per step); beyond ``MAX_LINES`` ranks
+    the min/max band and median over all of them, plus one median line per host (2 to
+    ``MAX_LINES`` hosts); the last 8 knob changes as marks."""
     ranks = store.ranks() if ranks is None else ranks
     lines: list[Line] = []
     drawn: list[int] = []
-    for r in ranks:
-        xs, ys, stride = store.thinned("loss", r, points)
-        if xs:  # thinned by ``stride``: one drawn point stands for ``stride`` steps
-            lines.append((f"rank {r}", xs, ema(ys, alpha**stride if alpha else 0.0)))
-            drawn.append(r)
+    for r, xs, ys, stride in _loss_lines(store, ranks, points, window):
+        lines.append((f"rank {r}", xs, ema(ys, alpha**stride if alpha else 0.0)))
+        drawn.append(r)
     band = None
     if len(lines) > MAX_LINES:
         grid, stack = resample(lines, min(points, BAND_COLUMNS))
@@ -259,15 +517,21 @@ def loss_chart(
         band_ranks=len(drawn) if band is not None else 0,
         marks=marks,
         log_y=log_y,
+        window=window,
     )
 
 
 def allreduce_chart(
-    store: MetricsStore, *, points: int = LIVE_POINTS, ranks: list[int] | None = None
+    store: MetricsStore,
+    *,
+    points: int = LIVE_POINTS,
+    ranks: list[int] | None = None,
+    window: int = 0,
 ) -> LineChart:
-    """Milliseconds per step over the last ``points`` steps: the collective's own time
-    summed over buckets, and the time each rank's step waited for it (exposed), for up to
-    ``MAX_LINES - 1`` ranks (evenly picked beyond that); spikes clipped."""
+    """Milliseconds per step over the last ``points`` timed steps (collectives are timed
+    on sampled steps), cut to the last ``window`` steps (0: no cut): the collective's own
+    time summed over buckets, and the time each rank's step waited for it (exposed), for
+    up to ``MAX_LINES - 1`` ranks (evenly picked beyond that); spikes clipped."""
     ranks = store.ranks() if ranks is None else ranks
     lines: list[Line] = []
     shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
@@ -288,10 +552,11 @@ def allreduce_chart(
                 (f"rank {r} exposed", [float(x) for x in steps], [1e3 * per[k] for k in steps])
             )
     return LineChart(
-        lines,
+        _cut(lines, window),
         "no allreduce timings (hvdnb.torch reports them)",
         clip_spikes=True,
         backends=backends_text(store),
+        window=window,
     )
 
 

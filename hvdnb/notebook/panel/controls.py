@@ -1,5 +1,6 @@
 """The panel's controls: knob sliders, the knob text box, the view controls (log y,
-smoothing) and the runs chart's controls (x axis, clear old runs), with their handlers.
+smoothing, the window of last steps the loss and allreduce charts show) and the runs
+chart's controls (x axis, clear old runs), with their handlers.
 
 A slider or the text box asks for a knob change: the text is read by
 ``hvdnb.protocol.knobs.parse`` (the one knob text parser), the store's ``request_knobs``
@@ -24,6 +25,7 @@ from typing import Any
 
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel import kernel as _kernel
+from hvdnb.notebook.panel.charts import WINDOWS
 from hvdnb.protocol.knobs import KnobTextError, parse
 
 __all__ = ["Controls"]
@@ -70,7 +72,16 @@ class Controls:
             description="smoothing",
             continuous_update=False,
         )
-        self.knob_box = w.HBox([])
+        # the first steps' loss (2.3 falling to 0.1) flattens the rest: show the last N
+        self.window = w.Dropdown(
+            options=[("steps: all", 0)] + [(f"last {n:,} steps", n) for n in WINDOWS if n],
+            value=0,
+            layout=w.Layout(width="150px"),
+        )
+        self.window.add_class("hvdnb-window")
+        # one slider per row, each the panel's full width: side by side, three knobs left
+        # each track 0 px wide at JupyterLab's default split (only handle and value showed)
+        self.knob_box = w.VBox([], layout=w.Layout(width="100%"))
         self.knob_text = w.Text(
             placeholder="e.g. lr=0.05, warmup_steps=50",
             description="set",
@@ -94,6 +105,7 @@ class Controls:
         self.knob_status.add_class("hvdnb-knob-status")
         self.log_y.observe(self._on_view_change, "value")
         self.smoothing.observe(self._on_view_change, "value")
+        self.window.observe(self._on_view_change, "value")
         self.cmp_x.observe(self._on_view_change, "value")
         self.cmp_clear.on_click(self._on_clear_runs)
         self.knob_apply.on_click(self._on_text_apply)
@@ -102,6 +114,7 @@ class Controls:
             [
                 self.log_y,
                 self.smoothing,
+                self.window,
                 self.knob_text,
                 self.knob_apply,
                 self.cmp_x,
@@ -220,6 +233,16 @@ class Controls:
                 self._syncing = False
 
 
+#: the label at its own width (whole, never "warmup_s..."), the track gets the rest
+_SLIDER_STYLE = {"description_width": "initial"}
+
+
+def _SLIDER_LAYOUT() -> Any:  # a layout per widget (widgets cannot share one)
+    import ipywidgets as w
+
+    return w.Layout(width="100%", min_width="200px", max_width="560px")
+
+
 def _slider(name: str, s: dict[str, Any]) -> Any:
     """A slider for one knob: linear for an int, log for a float (two decades either side)."""
     import ipywidgets as w
@@ -232,6 +255,8 @@ def _slider(name: str, s: dict[str, Any]) -> Any:
             max=int(min(s["max"], max(4 * v, 100))),
             description=name,
             continuous_update=False,
+            layout=_SLIDER_LAYOUT(),
+            style=_SLIDER_STYLE,
         )
     else:
         base = max(v, 1e-12)
@@ -246,6 +271,8 @@ def _slider(name: str, s: dict[str, Any]) -> Any:
             description=name,
             continuous_update=False,
             readout_format=".3g",
+            layout=_SLIDER_LAYOUT(),
+            style=_SLIDER_STYLE,
         )
     ctl.add_class(f"hvdnb-knob-{name}")
     return ctl

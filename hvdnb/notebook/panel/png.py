@@ -27,6 +27,7 @@ from hvdnb.notebook.panel.charts import (
     breakdown_chart,
     loss_chart,
     memory_chart,
+    window_note,
 )
 
 __all__ = ["render_png"]
@@ -72,13 +73,16 @@ def render_png(
     log_y: bool = False,
     smoothing: float = 0.0,
     ranks: list[int] | None = None,
+    window: int = 0,
 ) -> bytes:
-    """Draw the four charts from ``store`` and return PNG bytes."""
+    """Draw the four charts from ``store`` and return PNG bytes; the loss and allreduce
+    over the last ``window`` steps (0: the whole run), as the live panel shows them."""
     f = _figure()
-    _loss(
-        f.ax_loss, loss_chart(store, points=PNG_POINTS, alpha=smoothing, log_y=log_y, ranks=ranks)
+    loss = loss_chart(
+        store, points=PNG_POINTS, alpha=smoothing, log_y=log_y, ranks=ranks, window=window
     )
-    _comm(f.ax_comm, allreduce_chart(store, points=PNG_POINTS, ranks=ranks))
+    _loss(f.ax_loss, loss)
+    _comm(f.ax_comm, allreduce_chart(store, points=PNG_POINTS, ranks=ranks, window=window))
     _breakdown(f.ax_break, breakdown_chart(store))
     _memory(f.ax_mem, memory_chart(store))
     return f.png()
@@ -104,7 +108,7 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def _loss(ax: Any, m: LineChart) -> None:
-    _start(ax, "loss")
+    _start(ax, "loss" + window_note(m.window))
     ax.set_xlabel("step", fontsize=8)
     if not m.lines and m.band is None:
         _empty(ax, m.empty)
@@ -136,7 +140,7 @@ def _loss(ax: Any, m: LineChart) -> None:
 
 
 def _comm(ax: Any, m: LineChart) -> None:
-    _start(ax, f"allreduce time per step (ms) - {m.backends}")
+    _start(ax, f"allreduce time per step (ms) - {m.backends}{window_note(m.window)}")
     ax.set_xlabel("step", fontsize=8)
     if not m.lines:
         _empty(ax, m.empty)

@@ -5,33 +5,49 @@ layout dominates), which would take CPU from the ranks at the panel's 5 Hz; an S
 of the same data costs about a millisecond and the browser draws it. matplotlib is kept
 for the PNG snapshot a saved notebook shows (``hvdnb.notebook.panel.png``).
 
+The hover readout (step, then each line's value there, like plotly's "x unified" hover)
+is CSS, not script: the panel is an HTML widget's innerHTML, where scripts never run. The
+plot is cut into ``charts.HOVER_COLUMNS`` transparent columns (in one
+``g.hvdnb-hover``), each a ``g`` holding its hidden readout (a guide line, a box, the
+rows) and a ``<title>`` with the same text (the browser's own tooltip); the chart's
+``<style>`` shows the readout of the column under the pointer. That costs the readouts'
+text in every redraw: under ~15 KB a chart (fewer columns when a readout lists many
+lines, ``HOVER_BYTES``).
+
 Owns: the SVG primitives (line charts: lines, min/max band + median, vertical marks, log
-y, clipped spikes; stacked bars; legends) and ``charts_html`` / ``runs_html``, which draw
-the models of ``hvdnb.notebook.panel.charts`` with them. Never: touch widgets; shape data
-(what a chart shows is the model's: smoothing, bands, stacking, axis limits live in
+y, clipped spikes, round ticks, the hover readout; stacked bars; legends) and
+``charts_html`` / ``runs_html``, which draw the models of ``hvdnb.notebook.panel.charts``
+with them. Never: touch widgets; shape data (what a chart shows is the model's:
+smoothing, bands, stacking, windows, axis limits and ticks, the readouts' values live in
 ``charts``); draw a missing value as 0.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.charts import (
+    HOVER_COLUMNS,
     LIVE_POINTS,
     PHASES,
     LineChart,
+    Readout,
     RunsChart,
     allreduce_chart,
     axis_limits,
     breakdown_chart,
     fmt_value,
     loss_chart,
+    nice_ticks,
+    readouts,
     runs_chart,
+    window_note,
 )
 
 __all__ = [
@@ -63,12 +79,87 @@ PALETTE = [
 ]
 W, H = 460, 220
 L, R, T, B = 52, 10, 22, 26
+#: the band's colour (and its readout rows')
+BAND = "#4c78a8"
+#: a readout lists one line per row up to this many lines, two per row beyond
+READOUT_ROWS = 8
+#: about this many bytes of readouts a chart (the hover reads fewer columns, down to
+#: ``MIN_COLUMNS``, when each readout lists many lines)
+HOVER_BYTES = 14_500
+MIN_COLUMNS = 12
+#: the hover's rules (an inline SVG's style applies to the page: every rule is scoped)
+HOVER_CSS = (
+    "<style>.hvdnb-hover>g>rect{fill-opacity:0}"
+    ".hvdnb-hover .readout{visibility:hidden;pointer-events:none}"
+    ".hvdnb-hover>g:hover .readout{visibility:visible}"
+    ".hvdnb-hover path{stroke:#666;stroke-dasharray:3,2}"
+    ".hvdnb-hover .readout rect{fill:#fff;fill-opacity:.92;stroke:#aaa}"
+    ".hvdnb-hover text:first-of-type{font-weight:bold}</style>"
+)
 
 
-def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    return [lo + (hi - lo) * i / n for i in range(n + 1)]
+def _fmt_x(x: float) -> str:
+    return f"{x:,.0f}" if x == int(x) else fmt_value(x)
+
+
+def _hover_columns(lines: int) -> int:
+    """How many columns the hover reads for readouts of ``lines`` lines."""
+    per = 170 + (92 * lines if lines <= READOUT_ROWS else 58 * lines)  # bytes a readout
+    return max(MIN_COLUMNS, min(HOVER_COLUMNS, HOVER_BYTES // per))
+
+
+def _hover(
+    reads: Sequence[Readout],
+    sx: Callable[[float], float],
+    pw: float,
+    ph: float,
+    x_name: str,
+) -> list[str]:
+    """One ``g`` per readout (the caller puts them in a ``g.hvdnb-hover``): a transparent
+    column over the plot with its
+    ``<title>`` (the browser's tooltip), and the readout the CSS shows: a dashed guide at
+    the step read, a box with the step and one row per line in its colour (two rows a
+    line, uncoloured, beyond ``READOUT_ROWS`` lines)."""
+    out: list[str] = []
+    esc: dict[str, str] = {}  # a label's escaped and short forms, worked out once
+    short: dict[str, str] = {}
+    for rd in reads:
+        a, b, gx = round(sx(rd.a)), round(sx(rd.b)), sx(rd.x)
+        head = f"{x_name} {_fmt_x(rd.x)}"
+        items = []
+        for label, v, k in rd.rows:
+            e = esc.get(label)
+            if e is None:
+                e = esc[label] = html.escape(label)
+                short[label] = re.sub(r"^rank (\d+)", r"r\1", e)
+            items.append((label, e, fmt_value(v), k))
+        tip = "\n".join([head] + [f"{e} {v}" for _, e, v, _ in items])
+        if len(items) <= READOUT_ROWS:
+            rows = [
+                (f"{e} {v}", len(label) + len(v), BAND if k < 0 else PALETTE[k % len(PALETTE)])
+                for label, e, v, k in items
+            ]
+        else:  # two a row: short labels, the text's own colour
+            pairs = [f"{short[label]} {v}" for label, _, v, _ in items]
+            rows = [
+                (t, len(t), "")
+                for t in (" \u00b7 ".join(pairs[i : i + 2]) for i in range(0, len(pairs), 2))
+            ]
+        bw = round(8 + 5.6 * max(len(head), *(n for _, n, _ in rows)))
+        bx = round(gx + 6 if gx + 6 + bw <= L + pw else max(L, gx - 6 - bw))
+        tx = bx + 4
+        parts = [
+            f"<g><rect x='{a}' y='{T}' width='{b - a}' height='{ph}'>"
+            f"<title>{tip}</title></rect><g class='readout'><path d='M{gx:.1f} {T}v{ph}'/>"
+            f"<rect x='{bx}' y='{T + 4}' width='{bw}' height='{17 + 11 * len(rows)}'/>"
+            f"<text x='{tx}' y='{T + 15}'>{head}</text>"
+        ]
+        for j, (text, _, color) in enumerate(rows):
+            fill = f" fill='{color}'" if color else ""
+            parts.append(f"<text x='{tx}' y='{T + 26 + 11 * j}'{fill}>{text}</text>")
+        parts.append("</g></g>")
+        out.append("".join(parts))
+    return out
 
 
 def line_chart(
@@ -83,10 +174,14 @@ def line_chart(
     height: int = H,
     legend: bool = True,
     clip_spikes: bool = False,
+    x_name: str = "step",
+    hover: bool = True,
 ) -> str:
     """An SVG line chart. ``series``: (label, xs, ys); ``band``: (xs, lo, hi, median);
     ``marks``: (x, label[, color]) vertical dashed lines; ``legend=False`` leaves the
-    labels to the caller (long labels, e.g. ``legend_html``).
+    labels to the caller (long labels, e.g. ``legend_html``). Round ticks on both axes
+    (``charts.nice_ticks``); ``hover``: the readout of ``x_name`` and each line's value
+    under the pointer (``charts.readouts``).
 
     ``clip_spikes``: a few values far above the rest (the first allreduce of a loop, which
     sets up connections) would squash every other point onto the axis; where
@@ -112,19 +207,15 @@ def line_chart(
         return L + (x - x0) / (x1 - x0) * pw
 
     out = [head, f"<rect x='{L}' y='{T}' width='{pw}' height='{ph}' fill='none' stroke='#ccc'/>"]
-    for t in _ticks(y0, y1):
-        yy = T + ph - (t - y0) / (y1 - y0) * ph
-        label = fmt_value(10**t if log_y else t)
-        out.append(
-            f"<line x1='{L}' x2='{L + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#eee'/>"
-            f"<text x='{L - 3}' y='{yy + 3:.1f}' text-anchor='end' fill='#555'>{label}</text>"
-        )
-    for t in _ticks(x0, x1):
-        xx = sx(t)
-        out.append(
-            f"<text x='{xx:.1f}' y='{height - 10}' text-anchor='middle' fill='#555'>"
-            f"{fmt_value(round(t))}</text>"
-        )
+    yt = [(T + ph - (t - y0) / (y1 - y0) * ph, label) for t, label in nice_ticks(y0, y1, log=log_y)]
+    xt = [(sx(t), label) for t, label in nice_ticks(x0, x1, integer=True)]
+    out.append("<g stroke='#eee'>")
+    out.extend(f"<path d='M{L} {yy:.1f}h{pw}'/>" for yy, _ in yt)
+    out.append("</g><g class='hvdnb-ticks-y' text-anchor='end' fill='#555'>")
+    out.extend(f"<text x='{L - 3}' y='{yy + 3:.1f}'>{label}</text>" for yy, label in yt)
+    out.append("</g><g class='hvdnb-ticks-x' text-anchor='middle' fill='#555'>")
+    out.extend(f"<text x='{xx:.1f}' y='{height - 10}'>{label}</text>" for xx, label in xt)
+    out.append("</g>")
 
     # curves in tenths of a pixel, as integers inside a scale(0.1) group: formatting
     # them is one join over a numpy array (a float f-string per point was half a redraw)
@@ -153,10 +244,10 @@ def line_chart(
         if len(upper) and len(lower):
             poly = joined(np.concatenate((upper, lower[::-1])))
             out.append(
-                f"<polygon points='{poly}' fill='#4c78a8' fill-opacity='0.25' stroke='none'/>"
+                f"<polygon points='{poly}' fill='{BAND}' fill-opacity='0.25' stroke='none'/>"
             )
         out.append(
-            f"<polyline points='{joined(tenths(bx, med))}' fill='none' stroke='#4c78a8' "
+            f"<polyline points='{joined(tenths(bx, med))}' fill='none' stroke='{BAND}' "
             "stroke-width='15'/>"
         )
     for i, (label, xs, ys) in enumerate(series):
@@ -166,29 +257,52 @@ def line_chart(
             f"stroke-width='12'><title>{html.escape(label)}</title></polyline>"
         )
     out.append("</g>")
-    for mark in marks:
+    keys = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
+    if band is not None:
+        keys = [("min-max band + median", BAND)]
+    keys = keys[:8] if legend else []
+    # a mark's label right of its line (left of it in the plot's last quarter), on the
+    # first row where it overlaps no other label, the clip note (top left) or the legend
+    # (top right)
+    note = f"&#8593; {lim.clip_note}" if clipped else ""
+    # per row: where its last label ends, and where the legend's label starts
+    ends = [L + 3 + 5.6 * len(lim.clip_note) + 12] if clipped else []
+    stops = [L + pw - 4 - 5.6 * len(label) for label, _ in keys]
+    for mark in sorted(marks, key=lambda m: m[0]):
         x, label = mark[0], mark[1]
         mc = mark[2] if len(mark) > 2 else "#d62728"
         if x0 <= x <= x1:
             xx = sx(x)
+            tw = 5.6 * len(label)
+            left = xx > L + 0.75 * pw and xx - 2 - tw >= L
+            a, b = (xx - 2 - tw, xx - 2) if left else (xx + 2, xx + 2 + tw)
+            row = 0
+            while (row < len(ends) and ends[row] >= a) or (row < len(stops) and b >= stops[row]):
+                row += 1
+            ends += [float(L)] * (row + 1 - len(ends))
+            ends[row] = b
+            anchor = " text-anchor='end'" if left else ""
             out.append(
                 f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='{mc}' "
-                f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{xx + 2:.1f}' "
-                f"y='{T + 10}' fill='{mc}'>{html.escape(label)}</text>"
+                f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{(b if left else a):.1f}' "
+                f"y='{T + 11 + 11 * min(row, 12)}' fill='{mc}'{anchor}>{html.escape(label)}</text>"
             )
     if clipped:
         out.append(
-            f"<text x='{L + 3}' y='{T + 10}' fill='#d62728' class='hvdnb-clipped'>"
-            f"&#8593; {lim.clip_note}</text>"
+            f"<text x='{L + 3}' y='{T + 11}' fill='#d62728' class='hvdnb-clipped'>{note}</text>"
         )
-    keys = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
-    if band is not None:
-        keys = [("min-max band + median", "#4c78a8")]
-    for i, (label, color) in enumerate(keys[:8] if legend else []):
+    for i, (label, color) in enumerate(keys):
         out.append(
-            f"<text x='{L + pw - 4}' y='{T + 12 + 11 * i}' text-anchor='end' "
+            f"<text x='{L + pw - 4}' y='{T + 11 + 11 * i}' text-anchor='end' "
             f"fill='{color}'>{html.escape(label)}</text>"
         )
+    if hover:  # last: the columns lie over everything else
+        n = len(series) + (3 if band is not None else 0)
+        reads = readouts(series, band, x0, x1, _hover_columns(n))
+        if reads:
+            out.append(HOVER_CSS + "<g class='hvdnb-hover'>")
+            out.extend(_hover(reads, sx, pw, ph, x_name))
+            out.append("</g>")
     out.append("</svg>")
     return "".join(out)
 
@@ -281,6 +395,7 @@ def runs_svg(m: RunsChart) -> str:
         log_y=m.log_y,
         empty=m.empty,
         legend=False,
+        x_name="samples" if m.x == "samples" else "step",
     )
     note = (
         f"<div style='color:#888;font:11px sans-serif'>runs {', '.join(map(str, m.missing))}: "
@@ -298,16 +413,22 @@ def runs_html(store: MetricsStore, x: str = "step", log_y: bool = False) -> str:
 
 
 def charts_html(
-    store: MetricsStore, *, log_y: bool = False, alpha: float = 0.0, runs_x: str | None = "step"
+    store: MetricsStore,
+    *,
+    log_y: bool = False,
+    alpha: float = 0.0,
+    runs_x: str | None = "step",
+    window: int = 0,
 ) -> str:
-    """The live charts as inline SVG: loss of the current run, allreduce per step, step-time
-    breakdown and (``runs_x`` not None) the runs compared."""
-    loss = loss_chart(store, points=LIVE_POINTS, alpha=alpha, log_y=log_y)
-    comm = allreduce_chart(store, points=LIVE_POINTS)
+    """The live charts as inline SVG: loss of the current run, allreduce per step (both
+    over the last ``window`` steps; 0: the whole run), step-time breakdown and (``runs_x``
+    not None) the runs compared."""
+    loss = loss_chart(store, points=LIVE_POINTS, alpha=alpha, log_y=log_y, window=window)
+    comm = allreduce_chart(store, points=LIVE_POINTS, window=window)
     bars = breakdown_chart(store)
     out = [
-        _line_svg("loss" + (" (log)" if log_y else ""), loss),
-        _line_svg(f"allreduce ms per step ({comm.backends})", comm),
+        _line_svg("loss" + (" (log)" if log_y else "") + window_note(window), loss),
+        _line_svg(f"allreduce ms per step ({comm.backends}){window_note(window)}", comm),
         stacked_bars(
             "step time (median of last 50 steps; comm = exposed)",
             list(zip(bars.labels(), [vals for _, vals in bars.rows])),
