@@ -4,7 +4,8 @@ Owns: wrapping a user's optimizer (a dynamic subclass sharing its state, as Horo
 hooks on every parameter's gradient accumulator, the bucket plan (reverse parameter order,
 one dtype and device per bucket, at most ``Config.fusion_threshold`` bytes), launching each
 bucket's allreduce as soon as its gradients are ready (in bucket order, identical on every
-rank), and waiting for them in ``synchronize()`` / ``step()``. Never: launch buckets in an
+rank), and waiting for them in ``synchronize()`` / ``step()``; ``op=hvd.Adasum`` goes to
+``adasum_optimizer.py`` (Horovod's delta optimizer). Never: launch buckets in an
 order that depends on timing, block inside a hook, or call ``cuda.synchronize``.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from hvdnb.config import get_config
 from hvdnb.rank import nvtx as _nvtx
+from hvdnb.torch.adasum_optimizer import adasum_optimizer
 from hvdnb.torch.collectives import sparse_allreduce_async
 from hvdnb.torch.compression import Compression
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
@@ -59,15 +61,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        if op == Adasum:
-            raise NotImplementedError(
-                "DistributedOptimizer(op=hvd.Adasum) is not implemented: Horovod's Adasum "
-                "optimizer combines each rank's parameter *update* after a local step (a "
-                "different algorithm from averaging gradients); use hvd.allreduce(t, "
-                "op=hvd.Adasum) on tensors, or op=hvd.Average"
-            )
         if op not in (Average, Sum):
-            raise ValueError("DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+            raise ValueError("DistributedOptimizer supports op=hvd.Average, hvd.Sum or hvd.Adasum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average")
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -294,7 +289,10 @@ def DistributedOptimizer(
     named_parameters : ``model.named_parameters()``, used in names and error messages
     compression : ``Compression.none`` or ``Compression.fp16``
     backward_passes_per_step : local accumulation passes before each allreduce
-    op : ``hvd.Average`` (default) or ``hvd.Sum``
+    op : ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``. Adasum is Horovod's
+        delta optimizer (``adasum_optimizer.py``): each rank steps on its own gradients and
+        the parameter updates are combined with Adasum; a power-of-two number of ranks,
+        the global process set, no groups or predivide factor
     gradient_predivide_factor : with Average, divide by this before the sum and by
         ``size / factor`` after (guards low-precision sums)
     num_groups : deprecated (Horovod's): the same as ``groups=num_groups``
@@ -309,17 +307,25 @@ def DistributedOptimizer(
     -------
     torch.optim.Optimizer
     """
+    if num_groups:
+        if groups is not None:
+            raise ValueError("pass groups= or num_groups= (deprecated), not both")
+        warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning, stacklevel=2)
+        groups = int(num_groups)
+    if op == Adasum:
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+        if global_process_set.size() > 1:
+            return adasum_optimizer(
+                optimizer, named_parameters, compression, backward_passes_per_step, process_set
+            )
+        op = Sum  # Horovod: one rank gets the plain wrapper (Adasum of one vector is itself)
     base = optimizer.__class__
     cls = cast(
         "type[_DistributedOptimizer]", type(base.__name__, (_DistributedOptimizer, base), {})
     )
     dist_opt = cls.__new__(cls)
     dist_opt.__dict__.update(optimizer.__dict__)
-    if num_groups:
-        if groups is not None:
-            raise ValueError("pass groups= or num_groups= (deprecated), not both")
-        warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning, stacklevel=2)
-        groups = int(num_groups)
     dist_opt._hvd_setup(
         named_parameters,
         compression,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,8 +80,28 @@ def test_spmd_three_ranks(script: str) -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_spmd_adasum_ranks(ranks: int) -> None:
+    """Adasum's DistributedOptimizer on four ranks (a two-level tree; oversubscribed is fine)
+    and Horovod's error on every rank of three (not a power of two)."""
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, "spmd_adasum.py"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S + 30,
+        env=_env(),
+        cwd=HERE,
+    )
+    assert proc.returncode == 0, _report(proc)
+    assert proc.stdout.count("OK spmd_adasum") == ranks, _report(proc)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize(
-    "script", ["spmd_ops", "spmd_errors", "spmd_comm_timing", "spmd_horovod", "spmd_teardown"]
+    "script",
+    ["spmd_ops", "spmd_errors", "spmd_comm_timing", "spmd_horovod", "spmd_teardown", "spmd_adasum"],
 )
 def test_torchrun_style_gloo(script: str) -> None:
     """The same checks without MPI: torchrun's variables, every collective over gloo.
@@ -128,6 +149,29 @@ def test_torchrun_style_gloo(script: str) -> None:
         assert code == 0 and f"OK {script}" in out, f"exit {code}\n{out[-4000:]}\n{err[-4000:]}"
         if script == "spmd_ops":
             assert "backend gloo" in out, out[-2000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_example_pytorch_mnist_adasum() -> None:
+    """Horovod's MNIST example (on scikit-learn's digits) trains with ``--use-adasum``."""
+    pytest.importorskip("sklearn")
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    example = HERE.parents[1] / "examples" / "pytorch_mnist_adasum.py"
+    args = ["--use-adasum", "--epochs", "3", "--lr", "0.05", "--batch-size", "32"]
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", str(NP), sys.executable, str(example), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=HERE,
+    )
+    assert proc.returncode == 0, _report(proc)
+    accs = re.findall(r"Accuracy: ([0-9.]+)%", proc.stdout)
+    assert len(accs) == 3, _report(proc)  # one line per epoch, rank 0 only
+    assert float(accs[-1]) > 50.0, _report(proc)  # chance is 10% (about 88% here)
 
 
 @pytest.mark.mpi
