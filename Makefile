@@ -32,7 +32,7 @@ $(VENV)/.installed-lint: $(VENV)/.installed
 	$(PIP) -e ".[lint]"
 	touch $@
 
-LINT_PATHS := hvdnb kernels_ext tests bench
+LINT_PATHS := hvdnb kernels_ext tests bench examples
 
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -2,10 +2,11 @@
 
 Owns: the public names (explicit ``__all__``); the modules own the behaviour, each
 importing only the ones below it (never this package): ``basics`` (init, rank, size),
-``ops`` (the allreduce family), ``collectives`` (the other collectives), ``optimizer``,
-``functions``, ``compression``, ``sync_batch_norm``, ``schedule`` (lr scaling, warmup,
-LARS), ``timeline``; below them ``plans`` (planned fast allreduces over MPI), ``reduce``
-(the general allreduce), ``adasum``, ``handles`` (async handles, poll, synchronize),
+``ops`` (the allreduce family), ``collectives`` (the other collectives), ``optimizer``
+(with ``adasum_optimizer``: ``DistributedOptimizer(op=Adasum)``), ``functions``,
+``compression``, ``sync_batch_norm``, ``schedule`` (lr scaling, warmup, LARS),
+``timeline``; below them ``plans`` (planned fast allreduces over MPI), ``reduce`` (the
+general allreduce), ``adasum`` (the combination), ``handles`` (async handles, poll, synchronize),
 ``spec`` (op and dtype codes, names, transport choice), ``process_sets``, ``rounds``
 (negotiation, async queue, join), ``transport`` (headers, MPI and torch.distributed
 transports), ``timing`` (NCCL and gloo timings) and ``listeners``. Never: do work at import
