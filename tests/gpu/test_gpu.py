@@ -231,6 +231,43 @@ hvdnb.metrics.get_recorder().flush()
     assert nvml[-1] == pytest.approx(smi, rel=0.1, abs=256 * 2**20)
 
 
+def test_gpu_utilisation_matches_nvidia_smi_under_a_busy_kernel(gpu_cluster):
+    """Each rank keeps its GPU busy with matmuls while it logs; rank 0's reading
+    (NVML utilization.gpu, sampled with each message) is high, as nvidia-smi's is."""
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no nvidia-smi to compare with")
+    store = attach(gpu_cluster)
+    store.clear()
+    run(
+        gpu_cluster,
+        """
+import time, torch, hvdnb
+a = torch.randn(4096, 4096, device="cuda")
+t0, s = time.time(), 0
+while time.time() - t0 < 4:
+    for _ in range(8):
+        a = (a @ a).clamp_(-1, 1)
+    hvdnb.log(s, 1.0)
+    s += 1
+torch.cuda.synchronize()
+hvdnb.metrics.get_recorder().flush()
+""",
+    )
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    _, util, _ = store.series("mem/gpu_util_pct", 0, run=-1)
+    _, membw, _ = store.series("mem/gpu_membw_util_pct", 0, run=-1)
+    assert util and membw, "no utilisation reading (is nvidia-ml-py installed?)"
+    assert max(util) >= 50, util  # the matmul loop keeps the GPU busy
+    assert 0 <= min(membw) and max(membw) <= 100
+    print(f"utilization.gpu: panel max {max(util):.0f} %, nvidia-smi now {out.strip()} %")
+
+
 def test_timeline_on_gpu_is_a_chrome_trace(gpu_cluster, tmp_path):
     path = tmp_path / "tl.json"
     run(

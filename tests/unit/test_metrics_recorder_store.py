@@ -1055,3 +1055,27 @@ def test_a_plan_heard_between_log_events_applies_at_its_step():
         kn.CURRENT = old
         rec._comm_list = saved
         R.set_enabled(True)
+
+
+def test_gpu_utilisation_is_na_without_nvml_and_shown_beside_memory():
+    """Without NVML (the [gpu] extra is not installed here, and no driver answers) the
+    sampler reports no utilisation, never a fake 0, and the panel shows n/a; with readings
+    the memory table shows them as percent beside the GPU memory."""
+    from hvdnb.notebook.panel.tables import memory_table
+    from hvdnb.rank.metrics.memory import MemorySampler
+
+    m = MemorySampler()
+    assert m._nvml_handle(0) is None and m.gpu_utilization(None) is None
+    assert "mem/gpu_util_pct" not in m.sample()
+    st = MetricsStore()
+    cols = {
+        "mem/gpu_allocated": [[1, 1], [1.0, 1.0], [2e9, 2e9]],
+        "mem/gpu_reserved": [[1, 1], [1.0, 1.0], [3e9, 3e9]],
+    }
+    st.ingest({"rank": 0, "seq": 1, "cols": {**cols, "mem/gpu_util_pct": [[1], [1.0], [87.0]]}})
+    st.ingest({"rank": 1, "seq": 1, "cols": cols})  # a rank without NVML
+    html = memory_table(st)
+    assert "GPU util" in html and "mem bw util" in html
+    assert "<td>87 %</td>" in html
+    row1 = html.split("<tr><td>1</td>")[1].split("</tr>")[0]
+    assert row1.count("n/a") == 4  # nvml used, both utilisations, rss

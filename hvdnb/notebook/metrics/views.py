@@ -293,8 +293,15 @@ class ViewsMixin(PointStore):
         return out
 
     def memory(self) -> dict[int, dict[str, float | None]]:
-        """Latest memory readings per rank (None: the rank did not report it)."""
-        names = ("mem/rss", "mem/gpu_allocated", "mem/gpu_reserved", "mem/gpu_nvml_used")
+        """Latest memory and GPU-utilisation readings per rank (None: not reported)."""
+        names = (
+            "mem/rss",
+            "mem/gpu_allocated",
+            "mem/gpu_reserved",
+            "mem/gpu_nvml_used",
+            "mem/gpu_util_pct",
+            "mem/gpu_membw_util_pct",
+        )
         return {r: {n[4:]: self.latest(n, r) for n in names} for r in self.ranks()}
 
     def throughput(self, window: float = 3.0) -> float | None:

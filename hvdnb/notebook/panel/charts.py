@@ -603,7 +603,9 @@ def breakdown_chart(store: MetricsStore) -> BarChart:
 @dataclass
 class MemoryChart:
     """The latest memory readings per rank (bytes; None: not reported, shown as n/a).
-    With a GPU (any rank reports ``gpu_allocated``) the GPU's figures, else the RSS."""
+    With a GPU (any rank reports ``gpu_allocated``) the GPU's figures, its utilisation
+    (``*_pct``: NVML's utilization.gpu and utilization.memory, percent; n/a without NVML),
+    else the RSS."""
 
     values: dict[int, dict[str, float | None]]
     gpu: bool
@@ -615,7 +617,16 @@ class MemoryChart:
     @property
     def columns(self) -> list[str]:
         """The readings the memory table lists."""
-        return ["gpu_allocated", "gpu_reserved", "gpu_nvml_used", "rss"] if self.gpu else ["rss"]
+        if not self.gpu:
+            return ["rss"]
+        return [
+            "gpu_allocated",
+            "gpu_reserved",
+            "gpu_nvml_used",
+            "gpu_util_pct",
+            "gpu_membw_util_pct",
+            "rss",
+        ]
 
     @property
     def bars(self) -> tuple[str, ...]:

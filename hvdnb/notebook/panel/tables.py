@@ -96,18 +96,37 @@ def comm_table(store: MetricsStore) -> str:
     return "".join(out)
 
 
+#: the memory table's column titles
+_HEADS = {
+    "gpu_allocated": "allocated",
+    "gpu_reserved": "reserved",
+    "gpu_nvml_used": "used (NVML)",
+    "gpu_util_pct": "GPU util",
+    "gpu_membw_util_pct": "mem bw util",
+    "rss": "RSS",
+}
+
+
+def _fmt_reading(column: str, v: float | None) -> str:
+    if column.endswith("_pct"):
+        return "n/a" if v is None else f"{v:.0f} %"
+    return fmt_bytes(v)
+
+
 def memory_table(store: MetricsStore) -> str:
     m = memory_chart(store)
     if not m.values:
         return ""
     cols = m.columns
     out = [
-        "<b>memory</b><table><tr><th>rank</th>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>"
+        "<b>memory</b><table><tr><th>rank</th>"
+        + "".join(f"<th>{_HEADS.get(c, c)}</th>" for c in cols)
+        + "</tr>"
     ]
     for r in m.ranks[:MAX_LINES]:
         out.append(
             f"<tr><td>{r}</td>"
-            + "".join(f"<td>{fmt_bytes(m.values[r].get(c))}</td>" for c in cols)
+            + "".join(f"<td>{_fmt_reading(c, m.values[r].get(c))}</td>" for c in cols)
             + "</tr>"
         )
     out.append("</table>")

@@ -1,5 +1,10 @@
 """Memory readings for the recorder's messages: this process's RSS (psutil) and, when the
-training code already uses CUDA, torch's allocated/reserved bytes and NVML's "used".
+training code already uses CUDA, torch's allocated/reserved bytes, NVML's "used" and the
+GPU's utilisation (NVML ``utilization.gpu``: percent of the last sample period in which a
+kernel ran; ``utilization.memory``: percent of it in which device memory was read or
+written, the memory-bandwidth utilisation, as ``nvidia-smi`` reports both).
+
+Sampled with each message (once per flush interval, 0.25-1 s), never per step.
 
 Owns: ``MemorySampler``. Never: import torch (it reads ``sys.modules``), initialise CUDA,
 synchronise, or raise (a reading that cannot be taken is left out).
@@ -45,14 +50,20 @@ class MemorySampler:
                 dev = cuda.current_device()
                 out["mem/gpu_allocated"] = float(cuda.memory_allocated(dev))
                 out["mem/gpu_reserved"] = float(cuda.memory_reserved(dev))
-                used = self._nvml_used(dev)
+                h = self._nvml_handle(dev)
+                used = self._nvml_used(h)
                 if used is not None:
                     out["mem/gpu_nvml_used"] = used
+                util = self.gpu_utilization(h)
+                if util is not None:
+                    out["mem/gpu_util_pct"], out["mem/gpu_membw_util_pct"] = util
         except Exception:
             pass
         return out
 
-    def _nvml_used(self, dev: int) -> float | None:
+    def _nvml_handle(self, dev: int) -> Any:
+        """NVML's handle of torch's CUDA device ``dev`` (None without NVML: the ``[gpu]``
+        extra, nvidia-ml-py, is not installed, or no driver answers)."""
         if not self._nvml_tried:
             self._nvml_tried = True
             try:
@@ -64,18 +75,36 @@ class MemorySampler:
                 self._nvml = None
         if self._nvml is None:
             return None
-        nvml = self._nvml
-        try:
+        try:  # torch's device index counts the visible GPUs; NVML counts all of them
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
             ids = [v.strip() for v in visible.split(",") if v.strip()]
             index = int(ids[dev]) if dev < len(ids) and ids[dev].isdigit() else dev
-            h = nvml.nvmlDeviceGetHandleByIndex(index)
-            v2 = getattr(nvml, "nvmlMemory_v2", None)
-            if v2 is not None:
-                try:  # "used" as nvidia-smi shows it: the driver's reserve is not in it
-                    return float(nvml.nvmlDeviceGetMemoryInfo(h, version=v2).used)
-                except Exception:  # an older driver: v1, whose "used" counts the reserve
-                    pass
+            return self._nvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:
+            return None
+
+    def _nvml_used(self, h: Any) -> float | None:
+        if h is None:
+            return None
+        nvml = self._nvml
+        v2 = getattr(nvml, "nvmlMemory_v2", None)
+        if v2 is not None:
+            try:  # "used" as nvidia-smi shows it: the driver's reserve is not in it
+                return float(nvml.nvmlDeviceGetMemoryInfo(h, version=v2).used)
+            except Exception:  # an older driver: v1, whose "used" counts the reserve
+                pass
+        try:
             return float(nvml.nvmlDeviceGetMemoryInfo(h).used)
+        except Exception:
+            return None
+
+    def gpu_utilization(self, h: Any) -> tuple[float, float] | None:
+        """(``utilization.gpu``, ``utilization.memory``) in percent for NVML handle ``h``;
+        None when there is no handle or NVML cannot say (the panel shows "n/a")."""
+        if h is None or self._nvml is None:
+            return None
+        try:
+            rates = self._nvml.nvmlDeviceGetUtilizationRates(h)
+            return float(rates.gpu), float(rates.memory)
         except Exception:
             return None
