@@ -24,8 +24,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) -e .
 	touch $@
 
+# the tf extra too, so that the suite runs notebook 08 and the TensorFlow tests (they skip
+# where TensorFlow is missing); about a minute with pip's cache warm
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,tf]"
 	touch $@
 
 $(VENV)/.installed-lint: $(VENV)/.installed

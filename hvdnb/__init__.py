@@ -18,9 +18,9 @@ From Python::
 ``hvdnb.torch`` speaks Horovod's torch API (``import hvdnb.torch as hvd``).
 
 This module is the public surface of both sides. What a rank's training loop calls (``log``,
-``phase``, ``knobs``, ``State``, ``ddp_comm_hook``) is imported at once; what only the
-notebook kernel uses (``Cluster``, ``run_cell``, ``set_knobs``, the magics) is imported on
-first use, so ``import hvdnb`` on a rank never loads the notebook side.
+``phase``, ``knobs``, ``State``, ``ddp_comm_hook``, ``keras_callback``) is imported at once;
+what only the notebook kernel uses (``Cluster``, ``run_cell``, ``set_knobs``, the magics) is
+imported on first use, so ``import hvdnb`` on a rank never loads the notebook side.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from hvdnb import metrics  # a callable module: hvdnb.metrics() returns every point as rows
 from hvdnb.config import Config, get_config
+from hvdnb.rank.keras import keras_callback  # imports keras only when called
 from hvdnb.rank.metrics.ddp import ddp_comm_hook
 from hvdnb.rank.metrics.knobs import knobs
 from hvdnb.rank.metrics.recorder import log, phase
@@ -53,6 +54,7 @@ __all__ = [
     "current",
     "ddp_comm_hook",
     "get_config",
+    "keras_callback",
     "knobs",
     "load_ipython_extension",
     "log",

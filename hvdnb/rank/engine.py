@@ -3,7 +3,8 @@
 ``python -m hvdnb.rank.engine [ipengine args]`` is the command hvdnb's launchers run under
 mpiexec. Before the stock ``IPEngine`` starts (and registers with the controller), it finds
 its rank, sets the torchrun-style variables, pins its GPU, sets torch's thread count and
-initialises the default torch.distributed process group. So by the time an engine is
+initialises the default torch.distributed process group, and sets TensorFlow's
+``TF_CONFIG`` (``hvdnb.rank.tfconfig``). So by the time an engine is
 visible to the client, the first cell can train; and the slow ``import torch`` overlaps the
 controller's own start.
 
@@ -46,8 +47,9 @@ _STATE: dict[str, Any] = {"backend": None, "last_cell": None, "device": "cpu"}
 
 
 def bootstrap(backend: str | None = None) -> None:
-    """Rendezvous and initialise torch.distributed on this rank (collective)."""
-    from hvdnb.rank import rendezvous
+    """Rendezvous and initialise torch.distributed on this rank, then set TensorFlow's
+    ``TF_CONFIG`` (collective)."""
+    from hvdnb.rank import rendezvous, tfconfig
 
     w = rendezvous.discover()
     import torch  # noqa: F401  (the import is the slow part; do it before registering)
@@ -57,6 +59,7 @@ def bootstrap(backend: str | None = None) -> None:
 
     _STATE["backend"] = dist.get_backend()
     _STATE["device"] = rendezvous.setup_device(w)
+    tfconfig.setup(w)  # before any cell can import tensorflow
     _release_shm_names()
 
 

@@ -2,7 +2,8 @@
 ``%dist start`` sets up an engine, without Jupyter.
 
 Owns: joining the job under mpiexec, torchrun or srun (``rendezvous.init_process_group``:
-rank, size, the torchrun variables, the default process group, device and thread count),
+rank, size, the torchrun variables, the default process group, device and thread count;
+then TensorFlow's ``TF_CONFIG``, ``tfconfig.setup``),
 the knob values a script starts from, and where ``hvdnb.log`` points go outside a
 notebook: nowhere (a bounded in-memory ring, about a microsecond a call) unless
 ``HVDNB_METRICS_DIR`` names a directory, where each rank appends its flushes as JSON lines
@@ -67,11 +68,12 @@ def init(backend: str | None = None, knobs: dict[str, Any] | None = None) -> Any
     hvdnb.rank.rendezvous.World
     """
     global _WORLD
-    from hvdnb.rank import rendezvous
+    from hvdnb.rank import rendezvous, tfconfig
     from hvdnb.rank.metrics import knobs as knobset
     from hvdnb.rank.metrics import recorder
 
     _WORLD = rendezvous.init_process_group(backend)
+    tfconfig.setup(_WORLD)
     knobset.DEFAULTS.update(knobs or {})
     out = os.environ.get("HVDNB_METRICS_DIR")
     if out:

@@ -138,6 +138,7 @@ rx1, tx1 = eth0()
 dict(rank=dist.get_rank(), size=dist.get_world_size(), host=socket.gethostname(),
      sum=float(x[0]), master=os.environ["MASTER_ADDR"], local_rank=os.environ["LOCAL_RANK"],
      ifname=os.environ.get("GLOO_SOCKET_IFNAME"), rx=rx1 - rx0, tx=tx1 - tx0,
+     tf_config=__import__("json").loads(os.environ["TF_CONFIG"]),
      peers=sorted({c.raddr.ip for c in __import__("psutil").Process().net_connections("tcp")
                    if c.raddr}))
 """
@@ -158,6 +159,12 @@ def test_allreduce_crosses_the_veth_link(cluster, shell, two_hosts, capsys):
         assert other in r["peers"], r  # gloo's pair to the other host
         # the 4 MiB went out and came in over this host's veth
         assert r["tx"] > 4_000_000 and r["rx"] > 4_000_000, r
+        # TensorFlow's TF_CONFIG: each worker on its own host's address (exchanged over the
+        # torch group: these engine sets share no MPI world), and this rank's index
+        workers = r["tf_config"]["cluster"]["worker"]
+        assert [w.rsplit(":", 1)[0] for w in workers] == two_hosts.addrs, r
+        assert r["tf_config"]["task"] == {"type": "worker", "index": rank}
+        assert workers == res[0]["tf_config"]["cluster"]["worker"]
     # %dist status and the store see the two hosts
     shell.run_line_magic("dist", "status")
     out = capsys.readouterr().out

@@ -8,6 +8,7 @@ cell makes ``hvdnb run`` exit non-zero with the cell's error, and ``hvdnb demo``
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -66,8 +67,24 @@ EXPECT: dict[str, list[str]] = {
         "after the fix, data loading is no longer the bottleneck: True",
         "points from every rank reached the panel: True",
     ],
+    "08-tensorflow-multiworker": [
+        # TF_CONFIG from hvdnb: one list of workers, each rank its own index
+        r"\[0\] task \{'type': 'worker', 'index': 0\} of workers \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]",
+        r"\[1\] task \{'type': 'worker', 'index': 1\} of workers",
+        "my index is my rank: True",
+        "2 replicas in sync",
+        r"my part 32: first labels",
+        r"weights [0-9a-f]{12}, identical on all ranks: True",
+        r"final test accuracy 0\.(9\d|8[5-9])",
+        "weights identical on every rank: True",
+        # the Keras callback's path: every step of every rank reached the notebook's store
+        "every step of every rank reached the notebook: True",
+        r"both ranks logged the same \(global\) loss: True",
+    ],
 }
 NEEDS_FIGURE = {"04-lr-at-scale", "05-model-parallel", "06-sync-vs-async"}
+#: notebooks that need TensorFlow (the ``tf`` extra): skipped, saying so, where it is missing
+NEEDS_TENSORFLOW = {"08-tensorflow-multiworker"}
 
 
 def _hvdnb(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -113,6 +130,8 @@ def test_notebook_is_stripped_and_well_formed(path: Path) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_on_two_ranks(path: Path, tmp_path: Path) -> None:
+    if path.stem in NEEDS_TENSORFLOW and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed: pip install -e '.[tf]' (make test does)")
     before = path.read_bytes()
     out = tmp_path / path.name
     res = _hvdnb("run", str(path), "-n", "2", "-o", str(out), timeout=140)

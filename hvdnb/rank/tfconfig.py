@@ -1,0 +1,137 @@
+"""TensorFlow's view of the job: ``TF_CONFIG`` on every rank, set at the engine's bootstrap.
+
+``tf.distribute.MultiWorkerMirroredStrategy`` reads its cluster from the ``TF_CONFIG``
+variable when it is built: every worker's ``host:port`` in rank order, and which of them
+this process is::
+
+    {"cluster": {"worker": ["127.0.0.1:41234", "127.0.0.1:41235"]},
+     "task": {"type": "worker", "index": 1}}
+
+``setup`` runs on every rank after the torch rendezvous and before the engine registers,
+so the first ``%%distributed`` cell that imports TensorFlow finds it set. Each rank picks a
+free port on its own address (bind port 0, read it, close it); the list travels over MPI
+(``allgather``) when MPI sees the whole job, else over torch.distributed's default group
+(``all_gather_object``: srun without PMI, per-host engine sets, torchrun). The address is
+127.0.0.1 when the whole job is on one host; across hosts it is this rank's address on
+its route to rank 0 (``MASTER_ADDR``, which rendezvous chose reachable from every host).
+
+Also sets ``TF_NUM_INTRAOP_THREADS`` / ``TF_NUM_INTEROP_THREADS`` (unless set) to this
+rank's share of the host's cores, as rendezvous sets torch's thread count: ranks that each
+start a thread per core oversubscribe the host.
+
+Owns: the worker address, the port probe, the exchange and the JSON. Never: import
+tensorflow (optional, and seconds to import: a rank that never uses it pays nothing),
+override a ``TF_CONFIG`` the user set (if any rank has one, no rank gets ours), or keep a
+port open (TensorFlow's gRPC server binds it when the strategy is built, on every interface:
+TensorFlow's choice; until then another process could take it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hvdnb.host import route_addr
+from hvdnb.rank.rendezvous import World, threads_per_rank
+
+__all__ = ["free_port", "resolve", "setup", "tf_config", "worker_addr"]
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def tf_config(workers: Sequence[str], index: int) -> str:
+    """The ``TF_CONFIG`` JSON of worker ``index`` in a cluster of ``workers`` (``host:port``)."""
+    if not 0 <= index < len(workers):
+        raise ValueError(f"worker index {index} outside a cluster of {len(workers)}")
+    if len(set(workers)) != len(workers):
+        raise ValueError(f"two workers share an address: {list(workers)}")
+    return json.dumps(
+        {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}}
+    )
+
+
+def resolve(entries: Sequence[str | None], index: int) -> str | None:
+    """This rank's ``TF_CONFIG`` from every rank's entry (rank order), or None when a rank
+    has none (it found no port, or its user set ``TF_CONFIG``): then no rank gets one."""
+    if any(e is None for e in entries):
+        return None
+    return tf_config([str(e) for e in entries], index)
+
+
+def worker_addr(w: World, master_addr: str | None) -> str:
+    """The address other workers reach this rank on: loopback when the whole job is on
+    one host, else this host's address on the route to rank 0 (``master_addr``)."""
+    if w.local_size >= w.size:
+        return "127.0.0.1"
+    if master_addr and master_addr not in _LOOPBACK:
+        try:
+            return route_addr(master_addr)
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(addr: str) -> int | None:
+    """A port that is free on ``addr`` now (None if binding fails). Nothing stays open."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        return None
+
+
+def _host_port(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def _exchange(w: World, entry: str | None) -> list[str | None] | None:
+    """Every rank's entry in rank order (collective), or None when there is no way to ask."""
+    if w.size == 1:
+        return [entry]
+    if w.comm is not None:
+        return list(w.comm.allgather(entry))
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    out: list[Any] = [None] * w.size
+    dist.all_gather_object(out, entry)
+    return out
+
+
+def _set_threads(w: World) -> None:
+    n = str(threads_per_rank(w))
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", n)
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", n)
+
+
+def setup(w: World) -> str | None:
+    """Set ``TF_CONFIG`` on this rank (collective: every rank calls it, after the torch
+    rendezvous). Returns the value set, or None when it was left alone."""
+    _set_threads(w)
+    user = bool(os.environ.get("TF_CONFIG"))
+    entry = None
+    if not user:
+        addr = worker_addr(w, os.environ.get("MASTER_ADDR"))
+        port = free_port(addr)
+        entry = None if port is None else _host_port(addr, port)
+    entries = _exchange(w, entry)
+    if user or entries is None:
+        return None
+    value = resolve(entries, w.rank)
+    if value is None:
+        print(
+            f"hvdnb: rank {w.rank}: TF_CONFIG left unset (another rank has its own, or found "
+            "no free port)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    os.environ["TF_CONFIG"] = value
+    return value
