@@ -264,7 +264,7 @@ hvdnb.metrics.get_recorder().flush()
     _, membw, _ = store.series("mem/gpu_membw_util_pct", 0, run=-1)
     assert util and membw, "no utilisation reading (is nvidia-ml-py installed?)"
     assert max(util) >= 50, util  # the matmul loop keeps the GPU busy
-    assert 0 <= min(membw) and max(membw) <= 100
+    assert min(membw) >= 0 and max(membw) <= 100
     print(f"utilization.gpu: panel max {max(util):.0f} %, nvidia-smi now {out.strip()} %")
 
 
