@@ -34,6 +34,8 @@ __all__ = [
     "RDV_ASK",
     "RDV_OK",
     "RDV_STORE",
+    "STOP_PLAN",
+    "STOP_REQ",
     "WHERE",
     "WHERE_ASK",
     "Kind",
@@ -92,8 +94,11 @@ METRICS: Final = Kind(
     "metrics",
     "rank",
     ("seq", "t", "cols"),
-    ("pid", "lost", "step", "step_time", "backend", "idle", "meta", "run", "colsx", "blob"),
-    doc="a batch of logged points and the recorder's state (one per flush interval)",
+    ("pid", "lost", "step", "step_time", "backend", "idle", "meta", "run", "colsx", "blob", "fp"),
+    doc="a batch of logged points and the recorder's state (one per flush interval); ``fp``: "
+    "the parameter fingerprints taken since the last message, for the replica-drift watcher: "
+    "a list of ``{key, n, step, sums, scale[, names]}`` (``n``: the optimizer's step count, "
+    "the same on every rank; ``names`` once per model and cell)",
 )
 KNOBS_SPEC: Final = Kind(
     "knobs_spec", "rank", ("spec",), doc="a new knob set: names, kinds, ranges"
@@ -114,6 +119,20 @@ KNOBS_APPLIED: Final = Kind(
     ("id", "step", "late"),
     ("apply_at", "values", "error"),
     doc="a rank applied a plan at this step (or could not)",
+)
+STOP_REQ: Final = Kind(
+    "stop_req",
+    "notebook",
+    ("id", "reason", "cell"),
+    doc="a watcher asks rank 0 to stop the loop of cell ``cell``; ``reason`` is the error text",
+)
+STOP_PLAN: Final = Kind(
+    "stop_plan",
+    "both",
+    ("id",),
+    ("stop_at", "reason", "cell", "error"),
+    doc="rank 0's step at which every rank raises TrainingStopped (or its refusal: no loop "
+    "runs); the notebook forwards it to every rank",
 )
 RDV_ANNOUNCE: Final = Kind(
     "rdv_announce", "rank", ("addr", "port"), doc="rank 0's TCPStore, for ranks without MPI"
@@ -142,6 +161,8 @@ KINDS: Final[dict[str, Kind]] = {
         KNOBS_REQ,
         KNOBS_PLAN,
         KNOBS_APPLIED,
+        STOP_REQ,
+        STOP_PLAN,
         RDV_ANNOUNCE,
         RDV_ASK,
         RDV_OK,
