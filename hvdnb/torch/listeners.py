@@ -1,17 +1,30 @@
-"""Timing hook for collectives: a registry of listeners called after each one completes.
+"""Hooks for observers of ``hvdnb.torch``: collectives completed, optimizer steps taken.
 
-Owns: ``add_comm_listener`` / ``remove_comm_listener`` and ``notify``. The hot path checks
-one module-level list (``LISTENERS``) and does nothing else when it is empty. Never: issue a
-collective, call ``cuda.synchronize``, or let a listener's exception break training.
+Owns: ``add_comm_listener`` / ``remove_comm_listener`` and ``notify`` (after each
+collective), ``add_step_listener`` / ``remove_step_listener`` and ``after_step`` (after each
+``DistributedOptimizer.step()``, with its step count and named parameters: the
+replica-drift watcher of ``hvdnb.rank.metrics`` registers there; this package never imports
+it). The hot paths check one module-level list and do nothing else when it is empty.
+Never: issue a collective, call ``cuda.synchronize``, or let a listener's exception break
+training.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["CommListener", "add_comm_listener", "remove_comm_listener"]
+__all__ = [
+    "CommListener",
+    "StepListener",
+    "add_comm_listener",
+    "add_step_listener",
+    "after_step",
+    "remove_comm_listener",
+    "remove_step_listener",
+]
 
 #: fn(name, nbytes, seconds, backend, exposed); see ``add_comm_listener``
 CommListener = Callable[[str, int, Any, str, Any], None]
@@ -91,3 +104,79 @@ def notify(name: str, nbytes: int, seconds: Any, backend: str, exposed: float) -
         except Exception as exc:  # a broken panel must never break a training step
             print(f"hvdnb: comm listener {fn!r} failed and was removed: {exc!r}", file=sys.stderr)
             remove_comm_listener(fn)
+
+
+#: fn(step_count, named_params); see ``add_step_listener``
+StepListener = Callable[[int, Sequence[tuple[str, Any]]], None]
+
+STEP_LISTENERS: list[StepListener] = []
+
+#: per optimizer: [steps taken, its (name, parameter) pairs once a listener asked]
+_STEPS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+_T = TypeVar("_T")
+
+
+def add_step_listener(fn: StepListener) -> StepListener:
+    """Call ``fn(step_count, named_params)`` after every ``DistributedOptimizer.step()``.
+
+    Parameters
+    ----------
+    fn : callable
+        Called on the training thread right after the wrapped optimizer updated the
+        parameters, with:
+
+        step_count : int
+            How many times this optimizer's ``step()`` has run (1 after the first). Every
+            rank counts the same steps (the SPMD contract), so a listener that acts on
+            ``step_count % k == 0`` acts on the same steps everywhere, whatever each rank's
+            speed or the time it registered.
+        named_params : sequence of (str, torch.Tensor)
+            The parameters the optimizer averages, by the names given to
+            ``named_parameters=`` (``param.<i>`` when none were), in the optimizer's order.
+
+        Keep it cheap on most steps (it runs in every step). A listener that raises is
+        removed (and the error printed); training goes on.
+
+    Returns
+    -------
+    fn, so it can be used as a decorator.
+    """
+    if fn not in STEP_LISTENERS:
+        STEP_LISTENERS.append(fn)
+    return fn
+
+
+def remove_step_listener(fn: StepListener) -> bool:
+    """Stop calling ``fn``; returns whether it was registered."""
+    try:
+        STEP_LISTENERS.remove(fn)
+        return True
+    except ValueError:
+        return False
+
+
+def after_step(opt: Any, result: _T) -> _T:
+    """``DistributedOptimizer.step()``'s last call: count the step and tell the step
+    listeners; returns ``result`` (what the wrapped ``step()`` returned). The count is kept
+    whether or not a listener is registered, so a listener registered late still sees the
+    step numbers every rank sees."""
+    state = _STEPS.get(opt)
+    if state is None:
+        state = _STEPS[opt] = [0, None]
+    state[0] += 1
+    if STEP_LISTENERS:
+        named = state[1]
+        if named is None:  # names are fixed once the optimizer is wrapped
+            names = getattr(opt, "_parameter_names", None) or {}
+            named = state[1] = tuple((n, p) for p, n in names.items())
+        for fn in tuple(STEP_LISTENERS):
+            try:
+                fn(state[0], named)
+            except Exception as exc:  # a broken watcher must never break a training step
+                print(
+                    f"hvdnb: step listener {fn!r} failed and was removed: {exc!r}",
+                    file=sys.stderr,
+                )
+                remove_step_listener(fn)
+    return result

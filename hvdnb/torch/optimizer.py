@@ -24,6 +24,7 @@ from hvdnb.rank import nvtx as _nvtx
 from hvdnb.torch.adasum_optimizer import adasum_optimizer
 from hvdnb.torch.collectives import sparse_allreduce_async
 from hvdnb.torch.compression import Compression
+from hvdnb.torch.listeners import after_step
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.reduce import allreduce_launch
 from hvdnb.torch.spec import Adasum, Average, Sum
@@ -250,7 +251,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         self._hvd_synced = False
-        return super().step(closure)
+        return after_step(self, super().step(closure))  # step listeners (listeners.py)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(b.handle is not None for b in self._hvd_buckets):
