@@ -498,6 +498,10 @@ def connect_channel() -> None:
     ch = channel.get()
     if ch is not None:
         ch.on(kinds.WHERE_ASK, lambda msg: ch.send(kinds.WHERE, ask=msg.get("ask"), **where()))
+        from hvdnb.rank.metrics import fingerprint, stop
+
+        stop.listen(ch)  # a watcher may stop the loop (hvdnb.watch(nan="stop"))
+        fingerprint.install()  # replica-drift fingerprints, once hvdnb.torch is loaded
         _announce(ch)
 
 
@@ -579,9 +583,9 @@ def _flush_metrics() -> tuple[int, int] | None:
         return None
 
 
-def _new_cell_metrics() -> None:
+def _new_cell_metrics(cell_no: int) -> None:
     """A cell is a new loop: its first step must not be filed under the last cell's."""
-    recorder.begin_cell()
+    recorder.begin_cell(cell_no)
 
 
 def _cell_ended_metrics() -> None:
@@ -598,7 +602,7 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", -1))
     filename = f"<cell {cell_no}>"
     connect_channel()
-    _new_cell_metrics()
+    _new_cell_metrics(cell_no)
     _STATE["last_error"] = _STATE["post_mortem"] = None  # a new cell: old frames go
     sys.breakpointhook = _breakpoint  # breakpoint() in the cell: pdb, prompted in the notebook
     t0 = time.time()

@@ -29,18 +29,26 @@ from a broadcast).
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.kinds import Kind
 from hvdnb.protocol.knobs import coerce, make_spec, validate
-from hvdnb.rank.metrics.recorder import get_recorder, on_step_start
+from hvdnb.rank.metrics import stop
+from hvdnb.rank.metrics.recorder import (
+    LEAD_SECONDS,
+    MAX_LEAD,
+    MIN_LEAD,
+    TrainingStopped,
+    get_recorder,
+    on_step_start,
+)
 
 __all__ = [
     "CURRENT",
     "LEAD_SECONDS",
+    "MAX_LEAD",
     "MIN_LEAD",
     "Knobs",
     "coerce",
@@ -49,10 +57,6 @@ __all__ = [
     "validate",
 ]
 
-#: the plan must reach every rank before apply_at: seconds of steps rank 0 plans ahead
-LEAD_SECONDS = 0.5
-MIN_LEAD = 3
-MAX_LEAD = 10_000
 
 CURRENT: Knobs | None = None
 
@@ -105,13 +109,18 @@ class Knobs:
 
     # -------------------------------------------------------------- training thread
     def step(self, step: int) -> Knobs:
-        """Say that ``step`` starts now: apply the changes planned for it (or missed).
+        """Say that ``step`` starts now: apply the changes planned for it (or missed), and
+        raise ``hvdnb.TrainingStopped`` when a watcher's stop is planned for it.
 
         Call it at the top of each step; returns ``self`` so ``k = knobs.step(s)`` reads well.
         """
         object.__setattr__(self, "_cur", int(step))
         get_recorder().mark(int(step))
         self._advance(int(step))
+        try:
+            stop.check(int(step))
+        except TrainingStopped as exc:  # the user's frame, not hvdnb's inner ones
+            raise exc.with_traceback(None) from None
         return self
 
     def _advance(self, step: int) -> None:
@@ -185,9 +194,7 @@ class Knobs:
         elif rec.idle():
             apply_at = None
         else:
-            st = rec.step_time or 0.05
-            lead = min(MAX_LEAD, max(MIN_LEAD, math.ceil(LEAD_SECONDS / max(st, 1e-6))))
-            apply_at = max(rec.cur_step, self._cur) + lead
+            apply_at = rec.step_ahead(self._cur)
         self._send(
             kinds.KNOBS_PLAN,
             id=msg["id"],
@@ -287,4 +294,4 @@ def _step_started(step: int) -> bool:
     return bool(k.pending)
 
 
-on_step_start(_step_started)
+on_step_start(_step_started, "knobs")

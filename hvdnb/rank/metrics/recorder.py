@@ -26,6 +26,7 @@ writes into the ring and nothing else happens.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -39,8 +40,13 @@ from hvdnb.rank.metrics.ring import PHASE_ALIASES, scalar
 from hvdnb.rank.metrics.state import CAPACITY, IDLE_AFTER, LOG, RECORD
 
 __all__ = [
+    "LEAD_SECONDS",
+    "MAX_LEAD",
+    "MIN_LEAD",
     "Recorder",
+    "TrainingStopped",
     "begin_cell",
+    "cell_no",
     "current",
     "end_cell",
     "flush_for_cell_end",
@@ -50,15 +56,37 @@ __all__ = [
     "on_step_start",
     "phase",
     "set_enabled",
+    "step_started",
 ]
+
+
+class TrainingStopped(RuntimeError):
+    """A watcher stopped the training loop (``hvdnb.watch(nan="stop")``, ...): every rank
+    raises it at the same step, with the same message (see ``hvdnb.rank.metrics.stop``).
+    The cluster stays usable: run the next cell."""
+
+
+TrainingStopped.__module__ = "hvdnb"  # shown as hvdnb.TrainingStopped, its public name
 
 _NEVER = 1 << 62  # a step no loop reaches
 _perf_counter = time.perf_counter
 _get_ident = threading.get_ident
 
 #: called with the step that starts when ``log`` looks at its step events; True: look
-#: again at the next step (something is planned for a later one). See ``on_step_start``.
+#: again at the next step (something is planned for a later one). See ``on_step_start``:
+#: the functions registered there (by name), called in turn.
 _STEP_HOOK: Callable[[int], bool] | None = None
+_STEP_HOOKS: dict[str, Callable[[int], bool]] = {}
+
+#: the plan of a change every rank makes at one step (a knob change, a stop) must reach
+#: every rank before that step: rank 0 plans this many seconds of steps ahead
+LEAD_SECONDS = 0.5
+MIN_LEAD = 3
+MAX_LEAD = 10_000
+
+#: the number of the ``%%distributed`` cell running (or last run) on this engine; None
+#: outside an engine (see ``begin_cell``)
+_CELL: int | None = None
 
 
 class Recorder(Flusher, CommTiming):
@@ -187,6 +215,8 @@ class Recorder(Flusher, CommTiming):
                     self._due_cell = cell
                 if cell == self._due_cell:  # send at the first step of the next cell
                     return
+            if not self._torch_noticed:  # hvdnb.torch imported after the loop's first log
+                self.notice_torch()
             self._flush_from_loop(now)
 
     def logged_step(self) -> int:
@@ -248,6 +278,16 @@ class Recorder(Flusher, CommTiming):
         self._loop_t0 = 0.0
         self.comm_every = 1
         self._time_comm(True)  # collectives outside a logging loop: every one is timed
+        self.notice_torch()
+
+    def step_ahead(self, floor: int = 0) -> int:
+        """A step every rank can still apply a plan at: the step in progress (or ``floor``,
+        a later one the caller knows of) plus a lead that covers the plan's round trip
+        through the notebook: ``ceil(LEAD_SECONDS / step time)`` steps, at least
+        ``MIN_LEAD`` (rank 0 plans knob changes and stops with it)."""
+        st = self.step_time or 0.05
+        lead = min(MAX_LEAD, max(MIN_LEAD, math.ceil(LEAD_SECONDS / max(st, 1e-6))))
+        return max(self.cur_step, floor) + lead
 
     def events_at_next_log(self) -> None:
         """Make the next ``log`` run its step events (``_events``): something was planned
@@ -350,7 +390,10 @@ def log(step: int, loss: Any = None, **metrics: Any) -> None:
     rec = _RECORDER
     if rec is None:
         rec = get_recorder()
-    rec._log(step, loss, metrics)
+    try:  # free unless raised (Python >= 3.11)
+        rec._log(step, loss, metrics)
+    except TrainingStopped as exc:  # a planned stop: the user's frame, not hvdnb's inner ones
+        raise exc.with_traceback(None) from None
 
 
 @contextlib.contextmanager
@@ -380,20 +423,51 @@ def phase(name: str) -> Iterator[None]:
             rec.record(rec.cur_step, f"time/{name}", dt)
 
 
-def on_step_start(fn: Callable[[int], bool] | None) -> None:
+def on_step_start(fn: Callable[[int], bool] | None, name: str = "knobs") -> None:
     """Have ``log`` call ``fn(step)`` as step ``step`` starts, on the steps it looks at
     (see ``Recorder._events``; every step while ``fn`` returns True: something is planned
     for a later step). ``hvdnb.rank.metrics.knobs`` registers here the function that
-    applies planned knob changes: this module never imports it. One function: a second
-    call replaces the first, None removes it."""
+    applies planned knob changes (``"knobs"``), ``hvdnb.rank.metrics.stop`` the one that
+    stops the loop at a planned step (``"stop"``): this module imports neither. One
+    function per ``name``, called in the order the names were first registered: a second
+    call with a name replaces its function, None removes it."""
     global _STEP_HOOK
-    _STEP_HOOK = fn
+    if fn is None:
+        _STEP_HOOKS.pop(name, None)
+    else:
+        _STEP_HOOKS[name] = fn
+    fns = tuple(_STEP_HOOKS.values())
+    if not fns:
+        _STEP_HOOK = None
+    elif len(fns) == 1:
+        _STEP_HOOK = fns[0]  # the usual case: no loop over one function
+    else:
+
+        def every(step: int) -> bool:
+            more = False
+            for f in fns:
+                if f(step):
+                    more = True
+            return more
+
+        _STEP_HOOK = every
+
+
+def step_started(step: int) -> bool:
+    """Call the ``on_step_start`` functions for ``step`` now (``knobs.step(s)`` at the top
+    of a step); True while one of them waits for a later step."""
+    hook = _STEP_HOOK
+    return bool(hook(step)) if hook is not None else False
 
 
 # ---------------------------------------------------------------------- the engine's cells
-def begin_cell() -> None:
-    """A ``%%distributed`` cell starts (the engine): it is a new loop, whose first step
-    must not be filed under the last cell's. Nothing without a recorder."""
+def begin_cell(cell: int | None = None) -> None:
+    """A ``%%distributed`` cell (number ``cell``) starts (the engine): it is a new loop,
+    whose first step must not be filed under the last cell's. Nothing else without a
+    recorder."""
+    global _CELL
+    if cell is not None:
+        _CELL = cell
     rec = _RECORDER
     if rec is not None:
         rec.new_loop()
@@ -418,6 +492,12 @@ def flush_for_cell_end() -> tuple[int, int] | None:
         return None
     rec.flush()
     return (rec.pid, rec.seq) if rec.seq else None
+
+
+def cell_no() -> int | None:
+    """The number of the ``%%distributed`` cell running (or last run) on this engine; None
+    outside one. A plan made for one cell's loop (a stop) is not applied in another's."""
+    return _CELL
 
 
 def logged_step() -> int | None:
