@@ -64,6 +64,10 @@ class Config:
     #: ~6 ms steps, timing every step cost +2.3 % against +1.7 % at one step in 7 (short
     #: interleaved blocks, one run, 300 pairs each)
     comm_sample_interval_steady: float = 0.05
+    #: replica-drift watcher: seconds of training between two fingerprints of the
+    #: parameters (``DistributedOptimizer``, ``ddp_comm_hook``), rounded to a power of two
+    #: of optimizer steps so that every rank samples the same steps; 0: no fingerprints
+    drift_interval: float = 1.0
     #: hvdnb.torch: DistributedOptimizer fuses gradients into buckets of at most this many bytes
     fusion_threshold: int = 64 * 1024 * 1024
     #: hvdnb.torch: with 2 ranks under MPI, allreduces up to this size travel with their header

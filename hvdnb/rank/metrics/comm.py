@@ -13,6 +13,11 @@ lockstep time the same steps): reporting a timed collective costs the training t
 ~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are drained, packed and
 sent with the step's.
 
+Also owns ``on_torch``: what else hooks into ``hvdnb.torch`` (the replica-drift
+fingerprints of ``hvdnb.rank.metrics.fingerprint``) runs once the recorder sees it loaded:
+when the recorder is made, at a cell's start, or when a message is due (a loop that
+imported ``hvdnb.torch`` after its first ``hvdnb.log``).
+
 Never: import torch (the listener list is looked up only when ``hvdnb.torch`` or torch is
 already loaded), wait for a collective or a device, or issue a collective.
 """
@@ -23,12 +28,37 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hvdnb.rank.metrics.ring import Ring
 from hvdnb.rank.metrics.state import COMM
 
-__all__ = ["CommTiming"]
+__all__ = ["CommTiming", "on_torch"]
+
+_ON_TORCH: list[Callable[[], None]] = []
+_TORCH_SEEN = False
+
+
+def on_torch(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once ``hvdnb.torch`` is loaded and a recorder has seen it (now, if
+    that has happened): a way to hook into ``hvdnb.torch`` without importing torch."""
+    if _TORCH_SEEN:
+        fn()
+    elif fn not in _ON_TORCH:
+        _ON_TORCH.append(fn)
+
+
+def _torch_seen() -> None:
+    global _TORCH_SEEN
+    if _TORCH_SEEN:
+        return
+    _TORCH_SEEN = True
+    for fn in _ON_TORCH:
+        try:
+            fn()
+        except Exception as exc:  # a watcher must never break training
+            print(f"hvdnb: {fn!r} failed: {exc!r}", file=sys.stderr)
 
 
 class CommTiming(Ring):
@@ -47,7 +77,19 @@ class CommTiming(Ring):
                 self._comm_list = listeners.LISTENERS
                 self._time_comm(True)
             except Exception:
-                pass
+                return
+            self._torch_noticed = True
+            _torch_seen()
+
+    def notice_torch(self) -> None:
+        """Attach to ``hvdnb.torch`` if it was loaded after this recorder was made (a cell
+        that imports it after its first ``hvdnb.log``); cheap when it has been seen."""
+        if self._torch_noticed or not self.enabled:
+            return
+        if self._comm_list is not None:  # given a listener list already
+            self._torch_noticed = True
+        elif "hvdnb.torch" in sys.modules:
+            self.attach_comm_listener()
 
     def detach_comm_listener(self) -> None:
         """Stop timing collectives: ``hvdnb.torch`` takes its untimed paths again."""

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from hvdnb.rank.metrics import fingerprint
 from hvdnb.rank.metrics.recorder import get_recorder
 
 __all__ = ["ddp_comm_hook"]
@@ -47,6 +48,10 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
       event can be placed (hvdnb.torch's DistributedOptimizer measures it on the GPU);
     - ``comm/ddp.bucket.<i>/bytes``.
 
+    It also feeds the replica-drift watcher: at each backward's last bucket (the
+    parameters hold the previous step's update on every rank), on sampled backward passes,
+    a fingerprint of the model's parameters (``hvdnb.rank.metrics.fingerprint``).
+
     Parameters
     ----------
     model : a DistributedDataParallel module
@@ -65,6 +70,10 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
     # bucket's completion; the hook runs on the training thread, completions on Gloo's
     clock = {"last_launch": 0.0, "prev_done": 0.0}
     lock = threading.Lock()
+    named = tuple(
+        (n, p) for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad
+    )
+    passes = [0]  # backward passes seen: the drift fingerprints' step count
 
     # no annotations: DDP rejects a hook whose annotations are not exactly GradBucket and
     # torch.futures.Future (this module's are strings under `from __future__ import`)
@@ -73,6 +82,9 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
         step = rec.cur_step
         idx = bucket.index()
         is_last = bucket.is_last()
+        if is_last:
+            passes[0] += 1
+            fingerprint.on_step(passes[0], named)
         buf = bucket.buffer()
         cuda = bool(buf.is_cuda)
         nbytes = float(buf.numel() * buf.element_size())

@@ -367,7 +367,33 @@ class Ring(RecorderState):
             }
             if self.meta:
                 msg["meta"] = dict(self.meta)
+            if self._fp:
+                msg["fp"] = self._take_fingerprints()
             return msg
+
+    def add_fingerprint(self, entry: dict[str, Any], on_device: bool = False) -> None:
+        """Queue a parameter fingerprint for the next message (any thread): ``entry``'s
+        ``sums`` and ``scale`` are lists, or tensors read at the pack; ``on_device``: they
+        must wait for a device, so the message goes out from the flusher thread."""
+        self._fp.append(entry)
+        if on_device:
+            self._objects = True
+
+    def _take_fingerprints(self) -> list[dict[str, Any]]:
+        """The parameter fingerprints queued since the last pack, their values read now (a
+        CUDA fingerprint waits for its device here, off the step: see ``_flush_from_loop``)."""
+        out = []
+        q = self._fp
+        while q:
+            e = q.popleft()
+            try:
+                for k in ("sums", "scale"):
+                    v = e[k]
+                    e[k] = [float(x) for x in (v.tolist() if hasattr(v, "tolist") else v)]
+            except Exception:  # a device gone, a tensor freed: this fingerprint is lost
+                continue
+            out.append(e)
+        return out
 
     def _read_objects(self, vals: array[float], r: int, w: int) -> None:
         """Fill the NaN placeholders of rows ``r``..``w`` with their objects' values."""

@@ -152,6 +152,11 @@ class RecorderState:
         # does not: hvdnb.torch is not loaded, or recording is off); _comm_on: registered
         self._comm_list: list[Any] | None = None
         self._comm_on = False
+        self._torch_noticed = False  # attached to hvdnb.torch (see CommTiming.notice_torch)
+        #: parameter fingerprints taken since the last pack (``hvdnb.rank.metrics.fingerprint``:
+        #: dicts, appended from the training thread or DDP's hook thread), sent as ``fp``; a
+        #: loop that never sends keeps only the newest
+        self._fp: deque[dict[str, Any]] = deque(maxlen=256)
 
     @property
     def comm_every(self) -> int:
