@@ -18,9 +18,10 @@ From Python::
 ``hvdnb.torch`` speaks Horovod's torch API (``import hvdnb.torch as hvd``).
 
 This module is the public surface of both sides. What a rank's training loop calls (``log``,
-``phase``, ``knobs``, ``State``, ``ddp_comm_hook``, ``keras_callback``) is imported at once;
-what only the notebook kernel uses (``Cluster``, ``run_cell``, ``set_knobs``, the magics) is
-imported on first use, so ``import hvdnb`` on a rank never loads the notebook side.
+``phase``, ``knobs``, ``State``, ``ddp_comm_hook``, ``keras_callback``,
+``TrainingStopped``) is imported at once; what only the notebook kernel uses (``Cluster``,
+``run_cell``, ``set_knobs``, ``watch``, the magics) is imported on first use, so
+``import hvdnb`` on a rank never loads the notebook side.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from hvdnb.config import Config, get_config
 from hvdnb.rank.keras import keras_callback  # imports keras only when called
 from hvdnb.rank.metrics.ddp import ddp_comm_hook
 from hvdnb.rank.metrics.knobs import knobs
-from hvdnb.rank.metrics.recorder import log, phase
+from hvdnb.rank.metrics.recorder import TrainingStopped, log, phase
 from hvdnb.rank.state import State
 
 if TYPE_CHECKING:
     from hvdnb.notebook.cells import CellResult, DistributedCellError, run_cell
     from hvdnb.notebook.cluster.lifecycle import Cluster, current
     from hvdnb.notebook.cluster.spec import ClusterError
-    from hvdnb.notebook.metrics.store import set_knobs
+    from hvdnb.notebook.metrics.store import set_knobs, watch
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "Config",
     "DistributedCellError",
     "State",
+    "TrainingStopped",
     "current",
     "ddp_comm_hook",
     "get_config",
@@ -63,6 +65,7 @@ __all__ = [
     "run_cell",
     "set_knobs",
     "unload_ipython_extension",
+    "watch",
 ]
 
 # Notebook-side names, imported when first asked for (PEP 562).
@@ -74,6 +77,7 @@ _LAZY = {
     "ClusterError": "hvdnb.notebook.cluster.spec",
     "current": "hvdnb.notebook.cluster.lifecycle",
     "set_knobs": "hvdnb.notebook.metrics.store",
+    "watch": "hvdnb.notebook.metrics.store",
 }
 
 

@@ -3,9 +3,10 @@
 Owns: turning one ``metrics`` message into appends to the store's typed columns (handlers
 run on the channel's I/O thread: an append under a lock, nothing more), sequence checks per
 rank (a gap is counted in ``lost_messages``, rows a rank's ring overwrote in ``lost_rows``:
-never hidden), what each rank says of itself (``rank_info``: its host once, its loop's
-step, step time, backend with every message), and ``wait_for``: a cell's last points,
-which can trail its reply on another socket.
+never hidden), each new column handed to the watchers (``alarms``: numpy checks, no more),
+what each rank says of itself (``rank_info``: its host once, its loop's step, step time,
+backend with every message), and ``wait_for``: a cell's last points, which can trail its
+reply on another socket.
 
 Never: block the channel thread, raise on a malformed message (it is dropped), or invent a
 value: a reading a rank did not send is NaN, not 0.
@@ -19,8 +20,8 @@ import time
 from array import array
 from typing import Any
 
+from hvdnb.notebook.metrics.alarms import AlarmsMixin
 from hvdnb.notebook.metrics.points import Series
-from hvdnb.notebook.metrics.runs import RunsMixin
 
 __all__ = ["IngestMixin"]
 
@@ -55,7 +56,7 @@ def _run_trigger(name: str) -> bool:
     return not name.startswith(("mem/", "knob/"))
 
 
-class IngestMixin(RunsMixin):
+class IngestMixin(AlarmsMixin):
     """The I/O-thread half of a ``MetricsStore``: messages in."""
 
     def __init__(self) -> None:
@@ -114,6 +115,9 @@ class IngestMixin(RunsMixin):
                 n += len(steps)
                 if self.keep_arrivals and name == "loss":
                     self.arrivals.extend((t, now) for t in times)
+                self._watch_column(rank, name, steps, values)  # nan, spike (alarms.py)
+            if "fp" in msg:
+                self._watch_fingerprints(rank, msg["fp"])  # replica drift
             info = self.rank_info.setdefault(rank, {})
             info.update(
                 step=msg.get("step"),

@@ -31,9 +31,19 @@ from hvdnb.notebook.cluster import registry
 from hvdnb.notebook.metrics.ingest import IngestMixin
 from hvdnb.notebook.metrics.knobreq import KnobsMixin
 from hvdnb.notebook.metrics.views import ViewsMixin
+from hvdnb.notebook.metrics.watchers import WatchSettings
 from hvdnb.protocol import kinds
 
-__all__ = ["MetricRow", "MetricRows", "MetricsStore", "attach", "get_store", "metrics", "set_knobs"]
+__all__ = [
+    "MetricRow",
+    "MetricRows",
+    "MetricsStore",
+    "attach",
+    "get_store",
+    "metrics",
+    "set_knobs",
+    "watch",
+]
 
 
 class MetricRow(NamedTuple):
@@ -94,8 +104,10 @@ class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
     (``begin_cell``, ``end_cell``, ``runs``, ``current_run``, ``cell_no``, ``marks``,
     ``hide_runs``, ``run_curves``),
     ``KnobsMixin`` (``request_knobs``, ``knob_status``, ``on_spec``/``on_plan``/
-    ``on_applied``), ``ViewsMixin`` (``breakdown``, ``hint``, ``comm_summary``, ...) and
-    ``PointStore`` (``series``, ``thinned``, ``latest``, ``ranks``, ``names``).
+    ``on_applied``), ``AlarmsMixin`` (``set_watch``, ``alarms``, ``take_lines``,
+    ``alarm_marks``, ``on_stop_plan``), ``ViewsMixin`` (``breakdown``, ``hint``,
+    ``comm_summary``, ...) and ``PointStore`` (``series``, ``thinned``, ``latest``,
+    ``ranks``, ``names``).
     """
 
     def rows(
@@ -134,6 +146,7 @@ class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
             self._clear_points()
             self._clear_runs()
             self.knob_events.clear()
+            self._clear_alarms()
             self.version += 1
 
     # -------------------------------------------------------------- wiring
@@ -156,6 +169,7 @@ class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
         ch.on(kinds.KNOBS_SPEC, self.on_spec)
         ch.on(kinds.KNOBS_PLAN, self.on_plan)
         ch.on(kinds.KNOBS_APPLIED, self.on_applied)
+        ch.on(kinds.STOP_PLAN, self.on_stop_plan)
 
 
 _STORE: MetricsStore | None = None
@@ -214,6 +228,47 @@ def set_knobs(
     >>> hvdnb.set_knobs(batch_size=128, at_step=150)              # doctest: +SKIP
     """
     return attach().change_knobs(at_step=at_step, after=after, timeout=timeout, **values)
+
+
+def watch(
+    nan: str | None = None,
+    spike: str | None = None,
+    drift: str | None = None,
+    **options: Any,
+) -> WatchSettings:
+    """What the watchers do when a training loop goes wrong; on by default (``warn``).
+
+    While a ``%%distributed`` cell's loop calls ``hvdnb.log``, the notebook watches what it
+    logs: a NaN or +-inf in a logged value (``nan``), a loss above 3x its running median
+    (``spike``), ranks whose parameters no longer agree (``drift``, with
+    ``hvd.DistributedOptimizer`` or ``hvdnb.ddp_comm_hook``). Each alarm is one line in the
+    running cell's output (kept in the saved notebook), on the live line and a mark on the
+    panel's loss chart. ``stop``: every rank also raises ``hvdnb.TrainingStopped`` at the
+    same step (the cluster stays usable). The README's "Watchers" section defines each.
+
+    Parameters
+    ----------
+    nan, spike, drift : ``"warn"`` (default), ``"stop"`` or ``"off"``
+    **options : thresholds: ``spike_factor`` (3), ``spike_window`` (50 steps),
+        ``spike_history`` (50 losses before judging), ``spike_floor`` (0.3 x the starting
+        level), ``spike_end`` (10 steps), ``drift_rtol`` (1e-6)
+
+    Returns
+    -------
+    WatchSettings, the settings now in force (called without arguments: unchanged)
+
+    Raises
+    ------
+    ValueError
+        an unknown setting or a bad value; nothing changes then.
+
+    Examples
+    --------
+    >>> hvdnb.watch(nan="stop", spike="warn", drift="stop")        # doctest: +SKIP
+    >>> hvdnb.watch(spike_factor=5)                                # doctest: +SKIP
+    """
+    values = {k: v for k, v in (("nan", nan), ("spike", spike), ("drift", drift)) if v is not None}
+    return attach().set_watch(**values, **options)
 
 
 def metrics(name: str | None = None, rank: int | None = None, run: int | None = None) -> MetricRows:
