@@ -2,7 +2,8 @@
 
 Owns: sending a cell to the engines (``apply`` of ``hvdnb.rank.engine.run_cell``, ~25 %
 cheaper than ``execute``), streaming each rank's output while it runs (collapsed by
-``OutputCollapser``), displaying trailing-expression values once per distinct value,
+``OutputCollapser``), the watchers' alarm lines (``hvdnb.watch``: the store finds them,
+the waiting loop prints them), displaying trailing-expression values once per distinct value,
 turning errors into one ``DistributedCellError`` that names the ranks, fail-fast when one
 rank fails while others keep running, and what the notebook's stop button does.
 
@@ -53,6 +54,19 @@ def add_wait_hook(fn: Any) -> None:
 def remove_wait_hook(fn: Any) -> None:
     if fn in _WAIT_HOOKS:
         _WAIT_HOOKS.remove(fn)
+
+
+def _show_alarms(store: Any, final: bool) -> None:
+    """The watchers' lines (``hvdnb.watch``): one per alarm, in the cell's output (stderr:
+    Jupyter shows it red), from the waiting loop so it carries the cell's parent header
+    and stays in the saved notebook."""
+    try:
+        lines = store.take_lines(final)
+    except Exception as exc:  # a broken watcher must never break the cell
+        lines = [f"hvdnb: the watchers failed: {exc!r}"]
+    if lines:
+        sys.stderr.write("".join(f"{line}\n" for line in lines))
+        sys.stderr.flush()
 
 
 def _run_hooks(final: bool) -> None:
@@ -402,6 +416,7 @@ def _wait_cell(
                     watch.previous = None
                     if deadline is not None:
                         deadline = None  # a debugging session is not the cell timing out
+                _show_alarms(store, False)
                 _run_hooks(False)
                 if len(done) == len(ranks):
                     break
@@ -457,9 +472,10 @@ def _wait_cell(
         pass
     if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
         store.wait_for(result.metrics_marks, timeout=1.0)
-    store.end_cell()
     if stream:
         streamer.pump(final=True)
+    _show_alarms(store, True)
+    store.end_cell()
     _run_hooks(True)
     result.seconds = time.monotonic() - t0
     for r, md in zip(ranks, metadata):

@@ -32,6 +32,7 @@ _ACTIONS = (
     "status",
     "panel",
     "knobs",
+    "watch",
     "export",
     "where",
     "debug",
@@ -53,13 +54,14 @@ class DistMagics(Magics):
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status | panel | knobs | export | where | debug | logs "
-        "(default: status)",
+        help="start | stop | restart | status | panel | knobs | watch | export | where | debug | "
+        "logs (default: status)",
     )
     @argument(
         "values",
         nargs="*",
-        help="knobs: name=value pairs, e.g. warmup_steps=200; "
+        help="knobs: name=value pairs, e.g. warmup_steps=200; watch: watcher=action "
+        "(warn, stop, off) or threshold=value pairs, e.g. nan=stop spike_factor=5; "
         "export: the script's path, e.g. train.py; debug, logs: the rank",
     )
     @argument(
@@ -146,6 +148,8 @@ class DistMagics(Magics):
             %dist knobs warmup_steps=200 batch_size=64          # every rank, one step
             %dist knobs batch_size=128 --at-step 150            # at step 150
             %dist knobs lr=0.05 --after 3   # 3 s from now, e.g. into the next cell's run
+            %dist watch               # the watchers' settings and this run's alarms
+            %dist watch nan=stop drift=stop spike=off   # stop every rank on a NaN, ...
             %dist export train.py     # the cells that ran, as a script for mpiexec
             %dist export train.py --launcher slurm    # ... and train.sbatch
             %dist where               # every rank's live stack, identical ones merged
@@ -162,7 +166,7 @@ class DistMagics(Magics):
             raise UsageError(
                 f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
             )
-        if args.values and args.action not in ("knobs", "export", "debug", "logs"):
+        if args.values and args.action not in ("knobs", "watch", "export", "debug", "logs"):
             raise UsageError(
                 f"%dist {args.action} takes no values ({' '.join(args.values)!r}); see `%dist?`"
             )
@@ -369,6 +373,24 @@ class DistMagics(Magics):
             print(f"hvdnb: {_fmt_values(values)} will be sent to rank 0 in {args.after:g} s")
             return
         print(f"hvdnb: {_fmt_values(values)}: {_describe_change(status)}")
+
+    def _watch(self, args: Any) -> None:
+        """Show the watchers' settings and this run's alarms, or change the settings."""
+        from hvdnb.notebook.metrics import store as _store
+        from hvdnb.notebook.metrics.watchers import parse_settings
+
+        st = _store.attach(_cluster.current())
+        if args.values:
+            try:
+                st.set_watch(**parse_settings(args.values))
+            except ValueError as exc:
+                raise UsageError(f"{exc}; nothing was changed") from None
+        print(f"hvdnb: watchers {st.watch_settings.text()}")
+        lines = st.alarm_lines()
+        if not args.values:
+            print(f"alarms of run {st.run_id}: " + ("none" if not lines else str(len(lines))))
+            for line in lines:
+                print(f"  {line}")
 
     def _stop(self, args: Any) -> None:
         c = _cluster.current()

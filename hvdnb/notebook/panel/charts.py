@@ -35,6 +35,7 @@ from hvdnb.notebook.metrics.points import thin_indices
 from hvdnb.notebook.metrics.store import MetricsStore
 
 __all__ = [
+    "ALARM_COLOR",
     "BAND_COLUMNS",
     "HOVER_COLUMNS",
     "LIVE_POINTS",
@@ -83,6 +84,8 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("comm", "#e45756"),
 )
 
+#: the colour of the watchers' alarm marks (knob changes are red)
+ALARM_COLOR = "#7b2d8e"
 #: the step windows the loss and allreduce charts offer (0: the whole run)
 WINDOWS: tuple[int, ...] = (0, 100, 1000, 10000)
 #: a hover reads the lines on at most this many columns of the plot
@@ -414,6 +417,8 @@ class LineChart:
     backends: str = ""
     #: the last steps shown (0: the whole run)
     window: int = 0
+    #: the watchers' alarms (x, label): ``nan r1``, ``spike r0``, ``drift`` (loss chart)
+    alarms: list[tuple[float, str]] = field(default_factory=list)
 
     def limits(self) -> Limits | None:
         return axis_limits(self.lines, self.band, log_y=self.log_y, clip_spikes=self.clip_spikes)
@@ -489,7 +494,8 @@ def loss_chart(
     """Each rank's loss of the current run, or of its last ``window`` steps (at most
     ~``points`` points, EMA-smoothed with ``alpha`` per step); beyond ``MAX_LINES`` ranks
     the min/max band and median over all of them, plus one median line per host (2 to
-    ``MAX_LINES`` hosts); the last 8 knob changes as marks."""
+    ``MAX_LINES`` hosts); the last 8 knob changes as marks, the last 8 watchers' alarms
+    (``hvdnb.watch``) as marks of their own."""
     ranks = store.ranks() if ranks is None else ranks
     lines: list[Line] = []
     drawn: list[int] = []
@@ -510,6 +516,7 @@ def loss_chart(
                     per_host.append((f"{host} ({len(rows)})", band[0], _median_of(stack[rows])))
         lines = per_host
     marks = [(float(st), lab) for st, lab in list(store.marks)[-8:]]
+    alarms = [(float(st), lab) for st, lab in store.alarm_marks()[-8:]]
     return LineChart(
         lines,
         "no loss yet: hvdnb.log(step, loss)",
@@ -518,6 +525,7 @@ def loss_chart(
         marks=marks,
         log_y=log_y,
         window=window,
+        alarms=alarms,
     )
 
 

@@ -10,7 +10,8 @@ and keeps updating it in place (``update_display``, one message per update, at m
 
 Figures: step is the highest step any rank logged; loss is each rank's latest (min-max
 beyond 4 ranks); samples/s and the bottleneck are the store's (``throughput``, ``hint``);
-the knob values are those in force now. Runs on the notebook's main thread, called by
+the knob values are those in force now; the watchers' alarms of the run, last
+(``⚠ nan loss r1@57``: ``hvdnb.watch``). Runs on the notebook's main thread, called by
 ``hvdnb.notebook.cells``' wait hook, so the update carries the cell's parent header.
 
 Owns: the line's text and its display handle. Never: send more than one message per
@@ -95,6 +96,9 @@ class LiveLine:
         knobs = " ".join(f"{k}={v['value']:g}" for k, v in st.knob_spec.items())
         if knobs:
             parts.append(knobs)
+        alarms = st.alarm_summary()
+        if alarms:
+            parts.append(f"⚠ {alarms}")
         return " · ".join(parts)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.charts import (
+    ALARM_COLOR,
     PHASES,
     PNG_POINTS,
     BarChart,
@@ -125,14 +126,17 @@ def _loss(ax: Any, m: LineChart) -> None:
         ax.legend(fontsize=6, ncol=2 if len(m.lines) > 4 else 1, loc="upper right")
     if m.log_y:
         ax.set_yscale("log")
-    for step, label in m.marks:
-        ax.axvline(step, color=_MARK, ls="--", lw=0.8)
+    for step, label, color in [
+        *((x, lab, _MARK) for x, lab in m.marks),
+        *((x, lab, ALARM_COLOR) for x, lab in m.alarms),
+    ]:
+        ax.axvline(step, color=color, ls="--", lw=0.8)
         ax.annotate(
             label,
             (step, 1.0),
             xycoords=("data", "axes fraction"),
             fontsize=6,
-            color=_MARK,
+            color=color,
             rotation=90,
             va="top",
             ha="right",

@@ -33,6 +33,7 @@ import numpy as np
 
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.charts import (
+    ALARM_COLOR,
     HOVER_COLUMNS,
     LIVE_POINTS,
     PHASES,
@@ -378,7 +379,7 @@ def _line_svg(title: str, m: LineChart) -> str:
         title,
         m.lines,
         band=m.band,
-        marks=m.marks,
+        marks=[*m.marks, *((x, lab, ALARM_COLOR) for x, lab in m.alarms)],
         log_y=m.log_y,
         empty=m.empty,
         clip_spikes=m.clip_spikes,
