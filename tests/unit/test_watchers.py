@@ -433,3 +433,20 @@ def test_step_listener_counts_steps_and_fingerprints_go_out_with_the_metrics(
     w = model.weight.detach().double()
     assert e["scale"][0] == pytest.approx(float(w.norm()) * math.sqrt(w.numel()))
     assert "fp" not in (rec.pack() or {})
+
+
+def test_fingerprints_hook_in_and_out_with_the_recorders_torch_attachment():
+    pytest.importorskip("torch")
+    from hvdnb.rank.metrics import comm, fingerprint
+    from hvdnb.torch import listeners
+
+    was = comm._TORCH_ON
+    try:
+        fingerprint.install()
+        comm._torch_hooks(True)  # a recorder attached to hvdnb.torch
+        assert fingerprint.on_step in listeners.STEP_LISTENERS
+        comm._torch_hooks(False)  # hvdnb.metrics.set_enabled(False): a loop as without hvdnb
+        assert fingerprint.on_step not in listeners.STEP_LISTENERS
+    finally:
+        comm._torch_hooks(was)
+        listeners.STEP_LISTENERS.clear()

@@ -14,9 +14,9 @@ lockstep time the same steps): reporting a timed collective costs the training t
 sent with the step's.
 
 Also owns ``on_torch``: what else hooks into ``hvdnb.torch`` (the replica-drift
-fingerprints of ``hvdnb.rank.metrics.fingerprint``) runs once the recorder sees it loaded:
-when the recorder is made, at a cell's start, or when a message is due (a loop that
-imported ``hvdnb.torch`` after its first ``hvdnb.log``).
+fingerprints of ``hvdnb.rank.metrics.fingerprint``) hooks in when the recorder attaches to
+it: when the recorder is made, at a cell's start, or when a message is due (a loop that
+imported ``hvdnb.torch`` after its first ``hvdnb.log``); and out with ``set_enabled(False)``.
 
 Never: import torch (the listener list is looked up only when ``hvdnb.torch`` or torch is
 already loaded), wait for a collective or a device, or issue a collective.
@@ -36,29 +36,31 @@ from hvdnb.rank.metrics.state import COMM
 
 __all__ = ["CommTiming", "on_torch"]
 
-_ON_TORCH: list[Callable[[], None]] = []
-_TORCH_SEEN = False
+_TORCH_HOOKS: list[tuple[Callable[[], None], Callable[[], None] | None]] = []
+_TORCH_ON = False  # a recorder is attached to hvdnb.torch now
 
 
-def on_torch(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` once ``hvdnb.torch`` is loaded and a recorder has seen it (now, if
-    that has happened): a way to hook into ``hvdnb.torch`` without importing torch."""
-    if _TORCH_SEEN:
+def on_torch(fn: Callable[[], None], off: Callable[[], None] | None = None) -> None:
+    """Call ``fn()`` whenever a recorder attaches to a loaded ``hvdnb.torch`` (now, if one
+    is attached), and ``off()`` when recording is switched off (``set_enabled(False)``): a
+    way to hook into ``hvdnb.torch`` without importing torch. Both must be idempotent."""
+    if (fn, off) not in _TORCH_HOOKS:
+        _TORCH_HOOKS.append((fn, off))
+    if _TORCH_ON:
         fn()
-    elif fn not in _ON_TORCH:
-        _ON_TORCH.append(fn)
 
 
-def _torch_seen() -> None:
-    global _TORCH_SEEN
-    if _TORCH_SEEN:
-        return
-    _TORCH_SEEN = True
-    for fn in _ON_TORCH:
+def _torch_hooks(on: bool) -> None:
+    global _TORCH_ON
+    _TORCH_ON = on
+    for fn, off in _TORCH_HOOKS:
+        f = fn if on else off
+        if f is None:
+            continue
         try:
-            fn()
+            f()
         except Exception as exc:  # a watcher must never break training
-            print(f"hvdnb: {fn!r} failed: {exc!r}", file=sys.stderr)
+            print(f"hvdnb: {f!r} failed: {exc!r}", file=sys.stderr)
 
 
 class CommTiming(Ring):
@@ -79,7 +81,7 @@ class CommTiming(Ring):
             except Exception:
                 return
             self._torch_noticed = True
-            _torch_seen()
+            _torch_hooks(True)
 
     def notice_torch(self) -> None:
         """Attach to ``hvdnb.torch`` if it was loaded after this recorder was made (a cell
@@ -92,8 +94,11 @@ class CommTiming(Ring):
             self.attach_comm_listener()
 
     def detach_comm_listener(self) -> None:
-        """Stop timing collectives: ``hvdnb.torch`` takes its untimed paths again."""
+        """Stop timing collectives: ``hvdnb.torch`` takes its untimed paths again (and
+        what hooked in through ``on_torch`` unhooks)."""
         self._time_comm(False)
+        if self._comm_list is not None:
+            _torch_hooks(False)
         self._comm_list = None
 
     def _time_comm(self, on: bool) -> None:

@@ -110,8 +110,10 @@ def on_step(count: int, named: Sequence[tuple[str, Any]]) -> None:
 
 def _sample(m: _Model, count: int, named: Sequence[tuple[str, Any]]) -> None:
     rec = current()
+    if rec is None or not rec.enabled:
+        return
     interval = get_config().drift_interval
-    if rec is None or not rec.enabled or interval <= 0:
+    if interval <= 0:
         return
     t0 = time.perf_counter()
     try:
@@ -171,7 +173,14 @@ def _attach() -> None:
     add_step_listener(on_step)
 
 
+def _detach() -> None:
+    from hvdnb.torch.listeners import remove_step_listener
+
+    remove_step_listener(on_step)
+
+
 def install() -> None:
-    """Fingerprint ``DistributedOptimizer``'s parameters once ``hvdnb.torch`` is loaded
-    (registered with the recorder's ``on_torch``; idempotent)."""
-    on_torch(_attach)
+    """Fingerprint ``DistributedOptimizer``'s parameters while a recorder is attached to
+    ``hvdnb.torch`` (the recorder's ``on_torch``; off with ``set_enabled(False)``, as the
+    collective timing; idempotent)."""
+    on_torch(_attach, _detach)
