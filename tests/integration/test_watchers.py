@@ -136,7 +136,8 @@ def test_drift_names_the_parameter_the_ranks_and_a_range_holding_step_100(store,
     lines = _alarm_lines(err, "drift")
     assert len(lines) == 1, err
     line = lines[0]
-    assert "parameter 2.weight differs on rank 1 from rank 0" in line, line
+    # two ranks: no majority says which one drifted
+    assert "parameter 2.weight differs between rank 0 and rank 1" in line, line
     m = re.search(r"began between step (\d+) \(last matching check\) and step (\d+)", line)
     assert m, line
     a, b = int(m.group(1)), int(m.group(2))
@@ -225,3 +226,33 @@ def test_a_clean_run_of_notebook_03s_model_raises_no_alarm(store, dist2, capsys)
     assert store.run_alarms() == []
     assert len(store.rows("loss", rank=0)) == 2000
     assert store.drift_checks > 0, "no fingerprints were compared: the drift watcher was idle"
+
+
+DDP = r"""
+import os, time, torch, hvdnb, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+os.environ["HVDNB_DRIFT_INTERVAL"] = "0.02"
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+hvdnb.ddp_comm_hook(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+torch.manual_seed(1 + dist.get_rank())
+for step in range(300):
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step == 150 and dist.get_rank() == 0:
+        with torch.no_grad():
+            model.module[0].bias[3] -= 0.3
+    hvdnb.log(step, loss)
+    time.sleep(0.002)
+del os.environ["HVDNB_DRIFT_INTERVAL"]
+"""
+
+
+def test_drift_with_ddp_comm_hook(store, dist2, capsys):
+    _run(dist2, DDP)
+    lines = _alarm_lines(capsys.readouterr().err, "drift")
+    assert len(lines) == 1 and "parameter 0.bias differs between rank 0 and rank 1" in lines[0]
+    m = re.search(r"began between step (\d+) \(last matching check\) and step (\d+)", lines[0])
+    assert m and int(m.group(1)) <= 150 < int(m.group(2)), lines[0]

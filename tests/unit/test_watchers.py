@@ -118,7 +118,7 @@ def test_drift_names_the_first_parameter_the_ranks_and_the_range():
     assert w.add(0, _fp(64, 63, base), ranks) is None  # rank 1's not in yet
     found = w.add(1, _fp(64, 63, [1.0, 2.5, 3.5]), ranks)
     assert found["param"] == "p1" and found["params"] == 2 and found["index"] == 1
-    assert found["ranks"] == [1] and found["ref_ranks"] == [0]
+    assert found["ranks"] == [1] and found["ref_ranks"] == [0] and found["tie"]
     assert found["since"] == (48, 47) and found["step"] == 63
     assert w.add(0, _fp(80, 79, base)) is None and w.add(1, _fp(80, 79, [9.0] * 3)) is None  # once
     # a rank that never sends holds nothing up for ever: the oldest waiting are compared
@@ -140,6 +140,7 @@ def test_drift_tolerance_majority_and_ranks_on_coarser_grids():
     assert w.add(0, _fp(48, 47, [1.0])) is None and w.add(1, _fp(48, 47, [1.0])) is None
     found = w.add(2, _fp(32, 31, [1.5]))  # the odd one of three
     assert found is not None and found["ranks"] == [2] and found["ref_ranks"] == [0, 1]
+    assert not found["tie"]
     assert found["param"] == "parameter 0" and found["since"] == (16, 15)
     # a rank whose fingerprint is NaN everywhere equals another NaN one (the nan watcher's)
     w2 = DriftWatch(WatchSettings())
@@ -286,7 +287,7 @@ def test_store_drift_from_fingerprints_in_messages():
     assert st.drift_checks == 3
     (line,) = st.take_lines()
     assert line.startswith(
-        "hvdnb drift watcher: parameter p1 differs on rank 1 from rank 0; it began between "
+        "hvdnb drift watcher: parameter p1 differs between rank 0 and rank 1; it began between "
         "step 31 (last matching check) and step 47"
     )
     assert st.alarm_marks() == [(47, "drift")]

@@ -291,10 +291,11 @@ class AlarmsMixin(KnobsMixin):
             else f"already at step {d['step']}, the first check"
         )
         more = f", the first of {d['params']} that differ" if d["params"] > 1 else ""
-        return (
-            f"drift watcher: parameter {d['param']}{more} differs on {_plural(d['ranks'])} "
-            f"from {_plural(d['ref_ranks'])}; it {began}"
-        )
+        if d.get("tie"):  # no majority: neither side is named as the one that drifted
+            where = f"between {_plural(d['ref_ranks'])} and {_plural(d['ranks'])}"
+        else:
+            where = f"on {_plural(d['ranks'])} from {_plural(d['ref_ranks'])}"
+        return f"drift watcher: parameter {d['param']}{more} differs {where}; it {began}"
 
     def _line(self, a: Alarm) -> str:  # lock held
         text = f"hvdnb {self._reason(a)}"

@@ -326,7 +326,9 @@ class DriftWatch:
     ) -> dict[str, Any] | None:
         """One fingerprint from ``rank``; the finding when it completes a comparison that
         shows drift (``{"key", "param", "index", "count", "params", "step", "ranks",
-        "ref_ranks", "since", "values"}``), else None. ``ranks``: the ranks expected to
+        "ref_ranks", "tie", "since", "values"}``: ``ranks`` differ from the most ranks that
+        agree, ``ref_ranks``; ``tie``: as many ranks agree with them, so which side drifted
+        is unknown), else None. ``ranks``: the ranks expected to
         send fingerprints too (the job's); a step is compared once each of them has sent
         it or a later one (a rank on a coarser grid skips some), or when it is among the
         oldest ``KEEP`` still waiting (a rank that never sends)."""
@@ -380,6 +382,8 @@ class DriftWatch:
             return None
         ref = max(classes, key=lambda c: (len(c), -c[0]))  # the most ranks; ties: lowest rank
         odd = sorted(r for c in classes if c is not ref for r in c)
+        # no majority (two ranks, or classes of one size): which side drifted is unknown
+        tie = sum(len(c) == len(ref) for c in classes) > 1
         _, s0, sc0 = group[ref[0]]
         bad = np.zeros(len(s0), dtype=bool)
         for r in odd:
@@ -397,6 +401,7 @@ class DriftWatch:
             "step": step,
             "ranks": odd,
             "ref_ranks": sorted(ref),
+            "tie": tie,
             "since": self.last_match.get(key),
             "values": {r: float(group[r][1][idx]) for r in sorted(group)},
         }
