@@ -141,7 +141,9 @@ def test_drift_names_the_parameter_the_ranks_and_a_range_holding_step_100(store,
     m = re.search(r"began between step (\d+) \(last matching check\) and step (\d+)", line)
     assert m, line
     a, b = int(m.group(1)), int(m.group(2))
-    assert a <= 100 < b and b - a < 100, (a, b)
+    # the sampling period: ~20 ms of steps, widened to keep fingerprints under 0.1 % of
+    # the training (a loaded machine makes them dearer): a few dozen steps, rarely more
+    assert a <= 100 < b and b - a <= 256, (a, b)
     assert not _alarm_lines(err, "nan") and not _alarm_lines(err, "spike"), err
 
 
