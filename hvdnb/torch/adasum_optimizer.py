@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 
+from hvdnb.torch.listeners import after_step
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.reduce import allreduce_launch
 from hvdnb.torch.spec import Adasum
@@ -120,7 +121,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         for p in self._hvd_counts:
             self._hvd_counts[p] = 0
         self._hvd_due = False
-        return loss
+        return after_step(self, loss)  # step listeners (listeners.py): the drift watcher
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd_due:
