@@ -17,6 +17,10 @@ once per message), ``comm`` (collective timing, sampled one step in ``comm_every
 (readings per message); ``ddp`` is the DDP communication hook, ``knobs`` the values a loop
 reads (it registers with ``on_step_start``; this module never imports it).
 
+``log`` raises ``TrainingStopped`` at the step a watcher's stop was planned for
+(``hvdnb.rank.metrics.stop``, through ``on_step_start``); the error is re-raised from
+``log`` so that the user's traceback ends at their own line.
+
 Never: block the step, issue a collective, call ``cuda.synchronize``, import torch
 (it is used only when the training code already imported it), or raise into the training
 loop because the panel is absent: without an hvdnb cluster (``get()`` is None) ``log``
@@ -56,7 +60,6 @@ __all__ = [
     "on_step_start",
     "phase",
     "set_enabled",
-    "step_started",
 ]
 
 
@@ -451,13 +454,6 @@ def on_step_start(fn: Callable[[int], bool] | None, name: str = "knobs") -> None
             return more
 
         _STEP_HOOK = every
-
-
-def step_started(step: int) -> bool:
-    """Call the ``on_step_start`` functions for ``step`` now (``knobs.step(s)`` at the top
-    of a step); True while one of them waits for a later step."""
-    hook = _STEP_HOOK
-    return bool(hook(step)) if hook is not None else False
 
 
 # ---------------------------------------------------------------------- the engine's cells
