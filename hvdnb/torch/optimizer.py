@@ -27,7 +27,7 @@ from hvdnb.torch.compression import Compression
 from hvdnb.torch.listeners import after_step
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.reduce import allreduce_launch
-from hvdnb.torch.spec import Adasum, Average, Sum
+from hvdnb.torch.spec import Adasum, Average, Sum, parameter_names
 
 __all__ = ["DistributedOptimizer"]
 
@@ -66,21 +66,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer supports op=hvd.Average, hvd.Sum or hvd.Adasum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average")
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        names: dict[torch.Tensor, str] = {}
-        if named_parameters is not None:
-            named = list(named_parameters)
-            dup = {n for n, _ in named if sum(1 for m, _ in named if m == n) > 1}
-            if dup:
-                raise ValueError(f"named_parameters has duplicate names: {sorted(dup)}")
-            names = {p: n for n, p in named}
-            missing = [i for i, p in enumerate(params) if p not in names]
-            if missing:
-                raise ValueError(
-                    f"{len(missing)} optimizer parameters are missing from named_parameters; "
-                    "pass model.named_parameters() of the model the optimizer was built on"
-                )
-        pname = [names.get(p, f"param.{i}") for i, p in enumerate(params)]
+        params, pname = parameter_names(self.param_groups, named_parameters)
         #: Horovod's attribute: parameter -> the name its gradient is reduced under
         self._parameter_names = dict(zip(params, pname))
         self._hvd_ps = process_set

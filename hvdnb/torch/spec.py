@@ -34,6 +34,7 @@ __all__ = [
     "dtype_code",
     "grouped_names",
     "name_hash",
+    "parameter_names",
     "transport_for",
 ]
 
@@ -109,3 +110,24 @@ def grouped_names(ps: ProcessSet, name: str | None, kind: int, n: int) -> list[s
     """The names of a group's ``n`` members: ``<name>.<i>`` (one auto name when None)."""
     base = name if name is not None else auto_name(ps, kind)
     return [f"{base}.{i}" for i in range(n)]
+
+
+def parameter_names(param_groups: Any, named_parameters: Any) -> tuple[list[Any], list[str]]:
+    """A wrapped optimizer's trainable parameters and the name each is reduced under: its
+    name in ``named_parameters`` (Horovod's argument), else ``param.<i>``. Raises
+    ValueError on duplicate names or parameters missing from ``named_parameters``."""
+    params = [p for g in param_groups for p in g["params"] if p.requires_grad]
+    names: dict[torch.Tensor, str] = {}
+    if named_parameters is not None:
+        named = list(named_parameters)
+        dup = {n for n, _ in named if sum(1 for m, _ in named if m == n) > 1}
+        if dup:
+            raise ValueError(f"named_parameters has duplicate names: {sorted(dup)}")
+        names = {p: n for n, p in named}
+        missing = [i for i, p in enumerate(params) if p not in names]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} optimizer parameters are missing from named_parameters; "
+                "pass model.named_parameters() of the model the optimizer was built on"
+            )
+    return params, [names.get(p, f"param.{i}") for i, p in enumerate(params)]
