@@ -9,7 +9,8 @@ importing only the ones below it (never this package): ``basics`` (init, rank, s
 general allreduce), ``adasum`` (the combination), ``handles`` (async handles, poll, synchronize),
 ``spec`` (op and dtype codes, names, transport choice), ``process_sets``, ``rounds``
 (negotiation, async queue, join), ``transport`` (headers, MPI and torch.distributed
-transports), ``timing`` (NCCL and gloo timings) and ``listeners``. Never: do work at import
+transports), ``butterfly`` (the rounds of more than two ranks over MPI), ``timing`` (NCCL
+and gloo timings) and ``listeners``. Never: do work at import
 time (no process group, no MPI init).
 """
 

@@ -110,7 +110,7 @@ def shutdown() -> None:
                 tr.pending.clear()
     for ps in list(STATE.sets.values()):
         if ps.mpi is not None:
-            ps.mpi.comm.Free()
+            ps.mpi.free()
         ps.mpi = ps.torch = None
         if ps is not global_process_set:
             ps.process_set_id = None

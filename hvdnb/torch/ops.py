@@ -4,12 +4,13 @@ Owns: the public allreduce API (arguments, the deprecated ``average=``, compress
 autograd), Horovod's exception names, and the choice of path per call: a planned fast
 path (``plans.py``) where one applies, else the general allreduce (``reduce.py``). Every
 collective is negotiated as ``rounds.py`` describes: each rank sends a header (kind, name,
-dtype, shape, op, root, scales) before its data and every rank compares all headers, so
+dtype, shape, op, root, scales) before its data, or with it, or (more than two ranks, small
+allreduces over MPI) a check word of it in the data's round, and every rank compares, so
 ranks that disagree raise ``CollectiveMismatchError`` on every rank instead of hanging.
 Re-exports the op constants (``spec.py``) and ``poll`` / ``synchronize``
 (``handles.py``) under Horovod's names. Never: reduce half types in half precision (they
-are summed in float32), call ``cuda.synchronize``, or skip the header. The other
-collectives live in ``collectives.py``.
+are summed in float32), call ``cuda.synchronize``, or skip the check of the header. The
+other collectives live in ``collectives.py``.
 
 Transport per tensor: CUDA tensors go through torch.distributed (NCCL); CPU tensors through
 MPI when the job was started by mpiexec, otherwise gloo.

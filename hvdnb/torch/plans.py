@@ -2,12 +2,15 @@
 
 Owns: the per-call-site plans (cached in ``process_sets.STATE.plans``, bounded, cleared
 when transports go away): a small two-rank allreduce as one persistent exchange of header
-and data plus a numpy reduction (``_Plan``), a larger one as a header check then MPI's
-(I)allreduce (``_BigPlan``), and ``planned_allreduce``, the entry point the public
-allreduce tries first. A plan sends the very header the general path (``reduce.py``)
-would, so ranks on either path still match; when headers differ it hands the exchanged
-headers to the general path. Never: run while async ops are queued or listeners are
-registered, keep a large tensor alive, or add a Python call to the planned hot path.
+and data plus a numpy reduction (``_Plan``), a small one among more ranks as one butterfly
+round of data and check word (``_TreePlan``: no header round, Horovod's response cache
+without its bit-vector collective), a larger one as a header (or check word) round then
+MPI's (I)allreduce (``_BigPlan``), and ``planned_allreduce``, the entry point the public
+allreduce tries first. A plan sends the very header (or its check word) the general path
+(``reduce.py``) would, so ranks on either path still match; when they differ it hands
+every rank's header to the general path. Never: run while async ops are queued or
+listeners are registered, keep a large tensor alive, or add a Python call to the planned
+hot path.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 import hvdnb.torch.listeners as _lst
+from hvdnb.torch.butterfly import CHECK, DATA, free_all, signature
 from hvdnb.torch.process_sets import STATE, ProcessSet
 from hvdnb.torch.reduce import allreduce_op
 from hvdnb.torch.rounds import after_exchange
@@ -105,8 +109,10 @@ class _Plan:
         "hbuf",
         "hdr",
         "mine",
+        "mine_nd",
         "nb",
         "peer",
+        "peer_nd",
         "ptr",
         "rreq",
         "rsig",
@@ -125,10 +131,11 @@ class _Plan:
         self.hdr = _header(t, name, op, post, self.nb)
         self.mine = t.numpy().reshape(-1)
         self.peer = tr.rbuf[HDR_BYTES : HDR_BYTES + self.nb].view(self.mine.dtype)
+        self.shape = tuple(t.shape)
+        self.mine_nd, self.peer_nd = self.mine.reshape(self.shape), self.peer.reshape(self.shape)
         self.ufunc = _UFUNCS[op]
         self.scale = post / 2 if op == Average else post
         self.ptr = t.data_ptr()
-        self.shape = t.shape
         # header (kept here) + the tensor's own memory as one MPI struct type: a call sends
         # both with no copy and no header write; the peer receives them as contiguous bytes
         MPI = tr.MPI
@@ -167,6 +174,7 @@ class _BigPlan:
         "buf",
         "comm",
         "count",
+        "csig",
         "desc",
         "div",
         "hdr",
@@ -196,6 +204,7 @@ class _BigPlan:
         self.hdr = hdr
         self.hspec = [np.frombuffer(bytearray(hdr), np.uint8), MPI.BYTE]
         self.sig = hdr[:SIG_BYTES]
+        self.csig = signature(hdr, CHECK)
         self.mop = tr.ops[op]
         self.scale = post / tr.size if op == Average else post
         # Average alone divides (correctly rounded, as the general path does)
@@ -222,6 +231,49 @@ class _BigPlan:
             pass
 
 
+class _TreePlan:
+    """A small allreduce among more than two ranks: one butterfly round (``butterfly.py``)
+    carrying the data and its signature's check word, no header round.
+
+    Holds a numpy view of the tensor (small tensors only, bounded cache, like ``_Plan``)
+    and its own persistent sends of the transport's staging buffer.
+    """
+
+    __slots__ = (
+        "bf",
+        "div",
+        "hdr",
+        "mine",
+        "rv",
+        "scale",
+        "sends",
+        "shape",
+        "sig",
+        "tr",
+        "ufunc",
+        "w",
+    )
+
+    def __init__(self, tr: MPITransport, t: torch.Tensor, name: str, op: int, post: float):
+        bf = tr.bfly
+        assert bf is not None
+        self.tr, self.bf = tr, bf
+        nb = t.numel() * t.element_size()
+        self.hdr = _header(t, name, op, post, nb)
+        self.sig = signature(self.hdr, DATA)
+        self.mine = t.numpy().reshape(-1)
+        self.shape = tuple(t.shape)
+        self.w, self.rv = bf.views(self.mine.dtype, self.mine.size)
+        self.ufunc = _UFUNCS[op]
+        # Average alone divides (correctly rounded, as the general path does)
+        self.div = tr.size if op == Average and post == 1.0 else 0
+        self.scale = post / tr.size if op == Average else post
+        self.sends = bf.make_sends(nb)
+
+    def __del__(self) -> None:
+        free_all(self.sends)
+
+
 def _mpi_type(MPI: Any, dtype: torch.dtype) -> Any:
     return {
         torch.float32: MPI.FLOAT,
@@ -236,7 +288,7 @@ def _mpi_type(MPI: Any, dtype: torch.dtype) -> Any:
 
 def _plan(
     t: torch.Tensor, name: str, op: int, pre: float, post: float, ps: ProcessSet
-) -> _Plan | _BigPlan | None:
+) -> _Plan | _TreePlan | _BigPlan | None:
     tr = ps.mpi
     if (
         tr is None
@@ -254,7 +306,7 @@ def _plan(
     if nb == 0:
         return None
     if nb <= tr.inline:
-        return _Plan(tr, t, name, op, post)
+        return _Plan(tr, t, name, op, post) if tr.size == 2 else _TreePlan(tr, t, name, op, post)
     return _BigPlan(tr, t, name, op, post)
 
 
@@ -271,10 +323,29 @@ def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None:
         if p.scale != 1.0:
             np.multiply(p.mine, p.scale, p.mine)
         return t
-    res = p.ufunc(p.mine, p.peer)
+    # the result in its own shape: torch.from_numpy(res) then needs no view (1.5 us)
+    res = np.empty(p.shape, p.mine.dtype)
+    p.ufunc(p.mine_nd, p.peer_nd, out=res)
     if p.scale != 1.0:
         np.multiply(res, p.scale, out=res)
-    return torch.from_numpy(res).view(p.shape)
+    return torch.from_numpy(res)
+
+
+def _run_tree(p: _TreePlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None:
+    CALLS[0] += 1
+    if inplace:
+        res = out = p.mine
+    else:  # the result's own shape: torch.from_numpy(res) then needs no view (1.5 us)
+        res = np.empty(p.shape, p.mine.dtype)
+        out = res if len(p.shape) == 1 else res.reshape(-1)
+    if not p.bf.reduce(p.sig, p.mine, out, p.ufunc, p.sends, p.w, p.rv):
+        _LAST[0] = p.bf.fallback(p.hdr)
+        return None  # the caller settles the round the slow way
+    if p.div:
+        np.divide(out, p.div, out=out)
+    elif p.scale != 1.0:
+        np.multiply(out, p.scale, out=out)
+    return t if inplace else torch.from_numpy(res)
 
 
 def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None:
@@ -291,12 +362,17 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None
             _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
             return None
         blocking = p.rblock.tobytes() == _BLOCKING
-    else:  # the transport's own all-headers exchange
-        hdrs = p.tr.exchange(p.hdr)
-        if any(h[:SIG_BYTES] != p.sig for h in hdrs):
-            _LAST[0] = hdrs
-            return None
-        blocking = all(h[_BLOCKING_AT : _BLOCKING_AT + 8] == _BLOCKING for h in hdrs)
+    else:  # more ranks: a butterfly of check words alone (every rank planned: blocking)
+        CALLS[0] += 1
+        bf = p.tr.bfly
+        assert bf is not None
+        blocking = bf.check(p.csig)
+        if not blocking:  # another rank sent something else: every rank's header
+            hdrs = bf.fallback(p.hdr)
+            if any(h[:SIG_BYTES] != p.sig for h in hdrs):
+                _LAST[0] = hdrs
+                return None
+            blocking = all(h[_BLOCKING_AT : _BLOCKING_AT + 8] == _BLOCKING for h in hdrs)
     # MPI never matches a blocking collective with a nonblocking one, and Horovod lets
     # another rank use allreduce_async for this tensor (the general path, which always
     # goes nonblocking and says so in its header): block only when every rank can
@@ -344,6 +420,8 @@ def planned_allreduce(
         if r is None:
             peer = p.tr.rbuf[:HDR_BYTES].tobytes()
             _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
+    elif type(p) is _TreePlan:
+        r = _run_tree(p, t, inplace)
     else:
         r = _run_big(p, t, inplace)
     if r is None:  # headers differed: a mistake, a queued async op or a joined peer

@@ -159,7 +159,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     del STATE.sets[pid]
     STATE.plans.clear()
     if process_set.mpi is not None:
-        process_set.mpi.comm.Free()
+        process_set.mpi.free()
     process_set.mpi = process_set.torch = None
     process_set.process_set_id = None
     return True

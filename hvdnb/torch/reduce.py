@@ -3,12 +3,13 @@
 Owns: the semantics every allreduce path shares (Average on integers truncates and on
 floats divides, pre/post scaling, Horovod's 16-bit scaling on CUDA, wire dtypes where a
 transport refuses a type, Adasum's gather and combination, the one-message form of small
-two-rank allreduces over MPI, NCCL's own timing for the listeners), ``allreduce_op`` (the
+allreduces over MPI, NCCL's own timing for the listeners), ``allreduce_op`` (the
 transport and Op of one call) and ``allreduce_launch`` (negotiate now, start the data).
 Used by the public allreduce family (``ops.py``), the planned paths' fallback
 (``plans.py``), reducescatter and the gradients of the other collectives
 (``collectives.py``) and DistributedOptimizer's buckets. Never: reduce half types in half
-precision, call ``cuda.synchronize``, or skip the header.
+precision, call ``cuda.synchronize``, or skip the check of the header's signature (sent
+ahead of the data, with it, or as its hash in the data's round).
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def allreduce_op(
 ) -> tuple[Any, Op]:
     """Build one allreduce: (transport, Op).
 
-    Two ranks over MPI, small tensors: the Op gets an ``inline`` attempt that swaps header
-    and data in one message and returns the finished Handle, or every rank's header when
+    Small tensors over MPI: the Op gets an ``inline`` attempt that sends the data with its
+    check in one round (two ranks: header and data in one message; more: the butterfly
+    with a check prefix) and returns the finished Handle, or every rank's header when
     they differed (the round is then settled with the op's regular data phase).
     """
     _check_op(op)
@@ -168,6 +170,12 @@ def allreduce_op(
     nbw = wire.numel() * wire.element_size()
 
     def inline() -> Any:
+        if n > 2:  # the butterfly: data and check in one round, no header round
+            res = wire if direct else torch.empty_like(wire)
+            hdrs = tr.reduce_inline(hdr, wire, res, op)
+            if hdrs is not None:
+                return hdrs
+            return Handle(None, None, finish(res), _meta(name, nbytes, backend))
         if not tr.exchange_inline(hdr, wire, nbw):
             peer = tr.rbuf[:HDR_BYTES].tobytes()
             return [hdr, peer] if tr.rank == 0 else [peer, hdr]
@@ -183,7 +191,7 @@ def allreduce_op(
             res = torch.mul(wire, peer_t, out=out)
         return Handle(None, None, finish(res), _meta(name, nbytes, backend))
 
-    if type(tr) is MPITransport and nbw <= tr.inline and op != Adasum:
+    if type(tr) is MPITransport and nbw <= tr.inline and tr.inline and op != Adasum:
         o.inline = inline
     return tr, o
 

@@ -10,7 +10,10 @@ How ranks agree (Horovod's contract without its background thread):
 
 - A blocking collective, or a DistributedOptimizer bucket, on a rank with nothing queued
   sends its own header. When every rank sent the same signature, the data phase starts at
-  once: the hot path, one header exchange (or one message with the data, two ranks, MPI).
+  once: the hot path, one header exchange. A small allreduce over MPI sends no header
+  round at all: its header (two ranks) or a check word of its signature (more ranks, the
+  butterfly of ``butterfly.py``) travels with the data, and when the check fails every
+  rank learns it in the same round and gets every rank's header to settle as below.
 - ``*_async`` calls queue their op and return: nothing is sent (``poll`` says False) until
   the next round: a collective or ``synchronize`` on this process set. A rank with queued
   ops, a joined rank, or headers that disagree turn the round into a *full round*: every
@@ -202,7 +205,8 @@ def _describe(
 ) -> CollectiveMismatchError:
     ranks = list(range(len(descs))) if ranks is None else ranks
     diffs = []
-    for key in mine:
+    # every key any rank described, in rank order: the same diagnosis on every rank
+    for key in dict.fromkeys(k for d in descs for k in d):
         vals = [d.get(key) for d in descs]
         if any(v != vals[0] for v in vals):
             per = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, vals))

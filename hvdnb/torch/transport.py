@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from hvdnb.torch.butterfly import DATA, Butterfly, signature
 from hvdnb.torch.timing import GlooClock
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "HDR_BYTES",
     "SIG_BYTES",
     "TAG",
+    "UFUNCS",
     "Kind",
     "MPITransport",
     "TorchTransport",
@@ -40,6 +42,8 @@ HDR_BYTES = HDR.size
 CALLS = [0]
 SIG_BYTES = 12 * 8
 TAG = 17
+#: numpy reductions by op code (Average sums; callers divide)
+UFUNCS = {0: np.add, 1: np.add, 3: np.minimum, 4: np.maximum, 5: np.multiply}
 
 
 def negotiated_calls() -> int:
@@ -78,7 +82,10 @@ class MPITransport:
     With exactly two ranks, negotiation is one ``Sendrecv`` with the peer into a fixed
     staging buffer: a message is never larger than the buffer, so ranks that disagree on
     sizes still receive each other's header and both see the mismatch. Small allreduces
-    ride in the same message (header + data), which beats MPI_Allreduce here.
+    ride in the same message (header + data), which beats MPI_Allreduce here. With more,
+    the same idea on a butterfly of point-to-point messages (``butterfly.py``): headers
+    are gathered on it, and small allreduces are reduced on it with a check prefix in
+    each message instead of a header round.
     """
 
     backend = "mpi"
@@ -91,8 +98,9 @@ class MPITransport:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.peer = 1 - self.rank if self.size == 2 else -1
-        self.inline = inline_bytes if self.size == 2 else 0
-        cap = HDR_BYTES + self.inline
+        #: allreduces up to this many bytes travel with their check (no header round)
+        self.inline = inline_bytes if self.size >= 2 else 0
+        cap = HDR_BYTES + (self.inline if self.size == 2 else 0)
         self.sbuf = np.zeros(cap, np.uint8)
         self.rbuf = np.zeros(cap, np.uint8)
         self.smv = self.sbuf.data  # memoryview(ndarray), spelled so numpy's stubs accept it
@@ -101,12 +109,19 @@ class MPITransport:
         self._sspecs: dict[int, list[Any]] = {}
         self.saddr = self.sbuf.ctypes.data
         self.rbuf_t = torch.from_numpy(self.rbuf)
-        self.allh = np.zeros(HDR_BYTES * self.size, np.uint8)
         self.status = MPI.Status()
         self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
         self.ops = {1: MPI.SUM, 3: MPI.MIN, 4: MPI.MAX, 5: MPI.PROD, 0: MPI.SUM}
         #: async ops submitted on this rank, not yet negotiated (see rounds.py)
         self.pending: list[Any] = []
+        #: more than two ranks: every round's first step (butterfly.py)
+        self.bfly = Butterfly(comm, MPI, self.inline, HDR_BYTES, TAG) if self.size > 2 else None
+
+    def free(self) -> None:
+        """Free this transport's persistent requests and communicator (collective)."""
+        if self.bfly is not None:
+            self.bfly.free()
+        self.comm.Free()
 
     # -- negotiation -------------------------------------------------------------------
     def exchange(self, hdr: bytes, payload: torch.Tensor | None = None) -> list[bytes]:
@@ -132,10 +147,10 @@ class MPITransport:
             )
             peer = self.rbuf[:HDR_BYTES].tobytes()
             return [hdr, peer] if self.rank == 0 else [peer, hdr]
-        mine = np.frombuffer(hdr, np.uint8)
-        self.comm.Allgather([mine, self.MPI.BYTE], [self.allh, self.MPI.BYTE])
-        raw = self.allh.tobytes()
-        return [raw[i * HDR_BYTES : (i + 1) * HDR_BYTES] for i in range(self.size)]
+        bf = self.bfly
+        assert bf is not None
+        hdrs = bf.gather(hdr)
+        return hdrs if hdrs is not None else bf.fallback(hdr)
 
     def exchange_inline(self, hdr: bytes, payload: torch.Tensor, nbytes: int) -> bool:
         """Two ranks: swap header + payload with the peer; True when signatures match.
@@ -150,6 +165,23 @@ class MPITransport:
             spec = self._sspecs[nbytes] = [self.sbuf[: HDR_BYTES + nbytes], self.MPI.BYTE]
         self.comm.Sendrecv(spec, self.peer, TAG, self.rspec, self.peer, TAG)
         return self.rmv[:SIG_BYTES] == self.smv[:SIG_BYTES]
+
+    def reduce_inline(
+        self, hdr: bytes, x: torch.Tensor, out: torch.Tensor, op: int
+    ) -> list[bytes] | None:
+        """More than two ranks: allreduce small ``x`` into ``out`` (may be ``x``) in one
+        butterfly round checked by ``hdr``'s signature; None when done, else every rank's
+        header (signatures differed; ``out`` is untouched)."""
+        CALLS[0] += 1
+        bf = self.bfly
+        assert bf is not None
+        xa = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
+        oa = (out.detach() if out.requires_grad else out).numpy().reshape(-1)
+        w, rv = bf.views(xa.dtype, xa.size)
+        s = bf.sends(xa.nbytes)
+        if bf.reduce(signature(hdr, DATA), xa, oa, UFUNCS[op], s, w, rv):
+            return None
+        return bf.fallback(hdr)
 
     def peer_view(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """The peer's inline payload (received by ``exchange``) as a tensor, no copy."""

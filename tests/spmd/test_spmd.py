@@ -62,13 +62,25 @@ def test_spmd_under_mpiexec(script: Path) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("script", ["spmd_ops", "spmd_errors", "spmd_horovod"])
-def test_spmd_three_ranks(script: str) -> None:
-    """More than two ranks: headers go through Allgather, no inline data, no Sendrecv."""
+@pytest.mark.parametrize(
+    ("script", "np"),
+    [
+        ("spmd_ops", 3),
+        ("spmd_errors", 3),
+        ("spmd_horovod", 3),
+        ("spmd_cache", 3),
+        ("spmd_cache", 4),
+        ("spmd_errors", 4),
+        ("spmd_horovod", 4),
+    ],
+)
+def test_spmd_more_ranks(script: str, np: int) -> None:
+    """More than two ranks (oversubscribed where cores are few): every round is a butterfly
+    of point-to-point messages; 3 folds one rank into a partner, 4 is recursive doubling."""
     if not MPIEXEC.exists():
         pytest.skip(f"{MPIEXEC} not found: pip install mpich")
     proc = subprocess.run(
-        [str(MPIEXEC), "-n", "3", sys.executable, f"{script}.py"],
+        [str(MPIEXEC), "-n", str(np), sys.executable, f"{script}.py"],
         capture_output=True,
         text=True,
         timeout=HANG_S + 30,
@@ -76,7 +88,7 @@ def test_spmd_three_ranks(script: str) -> None:
         cwd=HERE,
     )
     assert proc.returncode == 0, _report(proc)
-    assert proc.stdout.count(f"OK {script}") == 3, _report(proc)
+    assert proc.stdout.count(f"OK {script}") == np, _report(proc)
 
 
 @pytest.mark.mpi
@@ -101,7 +113,15 @@ def test_spmd_adasum_ranks(ranks: int) -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "script",
-    ["spmd_ops", "spmd_errors", "spmd_comm_timing", "spmd_horovod", "spmd_teardown", "spmd_adasum"],
+    [
+        "spmd_ops",
+        "spmd_errors",
+        "spmd_comm_timing",
+        "spmd_horovod",
+        "spmd_teardown",
+        "spmd_adasum",
+        "spmd_cache",
+    ],
 )
 def test_torchrun_style_gloo(script: str) -> None:
     """The same checks without MPI: torchrun's variables, every collective over gloo.
