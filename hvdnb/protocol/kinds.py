@@ -94,11 +94,25 @@ METRICS: Final = Kind(
     "metrics",
     "rank",
     ("seq", "t", "cols"),
-    ("pid", "lost", "step", "step_time", "backend", "idle", "meta", "run", "colsx", "blob", "fp"),
+    (
+        "pid",
+        "lost",
+        "step",
+        "step_time",
+        "backend",
+        "idle",
+        "meta",
+        "run",
+        "colsx",
+        "blob",
+        "fp",
+        "cell",
+    ),
     doc="a batch of logged points and the recorder's state (one per flush interval); ``fp``: "
     "the parameter fingerprints taken since the last message, for the replica-drift watcher: "
     "a list of ``{key, n, step, sums, scale[, names]}`` (``n``: the optimizer's step count, "
-    "the same on every rank; ``names`` once per model and cell)",
+    "the same on every rank; ``names`` once per model and cell); ``cell``: the number of the "
+    "cell whose loop logged them",
 )
 KNOBS_SPEC: Final = Kind(
     "knobs_spec", "rank", ("spec",), doc="a new knob set: names, kinds, ranges"

@@ -451,3 +451,32 @@ def test_fingerprints_hook_in_and_out_with_the_recorders_torch_attachment():
     finally:
         comm._torch_hooks(was)
         listeners.STEP_LISTENERS.clear()
+
+
+def test_a_loop_that_starts_its_steps_over_is_judged_afresh():
+    # two loops in one run: the second's first losses (2.3) are no spike against the first
+    # loop's converged ones (0.003)
+    w = SpikeWatch(WatchSettings())
+    first = np.concatenate([np.linspace(2.3, 0.01, 100), np.full(900, 0.003)])
+    assert _feed(w, 0, first, 100) == []
+    assert _feed(w, 0, np.concatenate([np.full(60, 2.3), _noisy(200)]), 100) == []
+
+
+def test_a_late_message_of_a_finished_cells_loop_is_stored_not_watched():
+    st = MetricsStore()
+    st.begin_cell(2)
+    late = _metrics(0, 1, range(100), lambda r, s: NAN)
+    late["cell"] = 1  # the previous cell's last message, after this cell began
+    st.ingest(late)
+    assert st.alarms == [] and len(st.rows("loss")) == 100
+    now = _metrics(0, 2, range(100), lambda r, s: NAN)
+    now["cell"] = 2
+    st.ingest(now)
+    assert [a.watcher for a in st.alarms] == ["nan"]
+
+
+def test_messages_say_their_cell(rank_recorder):
+    rec = rank_recorder
+    recmod.begin_cell(7)
+    rec.log(0, 0.5)
+    assert rec.pack()["cell"] == 7

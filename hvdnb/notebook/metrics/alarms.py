@@ -286,16 +286,16 @@ class AlarmsMixin(KnobsMixin):
         d = a.detail
         since = d.get("since")
         began = (
-            f"began between step {since[1]} (last matching check) and step {d['step']}"
+            f"it began between step {since[1]} (last matching check) and step {d['step']}"
             if since is not None
-            else f"already at step {d['step']}, the first check"
+            else f"they differed already at step {d['step']}, the first check"
         )
-        more = f", the first of {d['params']} that differ" if d["params"] > 1 else ""
+        more = f" (the first of {d['params']} that differ)" if d["params"] > 1 else ""
         if d.get("tie"):  # no majority: neither side is named as the one that drifted
             where = f"between {_plural(d['ref_ranks'])} and {_plural(d['ranks'])}"
         else:
             where = f"on {_plural(d['ranks'])} from {_plural(d['ref_ranks'])}"
-        return f"drift watcher: parameter {d['param']}{more} differs {where}; it {began}"
+        return f"drift watcher: parameter {d['param']} differs {where}{more}; {began}"
 
     def _line(self, a: Alarm) -> str:  # lock held
         text = f"hvdnb {self._reason(a)}"

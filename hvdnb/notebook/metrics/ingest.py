@@ -98,6 +98,10 @@ class IngestMixin(AlarmsMixin):
             if (self._want_run or not self.runs) and any(_run_trigger(k) for k in cols):
                 self._start_run(now)
             rid = self.run_id
+            # the watchers judge the running cell's loop: a late message of a finished
+            # cell's loop (its last one can trail the cell's end) is stored, not watched
+            cell = msg.get("cell")
+            watch = cell is None or self._cell_no is None or cell == self._cell_no
             for name, col in cols.items():
                 try:
                     steps, times, values = _typed_columns(col)
@@ -115,8 +119,9 @@ class IngestMixin(AlarmsMixin):
                 n += len(steps)
                 if self.keep_arrivals and name == "loss":
                     self.arrivals.extend((t, now) for t in times)
-                self._watch_column(rank, name, steps, values)  # nan, spike (alarms.py)
-            if "fp" in msg:
+                if watch:
+                    self._watch_column(rank, name, steps, values)  # nan, spike (alarms.py)
+            if watch and "fp" in msg:
                 self._watch_fingerprints(rank, msg["fp"])  # replica drift
             info = self.rank_info.setdefault(rank, {})
             info.update(

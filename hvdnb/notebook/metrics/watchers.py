@@ -223,9 +223,10 @@ class NanWatch:
 
 
 class _LossTrack:
-    __slots__ = ("episode", "first", "ref", "seen", "tail", "under")
+    __slots__ = ("episode", "first", "last", "ref", "seen", "tail", "under")
 
     def __init__(self) -> None:
+        self.last = -(1 << 62)  # the last step seen: a loop that starts over goes below it
         self.tail = np.empty(0)  # the last ``window`` finite losses
         self.seen = 0  # finite losses in the run so far
         self.first: list[float] = []  # the run's first ``history`` losses (for ``ref``)
@@ -254,8 +255,9 @@ class SpikeWatch:
         if not m:
             return []
         t = self.tracks.get(rank)
-        if t is None:
+        if t is None or int(st[0]) < t.last:  # new, or a new loop (steps start over)
             t = self.tracks[rank] = _LossTrack()
+        t.last = int(st[-1])
         n_win, hist = s.spike_window, s.spike_history
         if t.ref is None:
             t.first.extend(v[: max(0, hist - len(t.first))].tolist())

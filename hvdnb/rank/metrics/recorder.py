@@ -333,6 +333,7 @@ def get_recorder() -> Recorder:
                 comm_interval_steady=cfg.comm_sample_interval_steady,
             )
             rec.attach_comm_listener()
+            rec.cell = _CELL
             _RECORDER = rec
     return _RECORDER
 
@@ -468,6 +469,7 @@ def begin_cell(cell: int | None = None) -> None:
     if rec is not None:
         rec.new_loop()
         rec.cell_running = True
+        rec.cell = _CELL
 
 
 def end_cell() -> None:

@@ -367,6 +367,8 @@ class Ring(RecorderState):
             }
             if self.meta:
                 msg["meta"] = dict(self.meta)
+            if self.cell is not None:
+                msg["cell"] = self.cell
             if self._fp:
                 msg["fp"] = self._take_fingerprints()
             return msg

@@ -125,6 +125,9 @@ class RecorderState:
         self.comm_backend = ""
         #: set by the engine while a %%distributed cell runs (None: not under an engine)
         self.cell_running: bool | None = None
+        #: the number of the cell whose loop logs (None: not under an engine); each message
+        #: says it, so the notebook watches a late message of a finished cell's loop no more
+        self.cell: int | None = None
         self.pid = os.getpid()
         self._last_sent = 0.0
         self._last_sent_pc = 0.0
