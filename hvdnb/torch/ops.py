@@ -153,12 +153,9 @@ def allreduce(
             )
             dec: torch.Tensor = compression.decompress(out, ctx)
             return dec
-    if process_set.mpi is not None:
-        r = planned_allreduce(
-            tensor, False, name, op, prescale_factor, postscale_factor, process_set
-        )
-        if r is not None:
-            return r
+    r = planned_allreduce(tensor, False, name, op, prescale_factor, postscale_factor, process_set)
+    if r is not None:
+        return r
     if tensor.requires_grad and torch.is_grad_enabled():
         # torch.autograd.Function.apply is unannotated
         grad: torch.Tensor = _AllreduceGrad.apply(  # type: ignore[no-untyped-call]
@@ -182,12 +179,9 @@ def allreduce_(
 ) -> torch.Tensor:
     """In-place ``allreduce``: ``tensor`` holds the result. Same SPMD contract."""
     op = _op(op, average)
-    if process_set.mpi is not None:
-        r = planned_allreduce(
-            tensor, True, name, op, prescale_factor, postscale_factor, process_set
-        )
-        if r is not None:
-            return r
+    r = planned_allreduce(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
+    if r is not None:
+        return r
     res: torch.Tensor = allreduce_launch(
         tensor, True, name, op, prescale_factor, postscale_factor, process_set
     ).wait()

@@ -25,6 +25,7 @@ from hvdnb.torch.adasum_optimizer import adasum_optimizer
 from hvdnb.torch.collectives import sparse_allreduce_async
 from hvdnb.torch.compression import Compression
 from hvdnb.torch.listeners import after_step
+from hvdnb.torch.plans import planned_launch
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.reduce import allreduce_launch
 from hvdnb.torch.spec import Adasum, Average, Sum, parameter_names
@@ -176,7 +177,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         wire, b.ctx = self._hvd_comp.compress(b.flat)
         pre, post = self._hvd_scale
         b.nvtx = _nvtx.start("allreduce " + b.name.replace("DistributedOptimizer.", ""))
-        b.handle = allreduce_launch(
+        b.handle = planned_launch(
+            wire, b.name, self._hvd_op, pre, post, self._hvd_ps, b.key
+        ) or allreduce_launch(
             wire, True, b.name, self._hvd_op, pre, post, self._hvd_ps, shape_key=b.key
         )
 
@@ -198,16 +201,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 b.handle = None
                 _nvtx.end(b.nvtx)
                 b.nvtx = None
+                dst, src = [], []
                 for p, part in zip(b.params, res.split(b.sizes)):
-                    sparse = self._hvd_sparse.pop(p, None)
+                    sparse = self._hvd_sparse.pop(p, None) if self._hvd_sparse else None
+                    g = p.grad
                     if sparse is not None:
                         p.grad = sparse()
-                    elif p.grad is None:
+                    elif g is None:
                         p.grad = part.view_as(p).clone()
-                    elif p.grad.is_sparse:  # sparse_as_dense: back in the optimizer's layout
+                    elif g.is_sparse:  # sparse_as_dense: back in the optimizer's layout
                         p.grad = part.view_as(p).to_sparse()
                     else:
-                        p.grad.copy_(part.view_as(p))
+                        dst.append(g)
+                        src.append(part.view_as(p))
+                if dst:  # one multi-tensor kernel on CUDA instead of one copy per parameter
+                    torch._foreach_copy_(dst, src)
                 b.ready = 0
         for p in self._hvd_counts:
             self._hvd_counts[p] = 0

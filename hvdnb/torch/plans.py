@@ -1,14 +1,16 @@
-"""Planned fast paths of repeated allreduces over MPI (CPU tensors, mpiexec).
+"""Planned fast paths of repeated allreduces (rank side).
 
 Owns: the per-call-site plans (cached in ``process_sets.STATE.plans``, bounded, cleared
 when transports go away): a small two-rank allreduce as one persistent exchange of header
 and data plus a numpy reduction (``_Plan``), a small one among more ranks as one butterfly
 round of data and check word (``_TreePlan``: no header round, Horovod's response cache
 without its bit-vector collective), a larger one as a header (or check word) round then
-MPI's (I)allreduce (``_BigPlan``), and ``planned_allreduce``, the entry point the public
-allreduce tries first. A plan sends the very header (or its check word) the general path
-(``reduce.py``) would, so ranks on either path still match; when they differ it hands
-every rank's header to the general path. Never: run while async ops are queued or
+MPI's (I)allreduce (``_BigPlan``); over torch.distributed (CUDA tensors over NCCL, CPU
+tensors without mpiexec) a ``torchplans.TorchPlan``; ``planned_allreduce``, the entry
+point the public allreduce tries first, and ``planned_launch``, DistributedOptimizer's
+for a bucket over torch.distributed. A plan sends the very header (or its check word)
+the general path (``reduce.py``) would, so ranks on either path still match; when they
+differ it hands every rank's header to the general path. Never: run while async ops are queued or
 listeners are registered, keep a large tensor alive, or add a Python call to the planned
 hot path.
 """
@@ -25,7 +27,7 @@ import hvdnb.torch.listeners as _lst
 from hvdnb.torch.butterfly import CHECK, DATA, free_all, signature
 from hvdnb.torch.process_sets import STATE, ProcessSet
 from hvdnb.torch.reduce import allreduce_op
-from hvdnb.torch.rounds import after_exchange
+from hvdnb.torch.rounds import Handle, after_exchange
 from hvdnb.torch.spec import (
     DCODE,
     OPNAMES,
@@ -37,9 +39,10 @@ from hvdnb.torch.spec import (
     describe,
     name_hash,
 )
+from hvdnb.torch.torchplans import TorchPlan, make_torch_plan, run_blocking, run_launch
 from hvdnb.torch.transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
 
-__all__ = ["planned_allreduce"]
+__all__ = ["planned_allreduce", "planned_launch"]
 
 # -- fast paths: repeated allreduces over MPI, planned once per call site ------------------
 # A call site that reduces the same tensor under the same name again and again (the common
@@ -288,12 +291,12 @@ def _mpi_type(MPI: Any, dtype: torch.dtype) -> Any:
 
 def _plan(
     t: torch.Tensor, name: str, op: int, pre: float, post: float, ps: ProcessSet
-) -> _Plan | _TreePlan | _BigPlan | None:
+) -> _Plan | _TreePlan | _BigPlan | TorchPlan | None:
+    if t.is_cuda or ps.mpi is None:  # over torch.distributed (torchplans.py)
+        return None if ps.torch is None else make_torch_plan(ps.torch, t, name, op, pre, post)
     tr = ps.mpi
     if (
-        tr is None
-        or t.is_cuda
-        or t.dtype not in _PLAN_DTYPES
+        t.dtype not in _PLAN_DTYPES
         or not t.is_contiguous()
         or pre != 1.0
         or op not in _PLAN_OPS
@@ -403,8 +406,13 @@ def planned_allreduce(
     ps: ProcessSet,
 ) -> torch.Tensor | None:
     """A planned path, or None when this call needs the general one."""
-    # the callers checked ps.mpi is not None (no second check on the hot path)
-    if _lst.LISTENERS or name is None or t.requires_grad or ps.mpi.pending:  # type: ignore[union-attr]
+    if _lst.LISTENERS or name is None or t.requires_grad:
+        return None
+    mpi = ps.mpi
+    if mpi is not None:
+        if mpi.pending:
+            return None
+    elif ps.torch is None or ps.torch.pending:
         return None
     op = Average if op is None else op
     key = (name, t.data_ptr(), t.dtype, t.shape, op, pre, post, ps)
@@ -415,7 +423,14 @@ def planned_allreduce(
         p = STATE.plans[key] = _plan(t, name, op, pre, post, ps)
     if p is None:
         return None
-    if type(p) is _Plan:
+    r: torch.Tensor | None
+    if type(p) is TorchPlan:
+        got = run_blocking(p, t, inplace)
+        if isinstance(got, list):
+            _LAST[0], r = got, None
+        else:
+            r = got
+    elif type(p) is _Plan:
         r = _run_plan(p, t, inplace)
         if r is None:
             peer = p.tr.rbuf[:HDR_BYTES].tobytes()
@@ -430,3 +445,31 @@ def planned_allreduce(
         res: torch.Tensor = after_exchange(tr, hdrs, o).wait()
         return res
     return r
+
+
+def planned_launch(
+    t: torch.Tensor, name: str, op: int, pre: float, post: float, ps: ProcessSet, shape_key: int
+) -> Handle | None:
+    """Start a DistributedOptimizer bucket's in-place allreduce on a plan, or None.
+
+    Only where the bucket travels over torch.distributed (CUDA buckets; CPU buckets in a
+    job without mpiexec): MPI buckets keep the general path's nonblocking round.
+    """
+    if _lst.LISTENERS or not (t.is_cuda or ps.mpi is None):
+        return None
+    tr = ps.torch
+    if tr is None or tr.pending:
+        return None
+    key = (name, t.data_ptr(), t.dtype, shape_key, op, pre, post, ps, "launch")
+    p = STATE.plans.get(key, _NO_PLAN)
+    if p is _NO_PLAN:
+        if len(STATE.plans) >= 256:
+            STATE.plans.clear()
+        p = STATE.plans[key] = make_torch_plan(tr, t, name, op, pre, post, shape_key)
+    if p is None:
+        return None
+    h = run_launch(p, t)
+    if isinstance(h, list):  # headers differed: settle the round the slow way
+        _, o = allreduce_op(t, True, name, op, pre, post, ps, shape_key, tr=tr)
+        return after_exchange(tr, h, o)
+    return h

@@ -132,7 +132,8 @@ def allreduce_op(
         if op == Average:
             if r.is_floating_point():
                 if post == 1.0:
-                    r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
+                    if n > 1:  # x / 1 is x: one rank launches no kernel
+                        r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
                 else:
                     post_eff = post / n
             else:

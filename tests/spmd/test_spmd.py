@@ -121,6 +121,7 @@ def test_spmd_adasum_ranks(ranks: int) -> None:
         "spmd_teardown",
         "spmd_adasum",
         "spmd_cache",
+        "spmd_optimizer",
     ],
 )
 def test_torchrun_style_gloo(script: str) -> None:
