@@ -1,6 +1,7 @@
 """Allreduce latency and bus bandwidth: hvdnb vs raw torch.distributed vs raw mpi4py.
 
-Run: ``mpiexec -n 2 python bench/bench_allreduce.py [--quick] [--cuda] [--max-bytes N]``.
+Run: ``mpiexec -n 2 python bench/bench_allreduce.py [--quick] [--cuda] [--max-bytes N]
+[--sizes B,B,...]``.
 The in-place variants reduce the same float32 tensor in place: ``hvdnb`` is a named
 ``hvd.allreduce_`` repeated (as DistributedOptimizer issues them), against torch.distributed
 and mpi4py's ``Allreduce(IN_PLACE, ...)``. The out-of-place pair (CPU): ``hvdnb_oop`` is
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help="tensors on each rank's GPU")
     ap.add_argument("--no-gloo", action="store_true", help="leave torch.distributed out (CPU)")
     ap.add_argument("--max-bytes", type=int, default=64 << 20, help="largest size")
+    ap.add_argument("--sizes", default=None, help="comma-separated sizes in bytes (instead)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     hvd.init()
@@ -57,6 +59,8 @@ def main() -> None:
     n, rank = hvd.size(), hvd.rank()
     sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     sizes = [b for b in sizes if b <= args.max_bytes]
+    if args.sizes:
+        sizes = [int(b) for b in args.sizes.split(",")]
     # many short blocks: a burst of load from another job spoils a few blocks, not a median
     rounds = 3 if args.quick else 25
     rows = []

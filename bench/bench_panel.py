@@ -26,6 +26,10 @@ Three parts:
    ~1 s time, inside the loop, each ``hvdnb.log`` call and each collective's report (``in
    loop us/step``: the ranks' direct cost, free of the machine's noise), and the CPU of
    each rank's threads other than the training thread (side channel, MPI) by mode.
+   Then the second way, in a cell of its own (``--ab-pairs`` pairs of ``--ab-steps``-step
+   blocks, after 3 s of logging): a plain loop that switches
+   ``hvdnb.metrics.set_enabled`` between blocks, ``hvdnb.log`` every step when on, the
+   order alternating pair by pair, nothing carried over by hand; the same statistics.
 2. latency: from a rank's ``hvdnb.log`` call (its timestamp) to the panel's widget model
    holding that point, for every loss point of the "on" blocks.
 3. scale: one process stands in for 64 ranks (64 real ``EngineChannel`` sockets and 64
@@ -191,6 +195,72 @@ res
 """
 
 
+# The second method (issue #26): an A/B inside one plain loop, nothing carried over by hand.
+# Pairs of blocks of the same number of steps, ``set_enabled(True)`` with ``hvdnb.log``
+# every step against ``set_enabled(False)`` without it, the order alternating pair by pair;
+# a few seconds of logging first, so the loop is past its warm seconds as a user's is.
+CELL_AB = r"""
+import time, torch, hvdnb
+import hvdnb.torch as hvd
+from mpi4py import MPI
+hvd.init()
+torch.set_num_threads(1)
+comm = MPI.COMM_WORLD
+torch.manual_seed(0)
+sizes = __LAYERS__
+layers = []
+for a, b in zip(sizes[:-1], sizes[1:]):
+    layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+model = torch.nn.Sequential(*layers[:-1])
+torch.manual_seed(1 + hvd.rank())
+X, Y = torch.randn(__BATCH__, sizes[0]), torch.randint(0, sizes[-1], (__BATCH__,))
+loss_fn = torch.nn.CrossEntropyLoss()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+step = 0
+def block(on, n):
+    global step
+    hvdnb.metrics.set_enabled(on)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    if on:
+        for _ in range(n):
+            opt.zero_grad()
+            loss = loss_fn(model(X), Y)
+            loss.backward()
+            opt.step()
+            hvdnb.log(step, loss, samples=__BATCH__)
+            step += 1
+    else:
+        for _ in range(n):
+            opt.zero_grad()
+            loss = loss_fn(model(X), Y)
+            loss.backward()
+            opt.step()
+            step += 1
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n
+t_end = time.perf_counter() + 3.0
+while comm.allreduce(time.perf_counter() < t_end, op=MPI.LAND):
+    block(True, 50)
+ab = {"on": [], "off": []}
+for i in range(__PAIRS__):
+    for on in ((True, False) if i % 2 == 0 else (False, True)):
+        ab["on" if on else "off"].append(block(on, __STEPS__))
+hvdnb.metrics.set_enabled(True)
+ab
+"""
+
+
+def ab_code(model: str, pairs: int, steps: int) -> str:
+    m = MODELS[model]
+    return (
+        CELL_AB.replace("__LAYERS__", repr(m["layers"]))
+        .replace("__BATCH__", str(m["batch"]))
+        .replace("__PAIRS__", str(pairs))
+        .replace("__STEPS__", str(steps))
+    )
+
+
 def cell_code(model: str, blocks: int, block_s: float, slice_s: float) -> str:
     m = MODELS[model]
     return (
@@ -228,7 +298,14 @@ def interleaved_overhead(on: list[float], off: list[float]) -> dict:
     return out
 
 
-def overhead_and_latency(blocks: int, models: list[str], block_s: float, slice_s: float) -> dict:
+def overhead_and_latency(
+    blocks: int,
+    models: list[str],
+    block_s: float,
+    slice_s: float,
+    ab_pairs: int = 40,
+    ab_steps: int = 120,
+) -> dict:
     import hvdnb
     from hvdnb.notebook import cells
     from hvdnb.notebook.metrics.store import MetricsStore
@@ -259,6 +336,12 @@ def overhead_and_latency(blocks: int, models: list[str], block_s: float, slice_s
                 r["layers"], r["batch"] = MODELS[model]["layers"], MODELS[model]["batch"]
                 r["hot_path_us_per_step"] = hot_path_cost()
                 r["cpu_us_per_step"] = cpu_accounting(res.values)
+                if ab_pairs:
+                    res = cells.run_cell(
+                        cluster, ab_code(model, ab_pairs, ab_steps), quiet=True, stream=False
+                    )
+                    v = res.values[0]
+                    r["ab"] = {**interleaved_overhead(v["on"], v["off"]), "steps": ab_steps}
                 r["minutes"] = (time.time() - t_model) / 60
                 out[model] = r
         finally:
@@ -449,6 +532,13 @@ def main() -> None:
         default="mid,mlp,small",
         help="step sizes to measure: mid (~1 ms), mlp (~6-8.5 ms), small (~0.5 ms)",
     )
+    ap.add_argument(
+        "--ab-pairs",
+        type=int,
+        default=40,
+        help="pairs of blocks of the in-loop A/B (set_enabled on/off between blocks; 0: skip)",
+    )
+    ap.add_argument("--ab-steps", type=int, default=120, help="steps per A/B block")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "panel.json"))
@@ -469,7 +559,12 @@ def main() -> None:
         ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     if not args.skip_overhead:
         out["overhead"] = overhead_and_latency(
-            args.blocks, models, args.block_seconds, args.slice_seconds
+            args.blocks,
+            models,
+            args.block_seconds,
+            args.slice_seconds,
+            args.ab_pairs,
+            args.ab_steps,
         )
     if not args.skip_scale:
         out["scale"] = scale(args.ranks, args.scale_seconds)
@@ -506,6 +601,20 @@ def main() -> None:
                 f"{fmt(st, 'median'):>22} | {fmt(st, 'mean'):>22} | {fmt(wa, 'median'):>22} | "
                 f"{hp:7.1f} {100 * hp / (1e3 * st['step_ms_off']):5.2f}% | <= 2 %"
             )
+        if any("ab" in o[m] for m in models):
+            print(
+                "the same, measured the second way: an A/B inside one loop, set_enabled(True) "
+                "with hvdnb.log every step against set_enabled(False) without, blocks in "
+                "alternating order (median of the per-pair ratios, mean; 95 % bootstrap)"
+            )
+            for m in models:
+                ab = o[m].get("ab")
+                if ab:
+                    print(
+                        f"{m:<9} | {ab['step_ms_off']:6.3f} | {ab['blocks']:>5} x "
+                        f"{ab['steps']:<6} | {fmt(ab, 'median'):>22} | {fmt(ab, 'mean'):>22} | "
+                        f"{'':>22} | {'':>15} | <= 2 %"
+                    )
         print(
             "CPU per step beside the training thread, steady / off (side channel, MPI; "
             "median over blocks, mean over ranks)"

@@ -73,6 +73,10 @@ class Config:
     #: hvdnb.torch: with 2 ranks under MPI, allreduces up to this size travel with their header
     #: in one message exchange (cheaper than a header exchange, then MPI_Allreduce); 0 disables
     inline_bytes: int = 64 * 1024
+    #: hvdnb.torch: with more than 2 ranks under MPI, allreduces up to this size (and up to
+    #: ``inline_bytes``) travel through a point-to-point butterfly that carries their check
+    #: with the data; larger ones take a check round, then MPI_Allreduce
+    butterfly_bytes: int = 64 * 1024
     #: hvdnb.torch: a per-rank timeline file stops recording (and says so) past this size
     timeline_max_bytes: int = 64 * 1024 * 1024
     #: where ``%dist start`` shows the live panel: "side" (beside the notebook, JupyterLab's

@@ -49,6 +49,9 @@ class EngineChannel(Endpoint):
     def __init__(self, endpoint: str, key: bytes, rank: int) -> None:
         self.endpoint = endpoint
         self.rank = rank
+        #: messages queued so far, in the order the socket sends them: the recorder's
+        #: cell-end message must come after all of them (see ``Flusher.flush``)
+        self.queued = 0
         super().__init__(key, "engine-channel")
         self.send(kinds.HELLO, pid=os.getpid())
 
@@ -63,6 +66,7 @@ class EngineChannel(Endpoint):
         """Queue a message to the notebook; returns at once."""
         msg = outgoing(kind, payload)
         msg["rank"] = self.rank
+        self.queued += 1
         self._queue(msg)
 
     def _send_item(self, msg: dict[str, Any]) -> None:

@@ -82,6 +82,7 @@ def init(
     cfg = get_config()
     STATE.world = w
     STATE.inline_bytes = max(0, int(cfg.inline_bytes))
+    STATE.butterfly_bytes = min(STATE.inline_bytes, max(0, int(cfg.butterfly_bytes)))
     if w.source == "mpi":
         STATE.comm = w.comm.Dup()
     if dist.get_backend() == "nccl" and STATE.comm is None:

@@ -25,7 +25,8 @@ class _State:
         self.world: Any = None
         self.comm: Any = None  # private Dup of MPI COMM_WORLD, None without mpiexec
         self.ctrl: Any = None  # gloo group for headers when the default group is NCCL, no MPI
-        self.inline_bytes = 0
+        self.inline_bytes = 0  # 2 ranks: header and data in one exchange up to this size
+        self.butterfly_bytes = 0  # more ranks: the butterfly carries data up to this size
         self.next_id = 1
         self.sets: dict[int, ProcessSet] = {}
         #: the planned allreduces (plans.py; they hold transports): cleared when
@@ -110,7 +111,8 @@ def build_transports(ps: ProcessSet, ranks: list[int]) -> None:
             if sub == MPI.COMM_NULL:
                 sub = None
         if sub is not None:
-            ps.mpi = MPITransport(sub, STATE.inline_bytes)
+            inline = STATE.inline_bytes if sub.Get_size() <= 2 else STATE.butterfly_bytes
+            ps.mpi = MPITransport(sub, inline)
     if dist.is_initialized():
         if len(ranks) == w.size:
             group = dist.group.WORLD

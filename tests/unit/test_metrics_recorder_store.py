@@ -24,6 +24,10 @@ class FakeChannel:
         self.sent: list[dict] = []
         self.handlers: dict[str, list] = {}
 
+    @property
+    def queued(self) -> int:  # EngineChannel's count of messages queued, in send order
+        return len(self.sent)
+
     def send(self, kind: str, **payload) -> None:
         # through the real wire: what the notebook receives, columns as plain lists
         frames = encode(KEY, {**outgoing(kind, payload), "rank": self.rank})
@@ -35,6 +39,31 @@ class FakeChannel:
 
     def on(self, kind: str, fn) -> None:
         self.handlers.setdefault(kind, []).append(fn)
+
+
+def test_cell_end_message_comes_after_every_other_message_of_the_cell():
+    """The notebook ends a cell once each rank's last metrics message is in: a knob set
+    (or any message) sent after the last metrics message must be followed by one more,
+    or ``%dist knobs`` right after the cell can still see the previous knob set."""
+    from hvdnb.rank.metrics import recorder as recmod
+
+    ch = FakeChannel(rank=0)
+    rec = Recorder(0, ch, flush_interval=10, capacity=1024)
+    old, recmod._RECORDER = recmod._RECORDER, rec
+    try:
+        for step in range(5):
+            rec.log(step, 1.0)
+        rec.flush()
+        rec.cell_running = False  # the loop is over: an idle recorder sends no empty message
+        assert recmod.flush_for_cell_end() == (rec.pid, 1)
+        assert len(ch.sent) == 1
+        ch.send(kinds.KNOBS_SPEC, spec={"lr": {"kind": "float", "value": 0.1}})
+        mark = recmod.flush_for_cell_end()
+        assert [m["kind"] for m in ch.sent] == ["metrics", "knobs_spec", "metrics"]
+        assert mark == (rec.pid, ch.sent[-1]["seq"]) == (rec.pid, 2)
+    finally:
+        recmod._RECORDER = old
+        rec.close()
 
 
 def test_log_and_flush_carry_every_point_in_order():

@@ -29,7 +29,7 @@ def test_ranges_are_emitted_with_cuda():
         if gpu_count() == 0:
             pytest.skip("no CUDA device")
         code = (
-            "import torch\nfrom hvdnb import _nvtx\n"
+            "import torch\nfrom hvdnb.rank import nvtx as _nvtx\n"
             "assert not _nvtx.active()\n"
             "torch.zeros(1, device='cuda')\n"  # CUDA in use
             "assert _nvtx.active()\n"

@@ -95,7 +95,9 @@ class Flusher(Ring):
         if self.channel is None:
             return
         # nothing new and a message sent lately: none now (a heartbeat every 4 intervals
-        # keeps memory readings fresh)
+        # keeps memory readings fresh). Unless the channel sent something else since (a
+        # knob set, an alarm): the cell's end waits for this rank's last metrics message,
+        # and one sent after those makes that wait cover them too (one socket, in order)
         if (
             self._w == self._r
             and not self._pend
@@ -103,6 +105,7 @@ class Flusher(Ring):
             and self.idle()
             and self.seq
             and time.time() - self._last_sent < 4 * self.flush_interval
+            and getattr(self.channel, "queued", 0) == self._sent_mark
         ):
             return
         with self._send_lock:
@@ -115,6 +118,7 @@ class Flusher(Ring):
         self._last_sent = msg["t"]
         self._last_sent_pc = time.perf_counter()
         self.channel.send(kinds.METRICS, **msg)
+        self._sent_mark = getattr(self.channel, "queued", 0)
 
     def close(self) -> None:
         self._stop.set()

@@ -131,6 +131,8 @@ class RecorderState:
         self.pid = os.getpid()
         self._last_sent = 0.0
         self._last_sent_pc = 0.0
+        #: the channel's ``queued`` count just after this recorder's last message
+        self._sent_mark = 0
         #: perf_counter time at which log() sends the next message itself (see _run)
         self._due = 0.0
         #: once a message is due, log() sends it at the first step of the next cell of
