@@ -75,8 +75,10 @@ class Config:
     inline_bytes: int = 64 * 1024
     #: hvdnb.torch: with more than 2 ranks under MPI, allreduces up to this size (and up to
     #: ``inline_bytes``) travel through a point-to-point butterfly that carries their check
-    #: with the data; larger ones take a check round, then MPI_Allreduce
-    butterfly_bytes: int = 64 * 1024
+    #: with the data; larger ones take a check round, then MPI_Allreduce. -1: 4 KB where
+    #: the host has a core per rank, 64 KB where its ranks outnumber its cores (measured:
+    #: MPI's own allreduce is faster above 4 KB on 16 cores, slower on 2 oversubscribed)
+    butterfly_bytes: int = -1
     #: hvdnb.torch: a per-rank timeline file stops recording (and says so) past this size
     timeline_max_bytes: int = 64 * 1024 * 1024
     #: where ``%dist start`` shows the live panel: "side" (beside the notebook, JupyterLab's
