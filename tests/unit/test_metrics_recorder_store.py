@@ -66,6 +66,44 @@ def test_cell_end_message_comes_after_every_other_message_of_the_cell():
         rec.close()
 
 
+def test_time_spent_off_does_not_count_toward_the_next_message():
+    """set_enabled(False) stops the message clock and set_enabled(True) goes on where it
+    stopped: a loop that switches recording off for longer than an interval sends no
+    message on its first step back (it has logged nothing new), and sends one once it has
+    logged for the rest of the interval."""
+    import time
+
+    from hvdnb.rank.metrics import recorder as recmod
+
+    ch = FakeChannel(rank=0)
+    rec = Recorder(0, ch, flush_interval=0.2, capacity=1024, warm=0.0)
+    rec.flush_interval_steady = 0.2
+    rec._ensure_flusher = lambda: None  # only the loop sends (no timer thread)
+    old, recmod._RECORDER = recmod._RECORDER, rec
+    try:
+        step = 0
+        t_end = time.perf_counter() + 0.5
+        while time.perf_counter() < t_end:  # past the first message: the clock runs
+            rec.log(step, 1.0)
+            step += 1
+            time.sleep(0.001)
+        assert rec._due > 0
+        left = rec._due - time.perf_counter()
+        recmod.set_enabled(False)
+        time.sleep(0.35)  # longer than the interval
+        recmod.set_enabled(True)
+        n = len(ch.sent)
+        rec.log(step, 1.0)
+        assert len(ch.sent) == n, "a message went out for time spent off"
+        assert rec._due - time.perf_counter() == pytest.approx(left, abs=0.05)
+        time.sleep(max(0.0, left) + 0.05)
+        rec.log(step + 1, 1.0)
+        assert len(ch.sent) == n + 1
+    finally:
+        recmod._RECORDER = old
+        rec.close()
+
+
 def test_log_and_flush_carry_every_point_in_order():
     ch = FakeChannel(rank=1)
     rec = Recorder(1, ch, flush_interval=10, capacity=1024)

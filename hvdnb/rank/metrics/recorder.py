@@ -350,13 +350,24 @@ def set_enabled(on: bool) -> None:
     Off, ``log`` returns at once, ``phase`` records nothing and the allreduce listener is
     unregistered, so ``hvdnb.torch`` takes its untimed paths (no clock reads, the planned
     fast path for named allreduces): a loop runs as it would without the panel. On
-    registers the listener again.
+    registers the listener again. Time spent off does not count toward the next message:
+    the message clock stops when recording goes off and goes on where it stopped, so a
+    loop that switches recording off and on sends as often per logged step as one that
+    never switched (and no message goes out for points that are not there).
     """
     rec = get_recorder()
+    was = rec.enabled
     rec.enabled = bool(on)
+    now = _perf_counter()
     if on:
+        paused = rec._paused
+        if not was and paused is not None and rec._due:
+            rec._due, rec._due_late = now + paused[0], now + paused[1]
+        rec._paused = None
         rec.attach_comm_listener()
     else:
+        if was and rec._due:
+            rec._paused = (rec._due - now, rec._due_late - now)
         rec.detach_comm_listener()
 
 

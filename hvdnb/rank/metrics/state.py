@@ -145,6 +145,9 @@ class RecorderState:
         #: the step at which log() next calls _events (-1: at the next log)
         self._next_event = -1
         self._due_late = 0.0
+        #: while recording is off (``set_enabled``): seconds that were left to ``_due`` and
+        #: ``_due_late``, put back when it goes on again
+        self._paused: tuple[float, float] | None = None
         self._npv: Any = None  # numpy views of the ring's columns (see _drain_run)
         #: send from the training thread at log() when a message is due (see _run)
         self.flush_in_loop = True
