@@ -280,7 +280,9 @@ def test_short_steps_time_their_collectives_on_one_step_in_k(dist2):
         assert k > 1, "steps of < 1 ms were timed every step"
         exposed = store.per_step("comm/", rank, 10_000, suffix="/exposed")
         early = [s for s in exposed if s < 3000]
-        assert 3000 / 70 < len(early) < 3000 / 2, len(early)
+        # one step in k >= 2 (k = 2 on a loaded box: 1,500), plus the loop's first steps,
+        # timed every step until the first drain has measured the step time
+        assert 3000 / 70 < len(early) < 0.55 * 3000, len(early)
         assert all(s in exposed for s in range(3001, 3200)), "comm_interval 0: every step"
         steps = store.at_steps("time/step", rank, exposed)
         assert set(steps) == set(exposed) - {0}
