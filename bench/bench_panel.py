@@ -63,7 +63,8 @@ MODELS = {
     "small": {"layers": [64, 32, 10], "batch": 32},  # ~0.5 ms (teaching notebooks)
 }
 
-CELL = r"""
+# both cells' model, batch and loss (the same on both ranks but the batch)
+SETUP = r"""
 import itertools, time, torch, hvdnb
 import hvdnb.torch as hvd
 from mpi4py import MPI
@@ -79,6 +80,11 @@ model = torch.nn.Sequential(*layers[:-1])
 torch.manual_seed(1 + hvd.rank())
 X, Y = torch.randn(__BATCH__, sizes[0]), torch.randint(0, sizes[-1], (__BATCH__,))
 loss_fn = torch.nn.CrossEntropyLoss()
+"""
+
+CELL = (
+    SETUP
+    + r"""
 rec = hvdnb.metrics.get_recorder()  # registers the allreduce listener (hvdnb.torch is loaded)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
@@ -193,28 +199,16 @@ rec.warm = warm
 rec.flush()
 res
 """
+)
 
 
 # The second method (issue #26): an A/B inside one plain loop, nothing carried over by hand.
 # Pairs of blocks of the same number of steps, ``set_enabled(True)`` with ``hvdnb.log``
 # every step against ``set_enabled(False)`` without it, the order alternating pair by pair;
 # a few seconds of logging first, so the loop is past its warm seconds as a user's is.
-CELL_AB = r"""
-import time, torch, hvdnb
-import hvdnb.torch as hvd
-from mpi4py import MPI
-hvd.init()
-torch.set_num_threads(1)
-comm = MPI.COMM_WORLD
-torch.manual_seed(0)
-sizes = __LAYERS__
-layers = []
-for a, b in zip(sizes[:-1], sizes[1:]):
-    layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-model = torch.nn.Sequential(*layers[:-1])
-torch.manual_seed(1 + hvd.rank())
-X, Y = torch.randn(__BATCH__, sizes[0]), torch.randint(0, sizes[-1], (__BATCH__,))
-loss_fn = torch.nn.CrossEntropyLoss()
+CELL_AB = (
+    SETUP
+    + r"""
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
 step = 0
@@ -249,6 +243,7 @@ for i in range(__PAIRS__):
 hvdnb.metrics.set_enabled(True)
 ab
 """
+)
 
 
 def ab_code(model: str, pairs: int, steps: int) -> str:
