@@ -12,6 +12,7 @@ order that depends on timing, block inside a hook, or call ``cuda.synchronize``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,7 +35,19 @@ __all__ = ["DistributedOptimizer"]
 
 
 class _Bucket:
-    __slots__ = ("ctx", "flat", "handle", "key", "name", "nvtx", "params", "ready", "sizes")
+    __slots__ = (
+        "ctx",
+        "flat",
+        "handle",
+        "key",
+        "label",
+        "name",
+        "nvtx",
+        "params",
+        "ready",
+        "sizes",
+        "views",
+    )
 
     def __init__(self, params: list[torch.Tensor], name: str, names: list[str]) -> None:
         self.params = params
@@ -47,6 +60,9 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.ctx: Any = None
         self.nvtx: Any = None  # the bucket's NVTX range (CUDA only)
+        self.label = "allreduce " + name.replace("DistributedOptimizer.", "")
+        #: ``flat`` split into each parameter's shape (made once with ``flat``)
+        self.views: list[torch.Tensor] = []
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -80,18 +96,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         f = float(gradient_predivide_factor)
         self._hvd_scale = (1.0 / f, f)
         self._hvd_buckets = self._hvd_plan(params, pname, groups)
-        self._hvd_bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
-        self._hvd_counts = {p: 0 for p in params}
+        bucket_of = {p: b for b in self._hvd_buckets for p in b.params}
+        #: per parameter (by its index in ``params``): its bucket, and the backward passes
+        #: counted since the last allreduce (a list: the hook runs on every backward)
+        self._hvd_bucket_at = [bucket_of[p] for p in params]
+        self._hvd_counts = [0] * len(params)
         self._hvd_next = 0
         self._hvd_synced = False
         self._hvd_skip_sync = False
-        for p in params:
+        for i, p in enumerate(params):
             # a notebook cell run twice wraps the same model again: only the newest wrapper
             # may hook a parameter, or every backward would launch the old buckets too
             old = getattr(p, "_hvdnb_hook", None)
             if old is not None:
                 old.remove()
-            p._hvdnb_hook = p.register_post_accumulate_grad_hook(self._hvd_hook)
+            # the hook knows its parameter's index: no tensor hashing in every backward
+            p._hvdnb_hook = p.register_post_accumulate_grad_hook(
+                functools.partial(self._hvd_hook, i)
+            )
 
     @staticmethod
     def _hvd_plan(params: list[torch.Tensor], pname: list[str], groups: Any) -> list[_Bucket]:
@@ -137,14 +159,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     # -- hooks and buckets -------------------------------------------------------------------
-    def _hvd_hook(self, p: torch.Tensor) -> None:
+    def _hvd_hook(self, i: int, p: torch.Tensor) -> None:
         if not self._hvd_member:  # Horovod: a rank outside the process set trains alone
             return
-        c = self._hvd_counts[p] + 1
-        self._hvd_counts[p] = c
+        counts = self._hvd_counts
+        c = counts[i] + 1
+        counts[i] = c
         if c != self._hvd_bpps:
             return
-        self._hvd_bucket_of[p].ready += 1
+        self._hvd_bucket_at[i].ready += 1
         bs = self._hvd_buckets
         # launch strictly in bucket order: every rank issues the same sequence
         while self._hvd_next < len(bs):
@@ -158,6 +181,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         p0 = b.params[0]
         if b.flat is None:
             b.flat = torch.empty(sum(b.sizes), dtype=p0.dtype, device=p0.device)
+            b.views = [v.view_as(p) for v, p in zip(torch.split(b.flat, b.sizes), b.params)]
         grads = []
         for p in b.params:
             g = p.grad
@@ -176,7 +200,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         torch.cat(grads, out=b.flat)
         wire, b.ctx = self._hvd_comp.compress(b.flat)
         pre, post = self._hvd_scale
-        b.nvtx = _nvtx.start("allreduce " + b.name.replace("DistributedOptimizer.", ""))
+        b.nvtx = _nvtx.start(b.label)
         b.handle = planned_launch(
             wire, b.name, self._hvd_op, pre, post, self._hvd_ps, b.key
         ) or allreduce_launch(
@@ -202,7 +226,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _nvtx.end(b.nvtx)
                 b.nvtx = None
                 dst, src = [], []
-                for p, part in zip(b.params, res.split(b.sizes)):
+                # the reduced buffer in each parameter's shape (views made once when the
+                # result is the bucket's own buffer, as it is without compression)
+                parts = b.views if res is b.flat else res.split(b.sizes)
+                for p, part in zip(b.params, parts):
                     sparse = self._hvd_sparse.pop(p, None) if self._hvd_sparse else None
                     g = p.grad
                     if sparse is not None:
@@ -213,12 +240,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = part.view_as(p).to_sparse()
                     else:
                         dst.append(g)
-                        src.append(part.view_as(p))
+                        src.append(part if part.shape == p.shape else part.view_as(p))
                 if dst:  # one multi-tensor kernel on CUDA instead of one copy per parameter
                     torch._foreach_copy_(dst, src)
                 b.ready = 0
-        for p in self._hvd_counts:
-            self._hvd_counts[p] = 0
+        counts = self._hvd_counts
+        counts[:] = [0] * len(counts)
         self._hvd_next = 0
         self._hvd_synced = True
 
