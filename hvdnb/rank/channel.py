@@ -12,6 +12,7 @@ connect out to the notebook).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from typing import Any
@@ -50,8 +51,10 @@ class EngineChannel(Endpoint):
         self.endpoint = endpoint
         self.rank = rank
         #: messages queued so far, in the order the socket sends them: the recorder's
-        #: cell-end message must come after all of them (see ``Flusher.flush``)
+        #: cell-end message must come after all of them (see ``Flusher.flush``); counted
+        #: with ``itertools.count``, whose ``next`` no other thread's send can interleave
         self.queued = 0
+        self._counter = itertools.count(1)
         super().__init__(key, "engine-channel")
         self.send(kinds.HELLO, pid=os.getpid())
 
@@ -66,7 +69,7 @@ class EngineChannel(Endpoint):
         """Queue a message to the notebook; returns at once."""
         msg = outgoing(kind, payload)
         msg["rank"] = self.rank
-        self.queued += 1
+        self.queued = next(self._counter)
         self._queue(msg)
 
     def _send_item(self, msg: dict[str, Any]) -> None:
