@@ -36,11 +36,11 @@ from hvdnb.torch.spec import (
     Min,
     Product,
     Sum,
+    allreduce_header,
     describe,
-    name_hash,
 )
 from hvdnb.torch.torchplans import TorchPlan, make_torch_plan, run_blocking, run_launch
-from hvdnb.torch.transport import CALLS, HDR, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
+from hvdnb.torch.transport import CALLS, HDR_BYTES, SIG_BYTES, TAG, Kind, MPITransport
 
 __all__ = ["planned_allreduce", "planned_launch"]
 
@@ -76,23 +76,8 @@ def _header(
     ``blocking`` (outside the signature) is 1 when this rank may use a blocking
     MPI_Allreduce; only when every rank says so do they all use it (see ``_run_big``).
     """
-    return HDR.pack(
-        Kind.ALLREDUCE,
-        name_hash(name),
-        DCODE[t.dtype],
-        op,
-        0,
-        hash(t.shape),
-        t.numel(),
-        hash(1.0),
-        hash(post),
-        0,
-        0,
-        0,
-        0,
-        nbytes,
-        blocking,
-        0,
+    return allreduce_header(
+        name, DCODE[t.dtype], op, hash(t.shape), t.numel(), 1.0, post, nbytes, blocking
     )
 
 

@@ -30,14 +30,14 @@ from hvdnb.torch.spec import (
     Max,
     Min,
     Sum,
+    allreduce_header,
     auto_name,
     describe,
     dtype_code,
-    name_hash,
     transport_for,
 )
 from hvdnb.torch.timing import NcclSeconds
-from hvdnb.torch.transport import HDR, HDR_BYTES, Kind, MPITransport
+from hvdnb.torch.transport import HDR_BYTES, Kind, MPITransport
 
 __all__ = ["allreduce_launch", "allreduce_op"]
 
@@ -105,23 +105,15 @@ def allreduce_op(
     if pre != 1.0:
         wire = _scale(wire, pre, inplace=wire is not tensor)
     nbytes = x.numel() * x.element_size()
-    hdr = HDR.pack(
-        Kind.ALLREDUCE,
-        name_hash(name),
+    hdr = allreduce_header(
+        name,
         dcode,
         op,
-        0,
         hash(x.shape) if shape_key is None else shape_key,
         x.numel(),
-        hash(pre),
-        hash(post),
-        0,
-        0,
-        0,
-        0,
+        pre,
+        post,
         nbytes,
-        0,
-        0,
     )
     n = tr.size
     direct = inplace and wire is tensor

@@ -18,7 +18,7 @@ import torch
 
 from hvdnb.torch.process_sets import ProcessSet, check_registered
 from hvdnb.torch.rounds import DTYPES
-from hvdnb.torch.transport import Kind, MPITransport, TorchTransport
+from hvdnb.torch.transport import HDR, Kind, MPITransport, TorchTransport
 
 __all__ = [
     "DCODE",
@@ -29,6 +29,7 @@ __all__ = [
     "Min",
     "Product",
     "Sum",
+    "allreduce_header",
     "auto_name",
     "describe",
     "dtype_code",
@@ -131,3 +132,38 @@ def parameter_names(param_groups: Any, named_parameters: Any) -> tuple[list[Any]
                 "pass model.named_parameters() of the model the optimizer was built on"
             )
     return params, [names.get(p, f"param.{i}") for i, p in enumerate(params)]
+
+
+def allreduce_header(
+    name: str,
+    dcode: int,
+    op: int,
+    shape_key: int,
+    numel: int,
+    pre: float,
+    post: float,
+    nbytes: int,
+    blocking: int = 0,
+) -> bytes:
+    """An allreduce's header, the one thing every path sends (or hashes) for it: the general
+    path (``reduce.py``) and the plans over MPI and torch.distributed (``plans.py``,
+    ``torchplans.py``), so that ranks on different paths still match. ``blocking`` sits
+    outside the signature (see ``plans._run_big``)."""
+    return HDR.pack(
+        Kind.ALLREDUCE,
+        name_hash(name),
+        dcode,
+        op,
+        0,
+        shape_key,
+        numel,
+        hash(pre),
+        hash(post),
+        0,
+        0,
+        0,
+        0,
+        nbytes,
+        blocking,
+        0,
+    )

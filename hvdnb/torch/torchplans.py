@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from hvdnb.torch.rounds import Handle, wire_dtype
-from hvdnb.torch.spec import DCODE, Average, Max, Min, Product, Sum, name_hash
-from hvdnb.torch.transport import CALLS, HDR, SIG_BYTES, Kind, TorchTransport
+from hvdnb.torch.spec import DCODE, Average, Max, Min, Product, Sum, allreduce_header
+from hvdnb.torch.transport import CALLS, SIG_BYTES, TorchTransport
 
 __all__ = ["TorchPlan", "make_torch_plan", "run_blocking", "run_launch"]
 
@@ -65,23 +65,15 @@ def make_torch_plan(
         or (op == Average and not t.is_floating_point())
     ):
         return None
-    hdr = HDR.pack(
-        Kind.ALLREDUCE,
-        name_hash(name),
+    hdr = allreduce_header(
+        name,
         DCODE[dtype],
         op,
-        0,
         hash(t.shape) if shape_key is None else shape_key,
         t.numel(),
-        hash(1.0),
-        hash(1.0),
-        0,
-        0,
-        0,
-        0,
+        1.0,
+        1.0,
         t.numel() * t.element_size(),
-        0,
-        0,
     )
     return TorchPlan(tr, hdr, op, t.is_floating_point())
 
