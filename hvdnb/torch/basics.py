@@ -101,6 +101,15 @@ def init(
     STATE.butterfly_bytes = min(STATE.inline_bytes, butterfly_bytes(cfg.butterfly_bytes, w))
     if w.source == "mpi":
         STATE.comm = w.comm.Dup()
+        # one value on every rank: ranks that picked different limits (hosts with other
+        # core counts, or other HVDNB_* settings) would take different paths for one call
+        # (a wasted fallback round each time) or overrun a peer's receive buffer
+        import numpy as np
+        from mpi4py import MPI
+
+        limits = np.array([STATE.inline_bytes, STATE.butterfly_bytes], np.int64)
+        STATE.comm.Allreduce(MPI.IN_PLACE, limits, op=MPI.MIN)
+        STATE.inline_bytes, STATE.butterfly_bytes = int(limits[0]), int(limits[1])
     if dist.get_backend() == "nccl" and STATE.comm is None:
         # headers must not queue behind NCCL kernels, and gloo can read them on the CPU
         STATE.ctrl = dist.new_group(backend="gloo")

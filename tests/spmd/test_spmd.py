@@ -210,3 +210,42 @@ def test_timeline_valid_after_sigkill(tmp_path: Path) -> None:
     events = json.loads((tmp_path / "tl.rank0.json").read_text())
     steps = [e for e in events if e.get("name", "").startswith("step.")]
     assert len(steps) == 200 and all(e["ph"] == "X" and e["dur"] >= 0 for e in steps)
+
+
+LIMITS = r"""
+import torch
+import hvdnb.torch as hvd
+from hvdnb.torch.process_sets import STATE
+hvd.init()
+t = torch.full((2048,), float(hvd.rank() + 1))  # 8 KB: the butterfly on some ranks only
+for _ in range(3):
+    hvd.allreduce_(t, op=hvd.Sum, name="limits")
+    t.fill_(float(hvd.rank() + 1))
+r = hvd.allreduce(t, op=hvd.Sum, name="limits")
+from mpi4py import MPI  # one line from rank 0: ranks' prints can interleave
+got = MPI.COMM_WORLD.gather([STATE.inline_bytes, STATE.butterfly_bytes, r[0].item()], root=0)
+if hvd.rank() == 0:
+    print("LIMITS", got)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_agree_on_the_small_allreduce_limits() -> None:
+    """Ranks started with different limits (hosts with other core counts, other HVDNB_*
+    settings) take the smallest at init, so one call takes one path on every rank."""
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    part = [sys.executable, "-c", LIMITS]
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", "2", "-env", "HVDNB_BUTTERFLY_BYTES", "65536", *part, ":"]
+        + ["-n", "2", "-env", "HVDNB_BUTTERFLY_BYTES", "4096"]
+        + ["-env", "HVDNB_INLINE_BYTES", "32768", *part],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S + 30,
+        env=_env(),
+        cwd=HERE,
+    )
+    assert proc.returncode == 0, _report(proc)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LIMITS")]
+    assert lines == ["LIMITS " + str([[32768, 4096, 10.0]] * 4)], _report(proc)
