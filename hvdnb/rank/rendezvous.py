@@ -28,6 +28,7 @@ from typing import Any
 
 from hvdnb.host import cores, ifname_of, route_addr
 from hvdnb.protocol import kinds
+from hvdnb.rank import gpurules
 
 __all__ = ["World", "discover", "init_process_group", "reinit_process_group", "world"]
 
@@ -352,11 +353,13 @@ def init_process_group(
         # without this, interpreter teardown can destroy gloo's threads first: "terminate
         # called without an active exception" and exit -6 after a successful run
         atexit.register(_shutdown)
+        gpurules.install()
         return w
     _STORE, addr, port = _open_store(w, ip or cfg.ip, cfg.start_timeout)
     export_env(w, addr, port)
     _init_from_store(backend, w, timeout_s)
     atexit.register(_shutdown)
+    gpurules.install()  # a GPU node's point-to-point rules, on CPU ranks too
     return w
 
 
