@@ -11,6 +11,7 @@ fails.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -25,23 +26,103 @@ from hvdnb.protocol.remote import DEBUG_COMMAND
 
 __all__ = ["DistMagics"]
 
-_ACTIONS = (
-    "start",
-    "stop",
-    "restart",
-    "status",
-    "panel",
-    "knobs",
-    "watch",
-    "export",
-    "where",
-    "debug",
-    "logs",
+
+@dataclass(frozen=True)
+class _Action:
+    """What one ``%dist`` action accepts: its options (argparse dests), whether it takes
+    positional values, and the usage line its refusals quote."""
+
+    options: frozenset[str]
+    values: bool
+    usage: str
+
+
+_START_OPTIONS = frozenset(
+    {
+        "n",
+        "backend",
+        "launcher",
+        "timeout",
+        "oversubscribe",
+        "hosts",
+        "ip",
+        "partition",
+        "time",
+        "gpus_per_node",
+        "account",
+    }
 )
+#: a restart re-makes the ranks where they ran: a new launcher, hostfile, address or Slurm
+#: job is a new cluster (``%dist stop`` then ``%dist start``)
+_RESTART_OPTIONS = frozenset({"n", "backend", "timeout", "oversubscribe"})
+
+#: the one table of what each ``%dist`` action takes; every other option is refused by name
+_ACTIONS: dict[str, _Action] = {
+    "start": _Action(
+        _START_OPTIONS,
+        False,
+        "%dist start [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
+        "[--launcher mpi|slurm|...] [--hosts HOSTFILE] [--ip ADDRESS] [--partition P] "
+        "[--time T] [--gpus-per-node G] [--account A]",
+    ),
+    "stop": _Action(frozenset(), False, "%dist stop"),
+    "restart": _Action(
+        _RESTART_OPTIONS,
+        False,
+        "%dist restart [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe]",
+    ),
+    "status": _Action(frozenset(), False, "%dist status"),
+    "panel": _Action(frozenset({"inline"}), False, "%dist panel [--inline]"),
+    "knobs": _Action(
+        frozenset({"at_step", "after"}),
+        True,
+        "%dist knobs [name=value ...] [--at-step STEP] [--after SECONDS]",
+    ),
+    "watch": _Action(
+        frozenset(), True, "%dist watch [nan|spike|drift=warn|stop|off ...] [threshold=value ...]"
+    ),
+    "export": _Action(
+        frozenset({"launcher", "cells"}),
+        True,
+        "%dist export PATH [--launcher mpiexec|torchrun|slurm] [--cells ok|all]",
+    ),
+    "where": _Action(frozenset(), False, "%dist where"),
+    "debug": _Action(frozenset({"commands"}), True, "%dist debug [RANK] [-c COMMAND ...]"),
+    "logs": _Action(frozenset({"n"}), True, "%dist logs [RANK] [-n LINES]"),
+}
+
+_CELL_USAGE = "%%distributed [-t RANKS] [-o NAME] [--timeout SECONDS] [-q]"
 
 
 def _usage(exc: BaseException) -> UsageError:
     return UsageError(str(exc))
+
+
+def _action_of(line: str) -> str:
+    """The action a ``%dist`` line names, read without argparse (for its refusals)."""
+    words = line.split()
+    for w in words:
+        if w in _ACTIONS:
+            return w
+    first = next((w for w in words if not w.startswith("-")), None)
+    return first if first is not None and words and words[0] == first else "status"
+
+
+def _refused(action: str, what: str) -> UsageError:
+    """One refusal of a ``%dist`` line: what was wrong, then that action's usage."""
+    usage = _ACTIONS[action].usage if action in _ACTIONS else "%dist ACTION [options]"
+    return UsageError(f"{what}. Usage: {usage}\nSee `%dist?` for every option.")
+
+
+def _given_options(parser: Any, args: Any) -> dict[str, str]:
+    """dest -> option name of every option given (one differs from its default)."""
+    out = {}
+    for act in parser._actions:  # argparse keeps no public list of its options
+        if not act.option_strings or act.dest == "help":
+            continue
+        if getattr(args, act.dest, act.default) != act.default:
+            out[act.dest] = max(act.option_strings, key=len)
+    return out
 
 
 @magics_class
@@ -95,12 +176,13 @@ class DistMagics(Magics):
         "-n",
         type=int,
         default=None,
-        help="start: ranks to start (default: GPUs, else 2); logs: lines per rank (20)",
+        help="start, restart: ranks to start (default: GPUs, else 2); logs: lines per rank (20)",
     )
     @argument(
         "--backend",
         default=None,
-        help="torch.distributed backend: gloo, nccl or mpi (default: nccl with GPUs, else gloo)",
+        help="start, restart: torch.distributed backend: gloo, nccl, mpi or auto (default: nccl "
+        "with GPUs, else gloo)",
     )
     @argument(
         "--launcher",
@@ -108,11 +190,13 @@ class DistMagics(Magics):
         help="start: ipyparallel engine launcher, mpi (default), or slurm, ssh, ... for other "
         "hosts; export: mpiexec, torchrun or slurm (default: how the cluster was started)",
     )
-    @argument("--timeout", type=float, default=None, help="seconds to wait for the ranks")
+    @argument(
+        "--timeout", type=float, default=None, help="start, restart: seconds to wait for the ranks"
+    )
     @argument(
         "--oversubscribe",
         action="store_true",
-        help="allow more ranks than this host has cores (or GPUs)",
+        help="start, restart: allow more ranks than this host has cores (or GPUs)",
     )
     @argument(
         "--hosts",
@@ -142,6 +226,7 @@ class DistMagics(Magics):
             %dist start --hosts hostfile   # one MPI job across the hosts in the file
             %dist status              # rank, host, pid, device, state, last cell
             %dist restart             # fresh ranks, same settings
+            %dist restart -n 4 --backend gloo   # fresh ranks, these settings changed
             %dist panel               # the live panel beside the notebook (again)
             %dist panel --inline      # ... or in this cell's output
             %dist knobs               # the knobs and the last change
@@ -161,15 +246,27 @@ class DistMagics(Magics):
         try:
             args = parse_argstring(self.dist, line)
         except UsageError as exc:
-            raise UsageError(f"{exc}\nSee `%dist?` for the options.") from None
-        if args.action not in _ACTIONS:
+            name = _action_of(line)
+            raise _refused(name, f"%dist {name}: {exc}") from None
+        action = _ACTIONS.get(args.action)
+        if action is None:
             raise UsageError(
                 f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
             )
-        if args.values and args.action not in ("knobs", "watch", "export", "debug", "logs"):
-            raise UsageError(
-                f"%dist {args.action} takes no values ({' '.join(args.values)!r}); see `%dist?`"
+        if args.values and not action.values:
+            raise _refused(
+                args.action, f"%dist {args.action} takes no values ({' '.join(args.values)!r})"
             )
+        given = _given_options(self.dist.parser, args)  # type: ignore[union-attr]
+        extra = [name for dest, name in given.items() if dest not in action.options]
+        if extra:
+            why = ""
+            if args.action == "restart":
+                why = (
+                    " (a restart starts the ranks where they ran: for another launcher, "
+                    "hostfile, address or Slurm job, `%dist stop` then `%dist start`)"
+                )
+            raise _refused(args.action, f"%dist {args.action} takes no {', '.join(extra)}{why}")
         return getattr(self, f"_{args.action}")(args)
 
     def _start(self, args: Any) -> None:
@@ -409,11 +506,24 @@ class DistMagics(Magics):
         c = _cluster.current()
         if c is None:
             raise UsageError("no cluster to restart: `%dist start -n 2` first")
+        was = _describe_cluster(c)
         try:
-            c.restart()
-        except _cluster.ClusterError as exc:
+            c.restart(
+                n=args.n,
+                backend=args.backend,
+                timeout=args.timeout,
+                oversubscribe=True if args.oversubscribe else None,
+            )
+        except (_cluster.ClusterError, ValueError) as exc:
+            if c.running:
+                raise UsageError(f"{exc}; the running cluster ({was}) was left as it was") from None
             raise _usage(exc) from None
-        print(f"hvdnb: {c.n} fresh ranks ready in {c.start_seconds:.1f} s")
+        now = _describe_cluster(c)
+        change = f" (was {was})" if now != was else ""
+        print(
+            f"hvdnb: {c.n} fresh rank{'s' if c.n != 1 else ''} ready in "
+            f"{c.start_seconds:.1f} s: {now}{change}"
+        )
 
     def _status(self, args: Any) -> None:
         c = _cluster.current()
@@ -459,16 +569,21 @@ class DistMagics(Magics):
         try:
             args = parse_argstring(self.distributed, line)
         except UsageError as exc:
-            raise UsageError(f"{exc}\nSee `%%distributed?` for the options.") from None
+            raise UsageError(
+                f"%%distributed: {exc}. Usage: {_CELL_USAGE}\nSee `%%distributed?` for the options."
+            ) from None
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"-o needs a variable name, not {args.out!r}. Usage: {_CELL_USAGE}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise UsageError(
+                f"--timeout must be a positive number of seconds, not {args.timeout}. "
+                f"Usage: {_CELL_USAGE}"
+            )
         c = _cluster.current()
         if c is None or not c.running:
             raise UsageError(
                 "no cluster is running: run `%dist start -n 2` first, then this cell again"
             )
-        if args.out is not None and not args.out.isidentifier():
-            raise UsageError(f"-o needs a variable name, not {args.out!r}")
-        if args.timeout is not None and not args.timeout > 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout}")
         try:
             result = cells.run_cell(c, cell, args.targets, timeout=args.timeout, quiet=args.quiet)
         except ValueError as exc:
@@ -513,6 +628,11 @@ def _describe_change(status: dict[str, Any]) -> str:
     if at is None:
         return "applied now (no loop was running)"
     return f"every rank applies it at step {at}"
+
+
+def _describe_cluster(c: Any) -> str:
+    """``2 ranks, backend gloo``: what a restart may change."""
+    return f"{c.n} rank{'s' if c.n != 1 else ''}, backend {c.backend or 'auto'}"
 
 
 def _show_panel(c: Any) -> None:

@@ -139,9 +139,9 @@ class Cluster:
         account: str | None = None,
         sbatch_args: list[str] | None = None,
     ) -> None:
-        #: the checked start options (``n``, ``launcher``, ``backend``... read through them)
-        self.spec: StartSpec = spec.check(
-            n,
+        #: the start options as given (a restart changes some and checks them all again)
+        self._options: dict[str, Any] = dict(
+            n=n,
             backend=backend,
             launcher=launcher,
             timeout=timeout,
@@ -157,6 +157,8 @@ class Cluster:
             account=account,
             sbatch_args=sbatch_args,
         )
+        #: the checked start options (``n``, ``launcher``, ``backend``... read through them)
+        self.spec: StartSpec = spec.check(**self._options)
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.client: Any = None
         self.view: Any = None
@@ -574,12 +576,37 @@ class Cluster:
             except Exception:
                 pass
 
-    def restart(self, force: bool = False) -> Cluster:
-        """Stop everything and start a fresh cluster with the same settings.
+    def restart(
+        self,
+        force: bool = False,
+        *,
+        n: int | None = None,
+        backend: str | None = None,
+        timeout: float | None = None,
+        oversubscribe: bool | None = None,
+    ) -> Cluster:
+        """Stop everything and start a fresh cluster: the same settings, except those given.
 
-        ``force`` kills the ranks at once (for ranks that no longer answer); it is implied
-        when a rank has died, since the survivors may be blocked on it."""
+        Parameters
+        ----------
+        force : kill the ranks at once (for ranks that no longer answer); implied when a
+            rank has died, since the survivors may be blocked on it
+        n, backend, timeout, oversubscribe : new start options (None: keep; backend
+            "auto": automatic again), checked before anything is stopped: a refused restart
+            (ClusterError) leaves the cluster running. Launcher, hosts, ip and Slurm options
+            are kept: for another place, stop this cluster and start a new one.
+        """
+        given = {"n": n, "backend": backend, "timeout": timeout, "oversubscribe": oversubscribe}
+        changes = {k: v for k, v in given.items() if v is not None}
+        options = {**self._options, **changes}
+        if "n" in changes and options.get("engine_sets"):
+            raise ClusterError(
+                "this cluster was started with engine sets (ranks per host): change their `n` "
+                "with a new Cluster(engine_sets=...), not restart(n=...)"
+            )
+        new_spec = spec.check(**options)  # refused here: nothing was stopped
         self._teardown(force=force or bool(self.dead_ranks()))
+        self._options, self.spec = options, new_spec
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.generation = 0
         return self.start()
