@@ -7,7 +7,11 @@ never loads it): ``metrics()`` and the store's types, ``set_knobs``, from
 ``hvdnb.notebook.metrics``.
 
 The module itself is callable: ``hvdnb.metrics()`` returns every point as rows (see
-``hvdnb.notebook.metrics.store.metrics``).
+``hvdnb.notebook.metrics.store.metrics``). ``hvdnb.metrics.load(DIR)`` returns the same
+rows for a batch run: what an exported script wrote with ``HVDNB_METRICS_DIR=DIR`` (see
+``hvdnb.notebook.metrics.files``)::
+
+    df = hvdnb.metrics.load("out").to_pandas()
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from hvdnb.rank.metrics.knobs import Knobs, knobs
 from hvdnb.rank.metrics.recorder import get_recorder, log, phase, set_enabled
 
 if TYPE_CHECKING:
+    from hvdnb.notebook.metrics.files import load, load_store
     from hvdnb.notebook.metrics.store import (
         MetricRow,
         MetricRows,
@@ -42,6 +47,8 @@ __all__ = [
     "get_recorder",
     "get_store",
     "knobs",
+    "load",
+    "load_store",
     "log",
     "metrics",
     "phase",
@@ -55,6 +62,8 @@ _LAZY = {
     "MetricsStore": "hvdnb.notebook.metrics.store",
     "attach": "hvdnb.notebook.metrics.store",
     "get_store": "hvdnb.notebook.metrics.store",
+    "load": "hvdnb.notebook.metrics.files",
+    "load_store": "hvdnb.notebook.metrics.files",
     "metrics": "hvdnb.notebook.metrics.store",
     "set_knobs": "hvdnb.notebook.metrics.store",
 }

@@ -7,8 +7,10 @@ then TensorFlow's ``TF_CONFIG``, ``tfconfig.setup``),
 the knob values a script starts from, and where ``hvdnb.log`` points go outside a
 notebook: nowhere (a bounded in-memory ring, about a microsecond a call) unless
 ``HVDNB_METRICS_DIR`` names a directory, where each rank appends its flushes as JSON lines
-to ``rank<N>.jsonl`` (one object per flush: ``seq``, ``t``, ``step`` and ``cols``, the
-same columns the panel receives).
+to ``rank<N>.jsonl``: one line per message the rank would send the notebook, in the
+protocol's file form (``hvdnb.protocol.jsonl``; a ``metrics`` line per flush with ``seq``,
+``t``, ``step`` and ``cols``, the columns the panel receives), read back by
+``hvdnb.metrics.load(dir)``.
 
 Never: import IPython, ipyparallel or widgets, or start processes.
 """
@@ -16,12 +18,12 @@ Never: import IPython, ipyparallel or widgets, or start processes.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from hvdnb.protocol.jsonl import dumps_line
 from hvdnb.protocol.kinds import Kind, outgoing
 
 __all__ = ["JsonlChannel", "init", "rank", "size"]
@@ -30,7 +32,8 @@ _WORLD: Any = None
 
 
 class JsonlChannel:
-    """A stand-in for the notebook's side channel: each message becomes one JSON line."""
+    """A stand-in for the notebook's side channel: each message becomes one line of
+    ``path`` in the protocol's file form (``hvdnb.protocol.jsonl.dumps_line``)."""
 
     def __init__(self, path: str | Path, rank: int) -> None:
         self.path = Path(path)
@@ -40,7 +43,7 @@ class JsonlChannel:
         self._lock = threading.Lock()
 
     def send(self, kind: Kind, **payload: Any) -> None:
-        line = json.dumps({**outgoing(kind, payload), "rank": self.rank}, allow_nan=True)
+        line = dumps_line({**outgoing(kind, payload), "rank": self.rank})
         with self._lock:
             self._f.write(line + "\n")
             self._f.flush()

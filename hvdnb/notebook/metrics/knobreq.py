@@ -53,8 +53,9 @@ class KnobsMixin(RunsMixin):
             with self._lock:
                 self.knob_spec = spec
                 run = self._run(self.run_id)
-                if self._in_cell and run is not None and not run["changes"]:
+                if self._in_cell and not self._want_run and run is not None and not run["changes"]:
                     # knobs made in the running cell: they are this run's starting values
+                    # (before its first point, the run is not started: the last run's stay)
                     run["knobs"] = {k: v.get("value") for k, v in spec.items()}
                 self.version += 1
 
