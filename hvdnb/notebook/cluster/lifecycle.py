@@ -204,6 +204,11 @@ class Cluster:
         return self.spec.timeout
 
     @property
+    def device(self) -> str | None:
+        """What the ranks train on, as this host tells it (GPU, CPU; None across hosts)."""
+        return None if self.multi_host else ("GPU" if gpu_count() else "CPU")
+
+    @property
     def ip(self) -> str:
         """The address the controller and the side channel listen on."""
         return self.spec.ip

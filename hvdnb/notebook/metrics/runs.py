@@ -7,9 +7,12 @@ of that run at the step it was applied. Every point is tagged with its run; rows
 run, segment and the knob values in force at their step on their rank. Live views show
 the current run; ``run_curves`` overlays the runs.
 
-Owns: the list of runs (id, cell, start time, starting knobs, changes, marks, hidden),
-starting one, hiding old ones from the comparison, and the overlaid curves, built up
-between redraws (a run's points are only ever appended).
+Owns: the list of runs (id, cell, start time, starting knobs, changes, marks, hidden, the
+cluster it ran on), starting one, hiding old ones from the comparison, and the overlaid
+curves, built up between redraws (a run's points are only ever appended). Each start or
+restart of a cluster begins a new *cluster* (``begin_cluster``): no run is current until
+its first cell logs, and runs of earlier clusters stay on the comparison chart, labelled
+with the cluster they ran on.
 
 Never: import the cluster, torch or widgets; delete points (hidden runs stay in
 ``hvdnb.metrics()``).
@@ -22,7 +25,7 @@ from typing import Any
 
 from hvdnb.notebook.metrics.points import PointStore, Series, thin_indices
 
-__all__ = ["RunsMixin", "run_label"]
+__all__ = ["RunsMixin", "cluster_text", "run_label"]
 
 
 class _CurveSums:
@@ -83,6 +86,10 @@ class RunsMixin(PointStore):
         #: (run id, name) -> what run_curves has summed so far (a run's points are only
         #: ever appended, so each redraw adds the new points instead of starting over)
         self._curves: dict[tuple[int, str], _CurveSums] = {}
+        #: the cluster the live views describe: how many were attached (0: none yet) and
+        #: what it is (``{"n", "backend", "device"}``, as ``begin_cluster`` got it)
+        self.cluster_no = 0
+        self.cluster_info: dict[str, Any] = {}
 
     @property
     def marks(self) -> list[tuple[int, str]]:
@@ -127,9 +134,19 @@ class RunsMixin(PointStore):
                 "changes": [],
                 "marks": [],
                 "hidden": False,
+                "cluster": self.cluster_no,
+                "cluster_text": cluster_text(self.cluster_info),
             }
         )
         self.run_id = rid
+        self._want_run = False
+
+    def _begin_runs_of_cluster(self, info: dict[str, Any]) -> None:  # lock held
+        """A new cluster: no run is current (views of the current run start empty) until
+        a cell of it logs; earlier runs keep their points and are marked earlier."""
+        self.cluster_no += 1
+        self.cluster_info = dict(info)
+        self.run_id = 0
         self._want_run = False
 
     def _clear_runs(self) -> None:  # lock held
@@ -166,7 +183,9 @@ class RunsMixin(PointStore):
 
         Returns
         -------
-        list of ``{"id", "label", "xs", "ys", "marks": [(x, label)]}``, oldest first
+        list of ``{"id", "label", "xs", "ys", "marks": [(x, label)], "earlier"}``, oldest
+        first; ``earlier``: the run was on a cluster stopped or restarted since (its label
+        says which: ``run 2 (earlier cluster: 1 rank, NCCL)``)
         """
         with self._lock:
             runs = [dict(r) for r in self.runs if not r["hidden"]][-last_runs:]
@@ -202,22 +221,46 @@ class RunsMixin(PointStore):
                         if i == len(steps) or (i > 0 and st - steps[i - 1] <= steps[i] - st):
                             i -= 1
                         marks.append((xmap[steps[i]] if xmap else float(steps[i]), lab))
+                earlier = run.get("cluster", self.cluster_no) != self.cluster_no
                 out.append(
                     {
                         "id": rid,
-                        "label": run_label(run),
+                        "label": run_label(run, earlier=earlier),
                         "xs": xs,
                         "ys": ys,
                         "marks": marks,
+                        "earlier": earlier,
                     }
                 )
         return out
 
 
-def run_label(run: dict[str, Any]) -> str:
-    """``run 3: batch_size=64 warmup_steps=100 -> batch_size=128 @ 200``."""
+def cluster_text(info: dict[str, Any]) -> str:
+    """``2 ranks, Gloo, CPU``: a cluster as a run's label and the panel's header name it."""
+    if not info:
+        return ""
+    n = info.get("n")
+    parts = [f"{n} rank{'s' if n != 1 else ''}" if n is not None else "? ranks"]
+    backend = info.get("backend")
+    parts.append(
+        {"nccl": "NCCL", "gloo": "Gloo", "mpi": "MPI"}.get(str(backend), str(backend))
+        if backend
+        else "backend auto"
+    )
+    if info.get("device"):
+        parts.append(str(info["device"]))
+    return ", ".join(parts)
+
+
+def run_label(run: dict[str, Any], earlier: bool = False) -> str:
+    """``run 3: batch_size=64 warmup_steps=100 -> batch_size=128 @ 200``; a run of an
+    earlier cluster: ``run 1 (earlier cluster: 1 rank, NCCL, GPU): ...``."""
     knobs = " ".join(f"{k}={v:g}" for k, v in run["knobs"].items() if isinstance(v, (int, float)))
-    text = f"run {run['id']}" + (f": {knobs}" if knobs else "")
+    text = f"run {run['id']}"
+    if earlier:
+        was = run.get("cluster_text") or ""
+        text += f" (earlier cluster{': ' + was if was else ''})"
+    text += f": {knobs}" if knobs else ""
     seen = set()
     for st, vals, _ in run["changes"]:
         key = (st, tuple(sorted(vals.items())))

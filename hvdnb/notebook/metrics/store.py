@@ -141,6 +141,13 @@ class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
                     out.append(MetricRow(r, st, n, values[i], times[i], rid, seg, dict(kv)))
         return out
 
+    def ranks(self) -> list[int]:
+        """The ranks of the attached cluster (every rank heard from, before any)."""
+        if not self.cluster_no:
+            return super().ranks()
+        with self._lock:
+            return sorted(self.rank_info)
+
     def clear(self) -> None:
         with self._lock:
             self._clear_points()
@@ -162,6 +169,8 @@ class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
         if ch is None or ch is self._channel:
             self._cluster = cluster
             return
+        with self._lock:
+            self._begin_cluster(cluster)
         self._cluster = cluster
         self._channel = ch
         ch.on(kinds.METRICS, self.ingest)
@@ -170,6 +179,22 @@ class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
         ch.on(kinds.KNOBS_PLAN, self.on_plan)
         ch.on(kinds.KNOBS_APPLIED, self.on_applied)
         ch.on(kinds.STOP_PLAN, self.on_stop_plan)
+
+    def _begin_cluster(self, cluster: Any) -> None:  # lock held
+        """A new cluster (a start or a restart: a new channel). What the live views say
+        (ranks, step, backend, knobs, lost messages) is of this cluster from now on: the
+        ranks it has, known by the hello each sent before its start returned, and no step
+        yet. The points of earlier clusters stay (``hvdnb.metrics()``, the runs chart)."""
+        self.rank_info.clear()
+        for r, host in dict(getattr(cluster, "hosts_seen", None) or {}).items():
+            self.rank_info[r] = {"host": host}
+        self._seq.clear()
+        self._lost_by_rank.clear()
+        self.lost_messages = self.lost_rows = 0
+        self.knob_spec = {}
+        info = {k: getattr(cluster, k, None) for k in ("n", "backend", "device")}
+        self._begin_runs_of_cluster(info)
+        self.version += 1
 
 
 _STORE: MetricsStore | None = None

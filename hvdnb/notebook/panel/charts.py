@@ -651,7 +651,8 @@ def memory_chart(store: MetricsStore) -> MemoryChart:
 class RunsChart:
     """The last runs' mean loss over ranks (x: step or samples seen), one line each,
     labelled with its knob values; marks (x, label, line number) at its knob changes;
-    ``missing``: runs without an x (no ``samples=`` logged)."""
+    ``missing``: runs without an x (no ``samples=`` logged); ``earlier``: the line numbers
+    of runs on an earlier cluster (stopped or restarted since; their labels say which)."""
 
     x: str
     lines: list[Line]
@@ -659,6 +660,7 @@ class RunsChart:
     missing: list[int]
     empty: str
     log_y: bool = False
+    earlier: list[int] = field(default_factory=list)
 
 
 def runs_chart(
@@ -668,15 +670,18 @@ def runs_chart(
     lines: list[Line] = []
     marks: list[tuple[float, str, int]] = []
     missing: list[int] = []
+    earlier: list[int] = []
     for c in curves:
         if c["xs"] is None:
             missing.append(c["id"])
             continue
         marks.extend((mx, lab, len(lines)) for mx, lab in c["marks"])
+        if c.get("earlier"):
+            earlier.append(len(lines))
         lines.append((c["label"], c["xs"], c["ys"]))
     empty = (
         "no runs yet: a %%distributed cell that calls hvdnb.log is a run"
         if not curves
         else "n/a: these runs logged no samples= (hvdnb.log(step, loss, samples=n))"
     )
-    return RunsChart(x, lines, marks[-12:], missing, empty, log_y)
+    return RunsChart(x, lines, marks[-12:], missing, empty, log_y, earlier)

@@ -35,20 +35,33 @@ def fmt_bytes(v: float | None) -> str:
 
 
 def header_html(store: MetricsStore) -> tuple[str, tuple[int, int] | None]:
-    """The header line, and (step, total) when the loop said its total."""
+    """The header line, and (step, total) when the loop said its total.
+
+    It describes the attached cluster only (``store.cluster_info``): after a new start
+    its size, backend and device and "no steps yet", never a step of an earlier one."""
     s = store
     ranks = s.ranks()
-    if not ranks:
+    cluster = s.cluster_info
+    if not ranks and not cluster:
         return WAITING, None
     step, total = s.progress()
+    stepped = any(i.get("step") is not None for i in s.rank_info.values())
     rate = s.throughput()
     seen = max((i.get("seen") or 0) for i in s.rank_info.values()) if s.rank_info else 0
     age = time.time() - seen if seen else None
     running = any(not i.get("idle", True) for i in s.rank_info.values())
+    n = cluster.get("n") or len(ranks)
+    reported = any(i.get("backend") for i in s.rank_info.values())
     parts = [
-        f"<b>hvdnb</b> {len(ranks)} rank{'s' if len(ranks) > 1 else ''}",
-        backends_text(s),
-        f"step {step}" + (f" of {total}" if total else ""),
+        f"<b>hvdnb</b> {n} rank{'s' if n != 1 else ''}",
+        backends_text(s)
+        if reported or not cluster
+        else (backend_name(cluster["backend"]) if cluster.get("backend") else "backend auto"),
+    ]
+    if cluster.get("device"):
+        parts.append(str(cluster["device"]))
+    parts += [
+        (f"step {step}" + (f" of {total}" if total else "")) if stepped else "no steps yet",
         f"{rate:,.0f} samples/s" if rate is not None else "samples/s n/a",
         "training" if running else "idle",
     ]
