@@ -295,7 +295,7 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         where = f"; listening on {c.ip}" if c.multi_host else ""
         print(
-            f"hvdnb: {c.n} ranks ready in {c.start_seconds:.1f} s "
+            f"hvdnb: {c.n} rank{'s' if c.n != 1 else ''} ready in {c.start_seconds:.1f} s "
             f"(launcher {c.launcher}{' with ' + args.hosts if args.hosts else ''}, backend "
             f"{c.backend or 'auto'}{where}); "
             "use %%distributed to run a cell on every rank"
