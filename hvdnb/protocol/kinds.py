@@ -110,8 +110,9 @@ METRICS: Final = Kind(
     ),
     doc="a batch of logged points and the recorder's state (one per flush interval); ``fp``: "
     "the parameter fingerprints taken since the last message, for the replica-drift watcher: "
-    "a list of ``{key, n, step, sums, scale[, names]}`` (``n``: the optimizer's step count, "
-    "the same on every rank; ``names`` once per model and cell); ``cell``: the number of the "
+    "a list of ``{key, n, step, sums, scale[, names][, end]}`` (``n``: the optimizer's step "
+    "count, the same on every rank; ``names`` once per model and cell; ``end``: a cell's last "
+    "one, after its last step); ``cell``: the number of the "
     "cell whose loop logged them",
 )
 KNOBS_SPEC: Final = Kind(

@@ -588,8 +588,18 @@ def _new_cell_metrics(cell_no: int) -> None:
     recorder.begin_cell(cell_no)
 
 
-def _cell_ended_metrics() -> None:
-    """No cell runs: a knob change asked for now applies at once (no loop can take it)."""
+def _cell_ended_metrics(ok: bool) -> None:
+    """No cell runs: a knob change asked for now applies at once (no loop can take it).
+    A cell that ran to its end first takes each trained model's last drift fingerprint
+    (``fingerprint.at_cell_end``), queued for the cell's last message (``_flush_metrics``,
+    sent before the reply): drift in a loop shorter than the sampling grid is still named
+    by the cell's end."""
+    from hvdnb.rank.metrics import fingerprint
+
+    try:
+        fingerprint.at_cell_end(take=ok)
+    except KeyboardInterrupt:  # an interrupt at the cell's very end: never lose the report
+        pass
     recorder.end_cell()
 
 
@@ -646,12 +656,12 @@ def run_cell(code: str, cell_no: int) -> dict[str, Any]:
             except KeyboardInterrupt:
                 continue
         _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
-        _cell_ended_metrics()
+        _cell_ended_metrics(False)
         report["metrics"] = _flush_metrics()
         return report
     # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
-    _cell_ended_metrics()
+    _cell_ended_metrics(True)
     if value is not None and shell is not None:
         ns["_"] = value
     out = {

@@ -109,24 +109,29 @@ def test_a_spike_on_both_ranks_is_flagged_once(store, dist2, capsys):
 
 DRIFT = r"""
 import os, time, torch, hvdnb, hvdnb.torch as hvd
+from hvdnb.rank.metrics import fingerprint
 os.environ["HVDNB_DRIFT_INTERVAL"] = "0.02"   # fingerprints ~every 20 ms: a tight range
-hvd.init()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                               named_parameters=model.named_parameters())
-torch.manual_seed(1 + hvd.rank())
-for step in range(400):
-    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad(); loss.backward(); opt.step()
-    if step == 100 and hvd.rank() == 1:
-        with torch.no_grad():
-            model[2].weight[0, 0] += 0.5          # rank 1's replica drifts
-    hvdnb.log(step, loss)
-    time.sleep(0.002)
-del os.environ["HVDNB_DRIFT_INTERVAL"]
+fingerprint.EVERY_MAX = 16   # and never sparser, however dear a loaded machine makes them
+try:
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    torch.manual_seed(1 + hvd.rank())
+    for step in range(400):
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        if step == 100 and hvd.rank() == 1:
+            with torch.no_grad():
+                model[2].weight[0, 0] += 0.5          # rank 1's replica drifts
+        hvdnb.log(step, loss)
+        time.sleep(0.002)
+finally:
+    del os.environ["HVDNB_DRIFT_INTERVAL"]
+    fingerprint.EVERY_MAX = 1 << 20
 """
 
 
@@ -141,10 +146,61 @@ def test_drift_names_the_parameter_the_ranks_and_a_range_holding_step_100(store,
     m = re.search(r"began between step (\d+) \(last matching check\) and step (\d+)", line)
     assert m, line
     a, b = int(m.group(1)), int(m.group(2))
-    # the sampling period: ~20 ms of steps, widened to keep fingerprints under 0.1 % of
-    # the training (a loaded machine makes them dearer): a few dozen steps, rarely more
-    assert a <= 100 < b and b - a <= 256, (a, b)
+    # each rank fingerprints optimizer step n (logged as step n - 1) when n % k == 0, k a
+    # power of two of ~20 ms of steps, here at most 16: every multiple of 16 is on both
+    # ranks' grids, so the last match and the first mismatch are at most 16 steps apart
+    assert a <= 100 < b and b - a <= 16, (a, b)
     assert not _alarm_lines(err, "nan") and not _alarm_lines(err, "spike"), err
+
+
+SHORT = r"""
+import os, torch, hvdnb, hvdnb.torch as hvd
+# a loop shorter than the sampling period on any machine (1 s by default: the loop below
+# takes ~0.5-1 s here): after the first two fingerprints (steps 16 and 32) none is due
+os.environ["HVDNB_DRIFT_INTERVAL"] = "60"
+try:
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    torch.manual_seed(1 + hvd.rank())
+    for step in range(400):
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        if step == 100 and hvd.rank() == 1:
+            with torch.no_grad():
+                model[2].weight[0, 0] += 0.5          # rank 1's replica drifts
+        hvdnb.log(step, loss)
+finally:
+    del os.environ["HVDNB_DRIFT_INTERVAL"]
+"""
+
+
+def test_drift_in_a_loop_shorter_than_the_sampling_period_is_named_by_the_cells_end(
+    store, dist2, capsys
+):
+    """Issue 31: a weight nudged on rank 1 at step 100 of a 400-step loop of ~1 s went
+    unnamed (fingerprints about once a second, none at the loop's end). Each rank now takes
+    a last fingerprint when the cell ends, at its last optimizer step (400 on both), sent
+    before the cell's reply: the alarm is in the cell's output when it returns."""
+    _run(dist2, SHORT)
+    err = capsys.readouterr().err
+    lines = _alarm_lines(err, "drift")
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        "hvdnb drift watcher: parameter 2.weight differs between rank 0 and rank 1; it began "
+        "between step 31 (last matching check) and step 400"
+    ), lines[0]
+    (a,) = store.run_alarms()
+    assert a.watcher == "drift" and a.detail["count"] == 400 and a.detail["tie"]
+    assert sorted(a.detail["ranks"] + a.detail["ref_ranks"]) == [0, 1]
+    assert store.drift_checks == 3  # steps 16 and 32 matched, the cell's end did not
+    # a cell that trains nothing takes no last fingerprint (and compares nothing)
+    _run(dist2, "x = 1")
+    assert store.drift_checks == 3 and len(store.run_alarms()) == 1
 
 
 STOP = NAN.replace("range(700)", "range(100000)")

@@ -5,6 +5,7 @@ fingerprints."""
 from __future__ import annotations
 
 import math
+import types
 from array import array
 
 import numpy as np
@@ -480,3 +481,137 @@ def test_messages_say_their_cell(rank_recorder):
     recmod.begin_cell(7)
     rec.log(0, 0.5)
     assert rec.pack()["cell"] == 7
+
+
+# ---------------------------------------------------------------------- a cell's last fingerprint
+def test_end_fingerprints_are_compared_with_end_ones_only_after_the_counts_own():
+    w = DriftWatch(WatchSettings())
+    ranks = (0, 1)
+    before, after = [1.0, 2.0], [1.5, 2.0]  # a DDP model's sampled print is before the update
+    # rank 0 sampled count 400 (before its update), rank 1's coarser grid did not
+    assert w.add(0, _fp(384, 383, before, names=True), ranks) is None
+    assert w.add(1, _fp(384, 383, before), ranks) is None
+    assert w.add(0, _fp(400, 399, before), ranks) is None
+    # the cell's end: both ranks after count 400's update, the same: no drift
+    end = {"end": True}
+    assert w.add(0, {**_fp(400, 400, after), **end}, ranks) is None
+    assert w.add(1, {**_fp(400, 400, after), **end}, ranks) is None
+    assert w.compared == 2 and w.last_match["k"] == (400, 400)
+    # the next cell: rank 1 drifted after count 416's sample; only the end prints show it
+    for r in ranks:
+        assert w.add(r, _fp(416, 415, after), ranks) is None
+    assert w.add(0, {**_fp(420, 419, after), **end}, ranks) is None
+    found = w.add(1, {**_fp(420, 419, [1.5, 2.25]), **end}, ranks)
+    assert found is not None and found["count"] == 420 and found["param"] == "p1"
+    assert found["since"] == (416, 415) and found["step"] == 419
+
+
+def _cell_on_a_rank(
+    monkeypatch, rank: int, nudge: bool = False, fail: bool = False
+) -> tuple[dict, list[dict]]:
+    """Run a 40-step cell through the engine's ``run_cell`` in this process, as rank
+    ``rank`` (a fresh recorder and fingerprint state): its reply and the messages sent."""
+    pytest.importorskip("torch")
+    from hvdnb.rank import engine
+    from hvdnb.rank.metrics import fingerprint
+    from hvdnb.torch import listeners
+
+    monkeypatch.setattr(fingerprint, "_MODELS", {})
+    monkeypatch.setattr(fingerprint, "_KEYS", {})
+    monkeypatch.setattr(engine, "_release_peers", lambda: None)  # no process group here
+    rec = Recorder(rank, RankCh(rank), flush_interval=100.0)  # no message from the loop
+    rec._ensure_flusher = lambda: None
+    monkeypatch.setattr(recmod, "_RECORDER", rec)
+    ns: dict = {}  # the cell's namespace (an engine's IPython user_ns)
+    monkeypatch.setattr(
+        engine, "_shell", lambda: types.SimpleNamespace(user_ns=ns, transform_cell=str)
+    )
+    code = f"""
+import torch, hvdnb
+from hvdnb.torch import listeners
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+class Opt:
+    _parameter_names = {{p: n for n, p in model.named_parameters()}}
+opt = Opt()
+for step in range(40):
+    with torch.no_grad():
+        model.weight.mul_(0.99)                  # the same update on every rank
+        if {nudge} and step == 34:               # after the last sample (count 32)
+            model.bias[1] += 0.5
+    listeners.after_step(opt, None)              # DistributedOptimizer.step()'s end
+    hvdnb.log(step, 0.5)
+if {fail}:
+    raise ValueError("the cell fails after its loop")
+"""
+    listeners.add_step_listener(fingerprint.on_step)
+    try:
+        reply = engine.run_cell(code, 9)
+    finally:
+        listeners.remove_step_listener(fingerprint.on_step)
+    assert reply["ok"] is not fail, reply
+    sent = [p for k, p in rec.channel.sent if k == kinds.METRICS]
+    return reply, sent
+
+
+def test_a_cell_ends_with_a_last_fingerprint_in_its_last_message(monkeypatch):
+    reply, sent = _cell_on_a_rank(monkeypatch, 0)
+    # the loop sent nothing (a 100 s interval): the cell's end sent one message, the one
+    # its reply names, and it holds the sampled prints (counts 16, 32) and the last one
+    assert len(sent) == 1 and reply["metrics"] == (sent[0]["pid"], sent[0]["seq"])
+    fps = sent[0]["fp"]
+    assert [(e["n"], e.get("end", False)) for e in fps] == [(16, False), (32, False), (40, True)]
+    assert fps[-1]["step"] == 40  # after log(39): the step in progress
+    # the parameters are let go at the cell's end: a cell that steps nothing takes none
+    from hvdnb.rank import engine
+    from hvdnb.rank.metrics import fingerprint
+    from hvdnb.torch import listeners
+
+    assert all(m.named is None for m in fingerprint._MODELS.values())
+    assert fingerprint.at_cell_end() == 0
+    # a cell whose steps log nothing (no new rows, the last message just sent): its last
+    # print still goes out before the reply
+    rec = recmod.current()
+    listeners.add_step_listener(fingerprint.on_step)
+    try:
+        reply = engine.run_cell("for _ in range(5): listeners.after_step(opt, None)", 10)
+    finally:
+        listeners.remove_step_listener(fingerprint.on_step)
+    last = rec.channel.sent[-1][1]
+    assert reply["metrics"] == (last["pid"], last["seq"]) == (sent[0]["pid"], sent[0]["seq"] + 1)
+    assert [(e["n"], e.get("end")) for e in last["fp"]] == [(45, True)]
+
+
+def test_a_failed_cell_takes_no_last_fingerprint(monkeypatch):
+    # a rank may have stopped inside a step (an interrupt, a peer gone): no last print
+    reply, sent = _cell_on_a_rank(monkeypatch, 0, fail=True)
+    assert reply["ename"] == "ValueError"
+    fps = [e for p in sent for e in p.get("fp", [])]
+    assert [(e["n"], e.get("end", False)) for e in fps] == [(16, False), (32, False)]
+    from hvdnb.rank.metrics import fingerprint
+
+    assert all(m.named is None for m in fingerprint._MODELS.values())  # let go all the same
+
+
+def test_drift_after_the_last_sampled_step_is_named_by_the_cells_end(monkeypatch):
+    msgs = {r: _cell_on_a_rank(monkeypatch, r, nudge=r == 1)[1] for r in (0, 1)}
+    st = MetricsStore()
+    st._channel = ClientCh()
+    st.begin_cell(9)
+    for r in (0, 1):
+        for p in msgs[r]:
+            st.ingest({**p, "kind": "metrics", "rank": r})
+    assert st.drift_checks == 3  # counts 16 and 32, and the cell's end
+    (line,) = st.take_lines(final=True)
+    assert line.startswith(
+        "hvdnb drift watcher: parameter bias differs between rank 0 and rank 1; it began "
+        "between step 31 (last matching check) and step 40"
+    ), line
+    # one rank: nothing to compare, no alarm, no error
+    one = MetricsStore()
+    one._channel = ClientCh()
+    one._channel.ranks = [0]
+    one.begin_cell(9)
+    for p in msgs[1]:
+        one.ingest({**p, "kind": "metrics", "rank": 0})
+    assert one.drift_checks == 0 and one.take_lines(final=True) == []

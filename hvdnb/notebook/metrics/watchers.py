@@ -16,7 +16,9 @@ checks on the new columns; nothing runs on the ranks but the drift fingerprints)
 - **drift**: the ranks' parameter fingerprints (``hvdnb.rank.metrics.fingerprint``) at the
   same optimizer step compared; the first parameter that differs beyond ``drift_rtol`` x its
   scale, the ranks, and the steps between the last check that matched and the first that
-  did not, once per model in a run (``DriftWatch``).
+  did not, once per model in a run (``DriftWatch``). A cell's last fingerprint (``end``,
+  after its last step's update) is compared with the other ranks' last ones only, and
+  comes after the sampled fingerprint of the same count.
 
 Owns: ``WatchSettings`` (each watcher's action, ``warn`` / ``stop`` / ``off``, and the
 thresholds, with their validation and the text form ``%dist watch`` reads), the three
@@ -318,7 +320,7 @@ class DriftWatch:
         self.s = settings
         self.names: dict[str, list[str]] = {}
         self.pending: dict[str, dict[int, dict[int, tuple[int, Any, Any]]]] = {}
-        self.last_n: dict[str, dict[int, int]] = {}  # key -> rank -> its newest count
+        self.last_n: dict[str, dict[int, int]] = {}  # key -> rank -> its newest slot (add)
         self.last_match: dict[str, tuple[int, int]] = {}  # key -> (count, step)
         self.done: set[str] = set()  # models reported (once per run)
         self.compared = 0
@@ -336,6 +338,9 @@ class DriftWatch:
         oldest ``KEEP`` still waiting (a rank that never sends)."""
         try:
             key, n, step = str(entry["key"]), int(entry["n"]), int(entry["step"])
+            # the slot: a cell's last fingerprint (taken after the step's update, where a
+            # DDP model's sampled one is taken before it) after count n's own, before n + 1
+            n = 2 * n + (1 if entry.get("end") else 0)
             sums = np.asarray(entry["sums"], dtype=np.float64)
             scale = np.asarray(entry["scale"], dtype=np.float64)
         except (KeyError, TypeError, ValueError):
@@ -366,9 +371,10 @@ class DriftWatch:
         return found
 
     def _compare(
-        self, key: str, n: int, group: dict[int, tuple[int, Any, Any]]
+        self, key: str, slot: int, group: dict[int, tuple[int, Any, Any]]
     ) -> dict[str, Any] | None:
         self.compared += 1
+        n = slot >> 1  # the optimizer's step count (see ``add``)
         rtol = self.s.drift_rtol
         classes: list[list[int]] = []
         for r in sorted(group):

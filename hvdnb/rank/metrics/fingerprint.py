@@ -22,7 +22,17 @@ step time and fingerprint cost; the first ``k`` is 16. Ranks whose ``k`` differ 
 timings round to different powers of two) still share every step of the larger ``k``'s
 grid, and the notebook compares the steps both sent.
 
-Owns: ``install`` (the step listener), ``on_step``, the sampling and the fingerprint.
+A cell's last fingerprint: when a ``%%distributed`` cell ends without an error, the engine
+calls ``at_cell_end``, which fingerprints each model that stepped in the cell once more, at
+its last step count (the same on every rank in an SPMD loop), marked ``end``: a short loop
+whose grid holds no step after the drift is still judged, since the recorder sends the cell's
+last message before the cell's reply. It is after the last optimizer update (a DDP model's
+sampled fingerprints are taken before it), so the notebook compares it only with other
+ranks' ``end`` fingerprints of that count. One fingerprint per model and cell (~90-150 us for
+notebook 03's or the benchmark's model on CPU).
+
+Owns: ``install`` (the step listener), ``on_step``, ``at_cell_end``, the sampling and the
+fingerprint.
 Never: issue a collective, wait for a device in the step (a GPU fingerprint is read at the
 pack, by the flusher thread), or raise into training (a model whose fingerprint fails is
 skipped, once said).
@@ -42,7 +52,7 @@ from hvdnb.config import get_config
 from hvdnb.rank.metrics.comm import on_torch
 from hvdnb.rank.metrics.recorder import cell_no, current
 
-__all__ = ["BUDGET", "FIRST_EVERY", "install", "on_step"]
+__all__ = ["BUDGET", "FIRST_EVERY", "at_cell_end", "install", "on_step"]
 
 #: fingerprints take at most this share of the training time (the sampling grid widens)
 BUDGET = 0.001
@@ -61,7 +71,18 @@ def _pow2(x: float) -> int:
 class _Model:
     """One model's sampling state on this rank."""
 
-    __slots__ = ("every", "key", "n_last", "names", "p0", "roots", "sent_cell", "t_last")
+    __slots__ = (
+        "count",
+        "every",
+        "key",
+        "n_last",
+        "named",
+        "names",
+        "p0",
+        "roots",
+        "sent_cell",
+        "t_last",
+    )
 
     roots: Any  # sqrt of each parameter's size: a list, or a tensor on the parameters' device
 
@@ -74,6 +95,10 @@ class _Model:
         self.n_last = -1
         self.t_last = 0.0
         self.sent_cell: int | None = -1
+        self.count = 0  # the last step count seen
+        #: the parameters while the cell that steps them runs (None after its end: a model
+        #: of an earlier cell is not kept alive here)
+        self.named: Sequence[tuple[str, Any]] | None = None
 
 
 _MODELS: dict[int, _Model] = {}  # id of the (name, parameter) tuple -> its state
@@ -99,29 +124,49 @@ def on_step(count: int, named: Sequence[tuple[str, Any]]) -> None:
         if not named:
             return
         m = _model(named)
+    m.count = count
+    m.named = named  # for the cell's last fingerprint (at_cell_end)
     if count % m.every:
         return
     if m.p0() is not named[0][1]:  # another model now holds this id: start afresh
         m = _model(named)
+        m.count, m.named = count, named
         if count % m.every:
             return
     _sample(m, count, named)
 
 
 def _sample(m: _Model, count: int, named: Sequence[tuple[str, Any]]) -> None:
+    t = _take(m, count, named, end=False)
+    if t is None:
+        return
+    t0, t1 = t
+    if m.n_last >= 0 and count > m.n_last:
+        interval = get_config().drift_interval
+        per = max(1e-7, (t0 - m.t_last) / (count - m.n_last))  # seconds per step
+        want = max(interval / per, (t1 - t0) / (BUDGET * per))
+        m.every = min(EVERY_MAX, _pow2(want))
+    m.n_last, m.t_last = count, t1
+
+
+def _take(
+    m: _Model, count: int, named: Sequence[tuple[str, Any]], end: bool
+) -> tuple[float, float] | None:
+    """Fingerprint ``named`` at step count ``count`` and queue it for the next message;
+    (start, end) of the fingerprint on the clock, or None when none was taken (no recorder,
+    recording off, fingerprints off or failing)."""
     rec = current()
-    if rec is None or not rec.enabled:
-        return
-    interval = get_config().drift_interval
-    if interval <= 0:
-        return
+    if rec is None or not rec.enabled or m.every == _NEVER:
+        return None
+    if get_config().drift_interval <= 0:
+        return None
     t0 = time.perf_counter()
     try:
         sums, scale, on_device = _fingerprint(m, [p for _, p in named])
     except Exception as exc:
         m.every = _NEVER
         print(f"hvdnb: no drift fingerprints for model {m.key}: {exc!r}", file=sys.stderr)
-        return
+        return None
     t1 = time.perf_counter()
     entry: dict[str, Any] = {
         "key": m.key,
@@ -130,16 +175,35 @@ def _sample(m: _Model, count: int, named: Sequence[tuple[str, Any]]) -> None:
         "sums": sums,
         "scale": scale,
     }
+    if end:
+        entry["end"] = True
     cell = cell_no()
     if m.sent_cell != cell:  # names once per model and cell
         entry["names"] = m.names
         m.sent_cell = cell
     rec.add_fingerprint(entry, on_device)
-    if m.n_last >= 0 and count > m.n_last:
-        per = max(1e-7, (t0 - m.t_last) / (count - m.n_last))  # seconds per step
-        want = max(interval / per, (t1 - t0) / (BUDGET * per))
-        m.every = min(EVERY_MAX, _pow2(want))
-    m.n_last, m.t_last = count, t1
+    return t0, t1
+
+
+def at_cell_end(take: bool = True) -> int:
+    """A cell ended (the engine, before the cell's last metrics message): fingerprint each
+    model that stepped in it at its last step count, marked ``end`` (``take``: the cell
+    ran to its end; after an error a rank may have stopped inside a step, so none is
+    taken), then let go of the parameters. Returns how many were taken. Never raises."""
+    taken = 0
+    for m in list(_MODELS.values()):
+        named, m.named = m.named, None
+        if named is None or not take:
+            continue
+        try:
+            count = m.count
+            if m.p0() is not named[0][1]:  # another model now holds this id
+                m = _model(named)
+            if _take(m, count, named, end=True) is not None:
+                taken += 1
+        except Exception as exc:  # a watcher must never break the cell's reply
+            print(f"hvdnb: no last drift fingerprint: {exc!r}", file=sys.stderr)
+    return taken
 
 
 def _fingerprint(m: _Model, params: list[Any]) -> tuple[Any, Any, bool]:

@@ -102,6 +102,7 @@ class Flusher(Ring):
             self._w == self._r
             and not self._pend
             and not self._side
+            and not self._fp  # a drift fingerprint (a cell's last one) goes out now
             and self.idle()
             and self.seq
             and time.time() - self._last_sent < 4 * self.flush_interval
