@@ -19,7 +19,7 @@ From Python::
 
 This module is the public surface of both sides. What a rank's training loop calls (``log``,
 ``phase``, ``knobs``, ``State``, ``ddp_comm_hook``, ``keras_callback``,
-``TrainingStopped``) is imported at once; what only the notebook kernel uses (``Cluster``,
+``TrainingStopped``, ``require_ranks``) is imported at once; what only the notebook kernel uses (``Cluster``,
 ``run_cell``, ``set_knobs``, ``watch``, the magics) is imported on first use, so
 ``import hvdnb`` on a rank never loads the notebook side.
 """
@@ -35,6 +35,7 @@ from hvdnb.rank.keras import keras_callback  # imports keras only when called
 from hvdnb.rank.metrics.ddp import ddp_comm_hook
 from hvdnb.rank.metrics.knobs import knobs
 from hvdnb.rank.metrics.recorder import TrainingStopped, log, phase
+from hvdnb.rank.require import NotEnoughRanks, require_ranks
 from hvdnb.rank.state import State
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ __all__ = [
     "ClusterError",
     "Config",
     "DistributedCellError",
+    "NotEnoughRanks",
     "State",
     "TrainingStopped",
     "current",
@@ -62,6 +64,7 @@ __all__ = [
     "log",
     "metrics",
     "phase",
+    "require_ranks",
     "run_cell",
     "set_knobs",
     "unload_ipython_extension",
@@ -95,16 +98,21 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``."""
+    """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``, and name the install
+    command under a cell's "No module named ..." for hvdnb's optional dependencies."""
+    from hvdnb.notebook import importhint
     from hvdnb.notebook.magics import DistMagics
 
     ipython.register_magics(DistMagics)
+    importhint.install(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext hvdnb``: stop the running cluster so nothing is left behind."""
+    from hvdnb.notebook import importhint
     from hvdnb.notebook.cluster.lifecycle import current
 
+    importhint.uninstall(ipython)
     c = current()
     if c is not None:
         c.stop()
