@@ -52,6 +52,42 @@ done
 (cd "$HERE" && step 300 "pytest -m gpu" env PYTHONPATH="$HERE" "$PY" -m pytest -q -p no:cacheprovider \
   -m gpu tests/gpu tests/unit/test_nvtx.py -o addopts="-ra" -s)
 
+# every notebook where users stand on a one-GPU node: 1 rank (NCCL, the default there) and
+# 2 ranks sharing the GPU (gloo); a table of notebook x ranks -> exit code and seconds
+for n in 1 2; do
+  for nb in "$HERE"/notebooks/[0-9][0-9]-*.ipynb; do
+    name=$(basename "$nb" .ipynb)
+    t0=$(date +%s)
+    (cd "$HERE" && PATH="$(dirname "$PY"):$PATH" timeout -k 5 240 "$PY" -m hvdnb.notebook.cli run "$nb" \
+      -n "$n" $([ "$n" -gt 1 ] && echo --oversubscribe) -o "$OUT/$name-$n.ipynb" >"$OUT/$name-$n.log" 2>&1)
+    rc=$?
+    echo "notebook $name at $n rank(s): exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/notebooks.txt"
+    [ $rc = 0 ] || tail -n 5 "$OUT/$name-$n.log"
+  done
+done
+
+# a cell that trains on the GPU, in the real kernel (started from the kernelspec, driven over
+# jupyter_client as JupyterLab does), with %%px on the same engines as the anchor
+(cd "$HERE" && step 180 "real kernel trains on the GPU" env PYTHONPATH="$HERE" "$PY" - <<'PYEOF'
+import time
+from hvdnb.notebook.runner import Kernel
+with Kernel({"HVDNB_PANEL": "inline"}) as k:
+    print(k.run("%load_ext hvdnb\n%dist start -n 1").text.strip().splitlines()[0])
+    cell = ("%%distributed\nimport torch, hvdnb, hvdnb.torch as hvd\nhvd.init()\n"
+            "m = torch.nn.Linear(512, 512).cuda()\n"
+            "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters())\n"
+            "for s in range(300):\n    loss = m(torch.randn(64, 512, device='cuda')).pow(2).mean()\n"
+            "    opt.zero_grad(); loss.backward(); opt.step(); hvdnb.log(s, loss)\n"
+            "print('trained on', next(m.parameters()).device, 'loss', round(loss.item(), 4))")
+    r = k.run(cell)
+    print(f"train cell {r.seconds:.2f} s: {r.text.strip()} error={r.error}")
+    for code in ("%%distributed\npass", "%%px\npass"):
+        times = [k.run(code).seconds for _ in range(5)]
+        print(f"{code.splitlines()[0]} no-op: median {1e3 * sorted(times)[2]:.1f} ms")
+    k.run("%dist stop")
+PYEOF
+)
+
 for n in ${NS:-4 8 16}; do  # CPU ranks on this machine's cores, small sizes (no GPU: gloo + MPI)
   for tree in $(trees | cut -d' ' -f1-2); do
     tag=$([ "$tree" = "$HERE" ] && echo after || echo before)
