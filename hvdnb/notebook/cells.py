@@ -129,7 +129,10 @@ class DistributedCellError(RuntimeError):
         return sorted(self.result.errors)
 
     def _render_traceback_(self) -> list[str]:
-        """IPython shows this instead of a client-side traceback (which would be noise)."""
+        """IPython shows this instead of a client-side traceback (which would be noise).
+        A ModuleNotFoundError for an optional dependency gets the line that installs it."""
+        from hvdnb.extras import hint_for_error
+
         lines: list[str] = []
         groups = _group_errors(self.result.errors)
         primary = [g for g in groups if not g["consequence"] and not g["interrupted"]]
@@ -153,6 +156,9 @@ class DistributedCellError(RuntimeError):
                 lines.extend(g["traceback"].rstrip("\n").splitlines())
             else:
                 lines.append(f"{g['ename']}: {g['evalue']}")
+            tip = hint_for_error(g["ename"], g["evalue"])  # a missing optional module
+            if tip:
+                lines.append(tip)
         if self.note:
             lines.append(self.note)
         return lines

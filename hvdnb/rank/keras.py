@@ -23,6 +23,7 @@ import functools
 import os
 from typing import Any
 
+from hvdnb import extras
 from hvdnb.rank.metrics import recorder
 
 __all__ = ["keras_callback"]
@@ -40,13 +41,7 @@ def _keras_callback_base() -> Any:
             return tf_keras.callbacks.Callback
         except ImportError:
             pass
-    try:
-        import keras
-    except ImportError as exc:
-        raise ImportError(
-            "hvdnb.keras_callback needs Keras: pip install 'hvdnb[tf]' (tensorflow-cpu), "
-            "or bring your own TensorFlow"
-        ) from exc
+    keras = extras.require("keras", "hvdnb.keras_callback")  # names the install command
     return keras.callbacks.Callback
 
 

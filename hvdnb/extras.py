@@ -1,0 +1,113 @@
+"""Optional dependencies: which extra of ``pyproject.toml`` installs each, in one table.
+
+hvdnb imports these lazily (TensorFlow, Keras, NVML, the test tools); a notebook's cells
+import them too (notebook 08: TensorFlow, scikit-learn). When one is missing, the error
+names the command that installs it: hvdnb's own imports (``require``), a ``%%distributed``
+cell's error (``hvdnb.notebook.cells.DistributedCellError``) and an ordinary cell of the
+notebook kernel (``hvdnb.notebook.importhint``) read this table.
+
+Owns: ``OPTIONAL`` and the hint text. Never: import an optional module at import time, or
+hide a missing module an optional *probe* may do without (NVML: a missing reading shows
+"n/a"; see ``hvdnb.host`` and ``hvdnb.rank.metrics.memory``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Final
+
+__all__ = ["OPTIONAL", "OptionalModule", "hint", "hint_for_error", "install_command", "require"]
+
+
+@dataclass(frozen=True)
+class OptionalModule:
+    """One optional module.
+
+    Parameters
+    ----------
+    extra : the ``hvdnb[...]`` extra that installs it
+    package : its distribution on PyPI, when the extra lists it (None: it comes with one
+        the extra lists, as keras with tensorflow-cpu)
+    more : distributions to install beside the extra (not in it)
+    what : what it is for, for the message
+    """
+
+    extra: str
+    package: str | None
+    more: tuple[str, ...] = ()
+    what: str = ""
+
+    @property
+    def command(self) -> str:
+        return " ".join(["pip install", f"'hvdnb[{self.extra}]'", *self.more])
+
+
+#: top-level import name -> what installs it
+OPTIONAL: Final[dict[str, OptionalModule]] = {
+    "tensorflow": OptionalModule("tf", "tensorflow-cpu", what="TensorFlow, CPU build"),
+    "keras": OptionalModule("tf", None, what="Keras, installed with tensorflow-cpu"),
+    "tf_keras": OptionalModule("tf", None, ("tf-keras",), "Keras 2 for TF_USE_LEGACY_KERAS=1"),
+    "pynvml": OptionalModule("gpu", "nvidia-ml-py", what="NVML: GPU memory and utilisation"),
+    "sklearn": OptionalModule("test", "scikit-learn", what="scikit-learn"),
+    "playwright": OptionalModule("test", "playwright", what="browser tests"),
+    "pytest": OptionalModule("test", "pytest", what="the test suite"),
+    "pytest_timeout": OptionalModule("test", "pytest-timeout", what="the test suite"),
+}
+
+_NO_MODULE = re.compile(r"No module named '([^']+)'")
+
+
+def _entry(module: str) -> tuple[str, OptionalModule] | None:
+    top = module.split(".", 1)[0]
+    opt = OPTIONAL.get(top)
+    return None if opt is None else (top, opt)
+
+
+def install_command(module: str) -> str | None:
+    """The command that installs ``module`` (a dotted name counts by its top level), or
+    None when it is not an optional dependency of hvdnb."""
+    e = _entry(module)
+    return None if e is None else e[1].command
+
+
+def hint(module: str) -> str | None:
+    """The line to add to a "No module named ..." error for ``module``, or None."""
+    e = _entry(module)
+    if e is None:
+        return None
+    top, opt = e
+    gpu = "; on a GPU node install your own TensorFlow" if opt.extra == "tf" else ""
+    return f"hvdnb: {top} ({opt.what}) is optional; install it with: {opt.command}{gpu}"
+
+
+def hint_for_error(ename: str, evalue: str) -> str | None:
+    """``hint`` for an error shown as text (a rank's ``ename`` and ``evalue``): a
+    ModuleNotFoundError (or ImportError) naming a module of the table; else None."""
+    if ename not in ("ModuleNotFoundError", "ImportError"):
+        return None
+    m = _NO_MODULE.search(evalue or "")
+    return hint(m.group(1)) if m else None
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Import ``module`` for ``feature``, or raise ``ModuleNotFoundError`` naming the
+    install command (the table must list ``module``).
+
+    Examples
+    --------
+    >>> keras = require("keras", "hvdnb.keras_callback")            # doctest: +SKIP
+    ModuleNotFoundError: hvdnb.keras_callback needs keras ...: pip install 'hvdnb[tf]'
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module
+        cmd = install_command(missing) or install_command(module)
+        if cmd is None:
+            raise
+        raise ModuleNotFoundError(
+            f"{feature} needs {missing}, which is not installed: {cmd}", name=missing
+        ) from exc
