@@ -36,18 +36,32 @@ changes = [(s, w) for (s, w), (_, w0) in zip(seen[1:], seen) if w != w0]
 """
 
 
-def test_points_arrive_while_the_cell_runs(dist2):
+def test_points_arrive_while_the_cell_runs(dist2, tmp_path):
     store = attach(dist2)
     store.clear()
     during: list[int] = []
+    flag = tmp_path / "arrived"
 
     def hook(final: bool) -> None:
         if not final:
             during.append(store.points)
+            if store.points:
+                flag.touch()
 
+    # after its loop the cell waits (up to 60 s) until the notebook has points: they arrive
+    # while it runs by construction, not because the loop outlasted a message's trip
+    wait = (
+        "import os\n_end = time.monotonic() + 60\n"
+        f"while not os.path.exists({str(flag)!r}) and time.monotonic() < _end:\n"
+        "    time.sleep(0.01)\n"
+    )
+    code = TRAIN.replace("__STEPS__", "150").replace(
+        "hvdnb.metrics.get_recorder().flush()\n", wait + "hvdnb.metrics.get_recorder().flush()\n"
+    )
+    assert wait in code
     cells.add_wait_hook(hook)
     try:
-        cells.run_cell(dist2, TRAIN.replace("__STEPS__", "150"), quiet=True)
+        cells.run_cell(dist2, code, quiet=True)
     finally:
         cells.remove_wait_hook(hook)
     assert max(during) > 0, "no point reached the notebook before the cell ended"
