@@ -38,6 +38,9 @@ class Config:
     collective_timeout: float = 300.0
     #: how often a waiting %%distributed cell prints new output (seconds)
     output_interval: float = 0.05
+    #: a ``%%distributed`` cell without ``--timeout`` interrupts its ranks after this many
+    #: seconds (0: never); ``hvdnb run --timeout`` sets it, so a hung cell ends with a report
+    cell_timeout: float = 0.0
     #: a cell running this long gets its ranks' positions checked for a stall (0: never)
     stall_after: float = 5.0
     #: a cell's output shown in the notebook stops at this many MB (a browser tab slows

@@ -316,6 +316,8 @@ def run_cell(
         if any rank raised (or was interrupted); the message names the ranks.
     """
     cfg = get_config()
+    if timeout is None and cfg.cell_timeout > 0:  # hvdnb run --timeout (HVDNB_CELL_TIMEOUT)
+        timeout = cfg.cell_timeout
     # from here on a Ctrl-C is remembered even where Python drops its KeyboardInterrupt (a
     # __del__ run by the garbage collector while the cell is being submitted): the wait
     # loop below acts on it, so the stop button never leaves the ranks running unwatched

@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     except NotebookRunError as exc:
         print(f"hvdnb run: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except FileNotFoundError as exc:
         print(f"hvdnb run: {exc}", file=sys.stderr)
         return 2
@@ -135,11 +135,27 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--user", action="store_true", help="for this user, not this environment")
     k.add_argument("--prefix", default=None)
     k.set_defaults(func=_install_kernel)
-    r = sub.add_parser("run", help="execute a notebook headless on N ranks")
+    r = sub.add_parser(
+        "run",
+        help="execute a notebook headless on N ranks",
+        description="Execute a notebook headless on N ranks and save the executed copy "
+        "(also when a cell fails, times out or a signal stops the run).",
+        epilog="exit status: 0 every cell ran; 1 a cell raised; 2 bad input; 124 a cell ran "
+        "past --timeout (its ranks were interrupted, the stall report is in the saved "
+        "notebook); 143 / 130 stopped by SIGTERM / SIGINT. Every way out stops the kernel "
+        "and its cluster.",
+    )
     r.add_argument("notebook", type=Path)
     r.add_argument("-n", type=int, default=None, help="ranks for %%dist start (default 2)")
     r.add_argument("-o", "--output", type=Path, default=None, help="where to save it")
-    r.add_argument("--timeout", type=float, default=600, help="seconds per cell")
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds per cell (default 600): a %%%%distributed cell still running then is "
+        "interrupted with a report of where each rank was; one that does not end within 4 s "
+        "more gets the kernel and cluster stopped; exit 124",
+    )
     r.add_argument(
         "--oversubscribe",
         action="store_true",

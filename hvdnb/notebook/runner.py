@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,9 +21,20 @@ from typing import Any
 
 __all__ = ["Kernel", "NotebookRunError", "run_notebook"]
 
+#: exit status of ``hvdnb run`` when a cell ran past ``--timeout`` (as coreutils' timeout)
+TIMEOUT_EXIT = 124
+#: seconds a timed-out ``%%distributed`` cell gets to end itself (interrupt its ranks, print
+#: why) before the runner stops the kernel and its cluster: the run ends by S + this + ~3 s
+_GRACE = 4.0
+
 
 class NotebookRunError(RuntimeError):
-    """A cell of the notebook raised; the message names the cell and the error."""
+    """A cell of the notebook raised, ran past its timeout, or the run was stopped by a
+    signal; the message says which, ``exit_code`` is what ``hvdnb run`` exits with."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def run_notebook(
@@ -37,11 +49,25 @@ def run_notebook(
     ``oversubscribe`` lets ``%dist start`` put more ranks on the host than it has GPUs (or
     cores): e.g. a 2-rank notebook on a 1-GPU machine (the ranks share it over gloo).
 
+    ``timeout`` (seconds per cell) also reaches the kernel: a ``%%distributed`` cell without
+    its own ``--timeout`` interrupts its ranks after it and says where each rank was (the
+    stall report, due after at most half of it). A cell still running ``_GRACE`` s later
+    (ranks blocked in C ignore the interrupt) gets the kernel and its cluster stopped.
+    SIGTERM and SIGINT stop them too. Every way out saves the notebook with the output so
+    far and leaves no process behind.
+
     Returns the path of the executed notebook (default: ``<name>.out.ipynb`` beside it).
+
+    Raises
+    ------
+    NotebookRunError
+        a cell raised (``exit_code`` 1), timed out (124), or a signal stopped the run
+        (128 + the signal: 143 for SIGTERM, 130 for SIGINT).
     """
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    from hvdnb.config import get_config
 
     path = Path(path)
     if not path.exists():
@@ -51,28 +77,200 @@ def run_notebook(
     env = {"HVDNB_RANKS": str(n)} if n is not None else {}
     if oversubscribe:
         env["HVDNB_OVERSUBSCRIBE"] = "1"
+    if timeout and timeout > 0:
+        env["HVDNB_CELL_TIMEOUT"] = f"{timeout:g}"
+        stall = get_config().stall_after
+        if stall > 0:  # the stall report must come before the timeout ends the cell
+            env["HVDNB_STALL_AFTER"] = f"{min(stall, max(timeout / 2, 0.5)):g}"
+    tree = _ProcessTree()
+    error: NotebookRunError | None = None
     with tempfile.TemporaryDirectory() as td:
-        km = _kernel_manager(td, env)
-        client = NotebookClient(
-            nb,
-            km=km,
-            timeout=timeout,
-            resources={"metadata": {"path": str(path.parent.resolve())}},
-        )
+        client = _client(nb, _kernel_manager(td, env, run=True), timeout, path, tree)
         try:
             client.execute()
+        except CellTimeoutError:
+            error = NotebookRunError(
+                f"{path.name}: a cell ran past --timeout {timeout:g} s and did not end when "
+                "interrupted; the kernel and its cluster were stopped",
+                TIMEOUT_EXIT,
+            )
         except CellExecutionError as exc:
+            timed_out = f"cell timed out after {timeout:g} s" in str(exc)
+            error = NotebookRunError(f"{path.name}: {exc}", TIMEOUT_EXIT if timed_out else 1)
+        except BaseException as exc:  # a signal cancels the run (asyncio.CancelledError)
+            if client.stopped_by is None:
+                raise
+            name = signal.Signals(client.stopped_by).name
+            error = NotebookRunError(
+                f"{path.name}: stopped by {name}; the kernel and its cluster were stopped",
+                128 + client.stopped_by,
+            )
+            del exc
+        finally:
+            tree.stop()
+            if error is not None and error.exit_code != 1:
+                client.note(str(error).split(": ", 1)[-1])
             nbformat.write(nb, out)
-            raise NotebookRunError(f"{path.name}: {exc}") from None
-    nbformat.write(nb, out)
+    if error is not None:
+        raise error
     return out
 
 
-def _kernel_manager(td: str, env: dict[str, str]) -> Any:
+def _client(nb: Any, km: Any, timeout: float, path: Path, tree: _ProcessTree) -> Any:
+    """An nbclient ``NotebookClient`` that stops the kernel's whole process tree (the
+    cluster's controller, mpiexec and engines live in sessions of their own) when a cell
+    times out or a signal comes, and can write a note under the running cell."""
+    import asyncio
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    class Client(NotebookClient):
+        stopped_by: int | None = None
+        cell: Any = None
+
+        def note(self, text: str) -> None:
+            if self.cell is not None:
+                self.cell.outputs.append(
+                    nbformat.v4.new_output("stream", name="stderr", text=f"hvdnb run: {text}\n")
+                )
+
+        async def _async_handle_timeout(self, timeout: int, cell: Any = None) -> Any:
+            self.shutdown_kernel = "immediate"
+            return await super()._async_handle_timeout(timeout, cell)
+
+        async def _async_cleanup_kernel(self) -> None:
+            pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+            if self.shutdown_kernel == "immediate" and pid:
+                _pause(int(pid))  # it must start nothing between this look and its end
+            tree.sample()
+            await super()._async_cleanup_kernel()
+            tree.reap()
+
+    def on_start(**_: Any) -> None:
+        # replace nbclient's own handlers, which only schedule a cleanup and let the cell
+        # wait on (a blocked cell never ends, so neither did the run)
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_signal(signum: int) -> None:
+            if client.stopped_by is None:
+                client.stopped_by = signum
+                client.shutdown_kernel = "immediate"
+                if task is not None:
+                    task.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, on_signal, sig)
+            except (RuntimeError, ValueError):  # not the main thread: no signals to take
+                pass
+        tree.start(getattr(getattr(client.km, "provisioner", None), "pid", None))
+
+    def on_cell(cell: Any, **_: Any) -> None:
+        client.cell = cell
+
+    client = Client(
+        nb,
+        km=km,
+        timeout=timeout + _GRACE if timeout and timeout > 0 else None,
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+        on_notebook_start=on_start,
+        on_cell_execute=on_cell,
+    )
+    return client
+
+
+def _pause(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except OSError:
+        pass
+
+
+class _ProcessTree:
+    """Every process the kernel started (looked at twice a second from a thread, and once
+    more before the kernel is stopped), so that all of them can be ended afterwards: an
+    engine whose mpiexec died no longer descends from the kernel."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.procs: dict[int, Any] = {}
+        self.root: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hvdnb-run-tree", daemon=True)
+
+    def start(self, kernel_pid: int | None) -> None:
+        self.root = kernel_pid
+        if kernel_pid and not self._thread.is_alive():
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._done.wait(0.5):
+            self.sample()
+
+    def sample(self) -> None:
+        import psutil
+
+        if self.root is None:
+            return
+        try:
+            root = psutil.Process(self.root)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for p in procs:
+            self.procs.setdefault(p.pid, p)
+
+    def reap(self, wait: float = 1.5) -> None:
+        """End what is still running: SIGTERM, SIGKILL after ``wait`` s. The cluster's
+        watchdog goes last (it removes the cluster's files once the rest is gone)."""
+        import psutil
+
+        def alive(procs: list[Any]) -> list[Any]:
+            return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        try:
+            procs = alive(list(self.procs.values()))
+        except psutil.Error:
+            procs = []
+        watchdogs = [p for p in procs if _is_watchdog(p)]
+        for group in ([p for p in procs if p not in watchdogs], watchdogs):
+            if group is watchdogs:
+                psutil.wait_procs(group, timeout=wait)
+            for p in group:
+                try:
+                    p.terminate()
+                except psutil.Error:
+                    pass
+            _, left = psutil.wait_procs(group, timeout=wait)
+            for p in left:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(left, timeout=wait)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.sample()
+        self.reap()
+
+
+def _is_watchdog(p: Any) -> bool:
+    try:
+        return "hvdnb.notebook.cluster.watchdog" in " ".join(p.cmdline())
+    except Exception:
+        return False
+
+
+def _kernel_manager(td: str, env: dict[str, str], run: bool = False) -> Any:
     """A KernelManager for a "Python 3 (hvdnb)" kernelspec written under ``td`` for this
-    Python, with ``env`` added to the kernel's environment."""
+    Python, with ``env`` added to the kernel's environment. ``run``: the asyncio one that
+    nbclient needs (with the blocking one, nbclient's waits block its event loop, and its
+    per-cell timeout never fires while a cell hangs)."""
     from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager, KernelManager
 
     from kernels_ext.kernelspec import KERNEL_NAME, get_kernel_dict
 
@@ -81,7 +279,7 @@ def _kernel_manager(td: str, env: dict[str, str]) -> Any:
     spec = get_kernel_dict()
     spec["env"].update(env)
     (kdir / "kernel.json").write_text(json.dumps(spec))
-    return KernelManager(
+    return (AsyncKernelManager if run else KernelManager)(
         kernel_name=KERNEL_NAME,
         kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kdir.parent)]),
     )

@@ -10,6 +10,14 @@ hvdnb.torch calls, last logged step) changed since the previous look, it prints 
     hvdnb: stalled for 6 s: rank 0 waits in all_reduce at <cell 3> line 4
     (dist.all_reduce(x)); rank 1 is at <cell 3> line 6 (time.sleep(60)), not in a collective
 
+A rank that waits alone is a stall too: in a 1-rank cluster (nothing else can ever send or
+arrive) or on a peer that does not exist (the rank reports the peer of its ``recv``/``send``).
+It is reported once it sat unchanged for two looks::
+
+    hvdnb: stalled for 6 s: rank 0 waits in MPI recv at <cell 2> line 3 (comm.recv()); the
+    cluster has 1 rank: no other rank can ever send to or wait with rank 0 (run it on more
+    ranks: `%dist restart -n 2`)
+
 (Horovod's stall inspector only warns after 60 s.) The last report is kept on
 ``cluster.last_stall`` for the panel.
 
@@ -24,7 +32,7 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 
-__all__ = ["StallWatch", "describe"]
+__all__ = ["StallWatch", "alone_note", "describe", "waits_alone"]
 
 
 def describe(info: dict[str, Any] | None, finished: bool = False) -> str:
@@ -37,8 +45,35 @@ def describe(info: dict[str, Any] | None, finished: bool = False) -> str:
         return "is not running user code"
     place = f"{info['cell']} line {info['line']} ({info.get('code') or '?'})"
     if info.get("collective"):
-        return f"waits in {info['collective']} at {place}"
+        op = str(info["collective"])
+        peer = info.get("peer")
+        if isinstance(peer, int):
+            op += f" {'to' if 'send' in op.lower() else 'from'} rank {peer}"
+        return f"waits in {op} at {place}"
     return f"is at {place}, not in a collective"
+
+
+def waits_alone(info: dict[str, Any] | None, world: int) -> bool:
+    """A rank waiting in an operation that no other rank can ever complete: in a 1-rank
+    world, or on a peer numbered past the world's size."""
+    if not info or not info.get("collective"):
+        return False
+    peer = info.get("peer")
+    return world == 1 or (isinstance(peer, int) and peer >= world)
+
+
+def alone_note(replies: dict[int, dict[str, Any]], world: int) -> str:
+    """Why the ranks that wait alone can never go on, in words ("" when none does)."""
+    alone = sorted(r for r, info in replies.items() if waits_alone(info, world))
+    if not alone:
+        return ""
+    who = ", ".join(f"rank {r}" for r in alone)
+    ranks = f"{world} rank{'s' if world != 1 else ''}"
+    if world == 1:
+        why = f"no other rank can ever send to or wait with {who}"
+    else:
+        why = f"{who} wait{'s' if len(alone) == 1 else ''} on a rank that does not exist"
+    return f"the cluster has {ranks}: {why} (run it on more ranks: `%dist restart -n 2`)"
 
 
 class StallWatch:
@@ -100,8 +135,10 @@ class StallWatch:
             for r in running
         }
         waiting = {r: s[0] for r, s in state.items() if s[0]}
+        world = int(getattr(self.cluster, "n", 0) or len(self.ranks))
+        note = alone_note({r: self.replies.get(r, {}) for r in running}, world)
         stalled = bool(waiting) and (
-            len(waiting) < len(self.ranks) or len(set(waiting.values())) > 1
+            len(waiting) < len(self.ranks) or len(set(waiting.values())) > 1 or bool(note)
         )
         persisted = self.previous is not None and all(
             self.previous.get(r) == s for r, s in state.items()
@@ -112,6 +149,8 @@ class StallWatch:
         parts = []
         for r in self.ranks:
             parts.append(f"rank {r} {describe(self.replies.get(r), finished=r in done)}")
+        if note:
+            parts.append(note)
         text = f"hvdnb: stalled for {now - self.t0:.0f} s: " + "; ".join(parts)
         key = "; ".join(parts)
         self.cluster.last_stall = {
