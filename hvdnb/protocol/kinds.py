@@ -160,7 +160,7 @@ WHERE: Final = Kind(
     "where",
     "rank",
     ("ask",),
-    ("cell", "line", "code", "collective", "progress", "pid", "stack", "idle"),
+    ("cell", "line", "code", "collective", "peer", "progress", "pid", "stack", "idle"),
     doc="a rank's stack",
 )
 PDB_OUT: Final = Kind("pdb_out", "rank", ("text", "waiting"), doc="a rank's debugger output")

@@ -302,7 +302,7 @@ def where() -> dict[str, Any]:
     info.update(cell=user.filename, line=user.lineno, code=(user.line or "").strip())
     first = next(i for i, fr in enumerate(stack) if fr.filename.startswith("<cell "))
     info["stack"] = _frame_lines(stack[first:])
-    for fr in stack[user_i + 1 :]:
+    for i, fr in enumerate(stack[user_i + 1 :], user_i + 1):
         in_collectives = any(k in fr.filename.replace("\\", "/") for k in _COLLECTIVE_FILES)
         if (
             in_collectives
@@ -310,6 +310,9 @@ def where() -> dict[str, Any]:
             and not fr.name.startswith("_")
         ):
             info["collective"] = fr.name
+            for _ in range(len(stack) - 1 - i):  # the frame object of stack[i], for its args
+                frame = frame.f_back if frame is not None else None
+            info["peer"] = _peer(frame, "")
             break
     if info["collective"] is None and len(stack) == user_i + 1:
         # mpi4py's calls are C: the user's own line is the innermost Python frame
@@ -317,8 +320,22 @@ def where() -> dict[str, Any]:
         for name in _MPI_CALLS:
             if f".{name}(" in code:
                 info["collective"] = f"MPI {name}"
+                info["peer"] = _peer(None, code)
                 break
     return info
+
+
+def _peer(frame: Any, code: str) -> int | None:
+    """The peer rank of a point-to-point call (torch's ``src``/``dst`` argument, mpi4py's
+    ``source=``/``dest=`` in the line), for the stall report; None when it has none."""
+    import re
+
+    loc = getattr(frame, "f_locals", None) or {}
+    for key in ("src", "dst", "group_src", "group_dst"):
+        if isinstance(loc.get(key), int):
+            return int(loc[key])
+    m = re.search(r"\b(?:source|dest)\s*=\s*(\d+)", code)
+    return int(m[1]) if m else None
 
 
 def _frame_lines(frames: Any) -> list[str]:
