@@ -18,8 +18,8 @@ From Python::
 ``hvdnb.torch`` speaks Horovod's torch API (``import hvdnb.torch as hvd``).
 
 This module is the public surface of both sides. What a rank's training loop calls (``log``,
-``phase``, ``knobs``, ``State``, ``ddp_comm_hook``, ``keras_callback``,
-``TrainingStopped``, ``require_ranks``) is imported at once; what only the notebook kernel uses (``Cluster``,
+``phase``, ``knobs``, ``State``, ``ddp_comm_hook``, ``keras_callback``, ``TrainingStopped``,
+``require_ranks``) is imported at once; what only the notebook kernel uses (``Cluster``,
 ``run_cell``, ``set_knobs``, ``watch``, the magics) is imported on first use, so
 ``import hvdnb`` on a rank never loads the notebook side.
 """
