@@ -6,10 +6,11 @@ Every ``import`` counts, wherever it stands: at module level, inside a function,
 ``from pkg import name`` (a name defined in ``pkg/__init__.py``) is an edge to ``pkg``.
 
 Sides: ``hvdnb.notebook.*`` and ``kernels_ext.kernelspec`` / ``kernels_ext.autoload`` run in
-the notebook kernel; ``hvdnb.rank.*``, ``hvdnb.torch.*`` and ``kernels_ext.engine`` run on
-ranks; ``hvdnb.protocol.*`` and ``hvdnb.config`` are shared. The facades ``hvdnb`` and
-``hvdnb.metrics`` are the public surface of both sides: they may import either, and nothing
-under a side may import them (that would close a circle through the facade).
+the notebook kernel; ``hvdnb.rank.*``, ``hvdnb.torch.*``, ``hvdnb.tensorflow.*`` and
+``kernels_ext.engine`` run on ranks; ``hvdnb.protocol.*`` and ``hvdnb.config`` are shared.
+The facades ``hvdnb`` and ``hvdnb.metrics`` are the public surface of both sides: they may
+import either, and nothing under a side may import them (that would close a circle through
+the facade).
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ def side(mod: str) -> str:
         "kernels_ext.autoload",
     ):
         return "notebook"
-    if mod.startswith(("hvdnb.rank", "hvdnb.torch")) or mod == "kernels_ext.engine":
+    if (
+        mod.startswith(("hvdnb.rank", "hvdnb.torch", "hvdnb.tensorflow"))
+        or mod == "kernels_ext.engine"
+    ):
         return "rank"
     return "shared"  # hvdnb.protocol.*, hvdnb.config, kernels_ext
 
