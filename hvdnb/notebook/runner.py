@@ -227,13 +227,13 @@ class _ProcessTree:
         watchdog goes last (it removes the cluster's files once the rest is gone)."""
         import psutil
 
-        def alive(procs: list[Any]) -> list[Any]:
-            return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        def running(p: Any) -> bool:
+            try:
+                return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+            except psutil.Error:  # gone between the two looks: one less to end
+                return False
 
-        try:
-            procs = alive(list(self.procs.values()))
-        except psutil.Error:
-            procs = []
+        procs = [p for p in self.procs.values() if running(p)]
         watchdogs = [p for p in procs if _is_watchdog(p)]
         for group in ([p for p in procs if p not in watchdogs], watchdogs):
             if group is watchdogs:
