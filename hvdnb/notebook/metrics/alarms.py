@@ -2,7 +2,7 @@
 and the stop a watcher set to ``stop`` asks for.
 
 Path of an alarm: the channel thread ingests a ``metrics`` message (``ingest``) and hands
-each new column to ``_watch_column`` and the fingerprints to ``_watch_fingerprints``; a
+each new column to ``Alarms.column`` and the fingerprints to ``Alarms.fingerprints``; a
 finding becomes an ``Alarm`` that stays *open* while it waits, at most one message
 interval, for the other ranks' values at its step (ranks that turn NaN in the same round
 join it: one line, not one per rank). The running cell's wait loop (main thread, with the
@@ -14,9 +14,12 @@ Stop: the first alarm of a run whose watcher is set to ``stop`` sends ``stop_req
 forwarded to every rank (``on_stop_plan``), as a knob plan is; see
 ``hvdnb.rank.metrics.stop`` for the ranks' half.
 
-Owns: the watch settings in force, each run's detectors (``hvdnb.notebook.metrics.watchers``,
-reset when a run starts), the alarms and their lines, the stop requests. Never: print
-(the cell's wait loop does), block the channel thread, or stop a loop twice.
+Owns (``Alarms``): the watch settings in force, each run's detectors
+(``hvdnb.notebook.metrics.watchers``, reset when a run starts), the alarms and their
+lines, the stop requests. Handed: the point store (its lock; the other ranks' values at an
+alarm's step), the ``Link`` (the ranks, where a stop request and plan go) and ``Runs``
+(the current run and cell). Never: print (the cell's wait loop does), block the channel
+thread, write points or runs, or stop a loop twice.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import time
 from typing import Any
 
 from hvdnb.config import get_config
-from hvdnb.notebook.metrics.knobreq import KnobsMixin
+from hvdnb.notebook.metrics.link import Link
+from hvdnb.notebook.metrics.points import PointStore, Series
+from hvdnb.notebook.metrics.runs import Runs
 from hvdnb.notebook.metrics.watchers import (
     Alarm,
     DriftWatch,
@@ -40,7 +45,7 @@ from hvdnb.notebook.metrics.watchers import (
 )
 from hvdnb.protocol import kinds
 
-__all__ = ["AlarmsMixin"]
+__all__ = ["Alarms"]
 
 #: the other ranks' values a line lists one by one (beyond: their range)
 _LIST_OTHERS = 4
@@ -58,12 +63,14 @@ def _plural(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {ranks_text(ranks)}"
 
 
-class AlarmsMixin(KnobsMixin):
-    """The watchers of a ``MetricsStore``."""
+class Alarms:
+    """The watchers of a ``MetricsStore``: alarms in, lines and stop requests out."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.watch_settings = WatchSettings()
+    def __init__(self, points: PointStore, link: Link, runs: Runs) -> None:
+        self._points = points
+        self._link = link
+        self._runs = runs
+        self.settings = WatchSettings()
         #: every alarm, in the order found (``Alarm.run`` says whose run)
         self.alarms: list[Alarm] = []
         #: stop requests and rank 0's answers
@@ -72,7 +79,7 @@ class AlarmsMixin(KnobsMixin):
         self._reset_watchers(0)
 
     def _reset_watchers(self, run: int) -> None:  # lock held (or __init__)
-        s = self.watch_settings
+        s = self.settings
         self._watch_run = run
         self._nan = NanWatch()
         self._spike = SpikeWatch(s)
@@ -81,20 +88,20 @@ class AlarmsMixin(KnobsMixin):
         self._notes: list[str] = []
         self._stop_asked: str | None = None
 
-    def set_watch(self, **values: Any) -> WatchSettings:
+    def set(self, **values: Any) -> WatchSettings:
         """Change the watch settings (``hvdnb.watch``); ``ValueError`` for a bad value."""
-        with self._lock:
-            new = self.watch_settings.update(**values)
-            self.watch_settings = self._spike.s = self._drift.s = new
-            self.version += 1
+        with self._points.lock:
+            new = self.settings.update(**values)
+            self.settings = self._spike.s = self._drift.s = new
+            self._points.changed()
             return new
 
     # ------------------------------------------------------------------ channel thread
-    def _watch_column(self, rank: int, name: str, steps: Any, values: Any) -> None:
-        """One column of a rank's message, just stored (lock held)."""
-        if self._watch_run != self.run_id:
-            self._reset_watchers(self.run_id)
-        ws = self.watch_settings
+    def column(self, run: int, rank: int, name: str, steps: Any, values: Any) -> None:
+        """One column of a rank's message, just stored in ``run`` (lock held)."""
+        if self._watch_run != run:
+            self._reset_watchers(run)
+        ws = self.settings
         if ws.nan != "off" and is_user_metric(name):
             hit = self._nan.check(rank, name, steps, values)
             if hit is not None:
@@ -103,15 +110,14 @@ class AlarmsMixin(KnobsMixin):
             for step, v, med in self._spike.check(rank, steps, values):
                 self._alarm("spike", name, rank, step, {"value": v, "median": med})
 
-    def _watch_fingerprints(self, rank: int, fps: Any) -> None:
-        """A message's parameter fingerprints (lock held)."""
-        if not isinstance(fps, list) or self.watch_settings.drift == "off":
+    def fingerprints(self, run: int, rank: int, fps: Any) -> None:
+        """A message's parameter fingerprints, in ``run`` (lock held)."""
+        if not isinstance(fps, list) or self.settings.drift == "off":
             return
-        if self._watch_run != self.run_id:
-            self._reset_watchers(self.run_id)
-        # the ranks connected to the side channel, and any that sent metrics or said where
-        # they run (this is the channel's thread: the cluster's client is not asked)
-        ranks = {*self.rank_info, *getattr(self._channel, "ranks", ())}
+        rid = run
+        if self._watch_run != rid:
+            self._reset_watchers(rid)
+        ranks = self._link.heard()
         for e in fps:
             if isinstance(e, dict):
                 found = self._drift.add(rank, e, ranks)
@@ -122,13 +128,13 @@ class AlarmsMixin(KnobsMixin):
                         found["step"],
                         dict.fromkeys(found["ranks"], found["step"]),
                         found,
-                        self.run_id,
+                        rid,
                         time.monotonic(),
                         time.monotonic(),
                     )
                     self._open[("drift", found["key"])] = a
                     self.alarms.append(a)
-                    self.version += 1
+                    self._points.changed()
                     self._maybe_stop(a)
 
     def _alarm(
@@ -144,19 +150,26 @@ class AlarmsMixin(KnobsMixin):
             now = time.monotonic()
             settle = get_config().flush_interval_steady + 0.25  # one message interval
             a = Alarm(
-                watcher, metric, step, {rank: step}, {rank: detail}, self.run_id, now, now + settle
+                watcher,
+                metric,
+                step,
+                {rank: step},
+                {rank: detail},
+                self._watch_run,
+                now,
+                now + settle,
             )
             self._open[key] = a
             self.alarms.append(a)
-        self.version += 1
+        self._points.changed()
         self._maybe_stop(a)
 
     def _maybe_stop(self, a: Alarm) -> None:
         """The first alarm of a run whose watcher is set to ``stop``: ask rank 0 now."""
-        if getattr(self.watch_settings, a.watcher) != "stop" or self._stop_asked is not None:
+        if getattr(self.settings, a.watcher) != "stop" or self._stop_asked is not None:
             return
-        ch = self._channel
-        if ch is None or not self._in_cell:
+        ch = self._link.channel
+        if ch is None or not self._runs.in_cell:
             return
         rid = f"s{next(self._stop_ids)}-{int(time.time() * 1000) % 100000}"
         self._stop_asked = rid
@@ -165,13 +178,13 @@ class AlarmsMixin(KnobsMixin):
             {"kind": "request", "time": time.time(), "id": rid, "reason": reason}
         )
         try:
-            ch.send(0, kinds.STOP_REQ, id=rid, reason=reason, cell=self._cell_no)
+            ch.send(0, kinds.STOP_REQ, id=rid, reason=reason, cell=self._runs.cell_no)
         except Exception as exc:  # the notebook must not break on a closed channel
             self._notes.append(f"hvdnb: could not ask rank 0 to stop: {exc}")
 
     def on_stop_plan(self, msg: dict[str, Any]) -> None:
         """Rank 0's answer to a stop request: forward it to every rank."""
-        with self._lock:
+        with self._points.lock:
             self.stop_events.append(
                 {
                     "kind": "plan",
@@ -188,12 +201,12 @@ class AlarmsMixin(KnobsMixin):
                     f"hvdnb: every rank stops at step {msg.get('stop_at')} "
                     "(a watcher is set to stop: hvdnb.watch)"
                 )
-            self.version += 1
-        ch = self._channel
-        if ch is not None and not msg.get("error"):
-            payload = {k: msg[k] for k in ("id", "stop_at", "reason", "cell") if k in msg}
-            for r in self._ranks():
-                ch.send(r, kinds.STOP_PLAN, **payload)
+            self._points.changed()
+        if not msg.get("error"):
+            payload: dict[str, Any] = {
+                k: msg[k] for k in ("id", "stop_at", "reason", "cell") if k in msg
+            }
+            self._link.forward(kinds.STOP_PLAN, payload)
 
     # ------------------------------------------------------------------ main thread
     def take_lines(self, final: bool = False) -> list[str]:
@@ -202,7 +215,7 @@ class AlarmsMixin(KnobsMixin):
         notes about a stop."""
         if not self._open and not self._notes:
             return []
-        with self._lock:
+        with self._points.lock:
             now = time.monotonic()
             out: list[str] = []
             for key, a in list(self._open.items()):
@@ -217,13 +230,14 @@ class AlarmsMixin(KnobsMixin):
 
     def _others(self, a: Alarm) -> list[int]:  # lock held
         """The ranks not in the alarm: the cluster's, and any that sent points."""
-        return sorted((set(self._ranks()) | set(self._names_of)) - set(a.ranks))
+        return sorted((set(self._link.targets()) | set(self._points.rank_ids())) - set(a.ranks))
 
-    def _run_steps(self, rank: int, metric: str) -> tuple[Any, slice] | None:
-        s = self._series.get((rank, metric))
+    def _run_steps(self, rank: int, metric: str) -> tuple[Series, slice] | None:
+        s = self._points.get(rank, metric)
         if s is None:
             return None
-        rs = s.run_slice(self.run_id) if self.run_id else slice(0, len(s.steps))
+        rid = self._runs.run_id
+        rs = s.run_slice(rid) if rid else slice(0, len(s.steps))
         return s, rs
 
     def _peers_reached(self, a: Alarm) -> bool:  # lock held
@@ -281,7 +295,7 @@ class AlarmsMixin(KnobsMixin):
             return (
                 f"spike watcher: {a.metric} spiked on {_plural(ranks)} at step {a.step} "
                 f"(rank {first}: {_fmt(d['value'])}, {ratio:.1f}x its median "
-                f"{_fmt(d['median'])} over the last {self.watch_settings.spike_window} steps)"
+                f"{_fmt(d['median'])} over the last {self.settings.spike_window} steps)"
             )
         d = a.detail
         since = d.get("since")
@@ -311,7 +325,7 @@ class AlarmsMixin(KnobsMixin):
         else:
             vals = a.detail["values"]
             text += "; sums " + ", ".join(f"r{r} {v:.10g}" for r, v in list(vals.items())[:8])
-        if getattr(self.watch_settings, a.watcher) == "stop":
+        if getattr(self.settings, a.watcher) == "stop":
             text += f" [hvdnb.watch({a.watcher}='stop'): stopping every rank]"
         return text
 
@@ -321,32 +335,32 @@ class AlarmsMixin(KnobsMixin):
         """Comparisons of the ranks' fingerprints made in the current run."""
         return self._drift.compared
 
-    def run_alarms(self, run: int | None = None) -> list[Alarm]:
+    def of_run(self, run: int | None = None) -> list[Alarm]:
         """The alarms of ``run`` (default: the current one)."""
-        rid = self.run_id if run is None else run
-        with self._lock:
+        rid = self._runs.run_id if run is None else run
+        with self._points.lock:
             return [a for a in self.alarms if a.run == rid]
 
-    def alarm_lines(self, run: int | None = None) -> list[str]:
+    def lines(self, run: int | None = None) -> list[str]:
         """Each alarm of ``run`` (default: the current one) in words: its line as shown,
         or, not shown yet, what it found."""
-        alarms = self.run_alarms(run)
-        with self._lock:
+        alarms = self.of_run(run)
+        with self._points.lock:
             return [a.text or f"hvdnb {self._reason(a)}" for a in alarms]
 
-    def alarm_marks(self) -> list[tuple[int, str]]:
+    def marks(self) -> list[tuple[int, str]]:
         """(step, label) of the current run's alarms, for the loss chart."""
-        return [(a.step, a.label) for a in self.run_alarms()]
+        return [(a.step, a.label) for a in self.of_run()]
 
-    def alarm_summary(self) -> str:
+    def summary(self) -> str:
         """The live line's part: ``nan loss r1@57, spike r0@300`` ("" when none)."""
         parts = []
-        for a in self.run_alarms()[-3:]:
+        for a in self.of_run()[-3:]:
             what = a.metric if a.watcher != "drift" else a.detail.get("param", "")
             parts.append(f"{a.watcher} {what} r{ranks_text(sorted(a.ranks))}@{a.step}")
         return ", ".join(parts)
 
-    def _clear_alarms(self) -> None:  # lock held
+    def clear(self) -> None:  # lock held
         self.alarms.clear()
         self.stop_events.clear()
-        self._reset_watchers(self.run_id)
+        self._reset_watchers(self._runs.run_id)

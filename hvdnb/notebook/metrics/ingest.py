@@ -1,12 +1,14 @@
 """Ingesting the ranks' ``metrics`` and ``rank_info`` messages from the side channel.
 
-Owns: turning one ``metrics`` message into appends to the store's typed columns (handlers
-run on the channel's I/O thread: an append under a lock, nothing more), sequence checks per
-rank (a gap is counted in ``lost_messages``, rows a rank's ring overwrote in ``lost_rows``:
-never hidden), each new column handed to the watchers (``alarms``: numpy checks, no more),
-what each rank says of itself (``rank_info``: its host once, its loop's step, step time,
-backend with every message), and ``wait_for``: a cell's last points, which can trail its
-reply on another socket.
+Owns (``Ingest``): turning one ``metrics`` message into appends to the point store's typed
+columns (handlers run on the channel's I/O thread: an append under the lock, nothing
+more), sequence checks per rank (a gap is counted in ``lost_messages``, rows a rank's ring
+overwrote in ``lost_rows``: never hidden; both reset for a new cluster), the message count,
+the optional arrival times, and ``wait_for``: a cell's last points, which can trail its
+reply on another socket. Handed: the point store, the ``Link`` (told what each rank says
+of itself: its host once, its loop's step, step time, backend with every message),
+``Runs`` (which run the points belong to) and ``Alarms`` (each new column: numpy checks,
+no more).
 
 Never: block the channel thread, raise on a malformed message (it is dropped), or invent a
 value: a reading a rank did not send is NaN, not 0.
@@ -20,10 +22,12 @@ import time
 from array import array
 from typing import Any
 
-from hvdnb.notebook.metrics.alarms import AlarmsMixin
-from hvdnb.notebook.metrics.points import Series
+from hvdnb.notebook.metrics.alarms import Alarms
+from hvdnb.notebook.metrics.link import Link
+from hvdnb.notebook.metrics.points import PointStore
+from hvdnb.notebook.metrics.runs import Runs
 
-__all__ = ["IngestMixin"]
+__all__ = ["Ingest"]
 
 
 def _typed_columns(col: Any) -> tuple[array[int], array[float], array[float]]:
@@ -51,17 +55,15 @@ def _step_int(x: Any) -> int:
     return i
 
 
-def _run_trigger(name: str) -> bool:
-    """A point that shows a loop is logging (memory heartbeats and knob records do not)."""
-    return not name.startswith(("mem/", "knob/"))
-
-
-class IngestMixin(AlarmsMixin):
+class Ingest:
     """The I/O-thread half of a ``MetricsStore``: messages in."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._arrived = threading.Condition(self._lock)  # a rank's message came in
+    def __init__(self, points: PointStore, link: Link, runs: Runs, alarms: Alarms) -> None:
+        self._points = points
+        self._link = link
+        self._runs = runs
+        self._alarms = alarms
+        self._arrived = threading.Condition(points.lock)  # a rank's message came in
         self.messages = 0
         self.lost_messages = 0  # sequence gaps
         self.lost_rows = 0  # rows a rank's ring overwrote before it could flush
@@ -78,7 +80,8 @@ class IngestMixin(AlarmsMixin):
         if not isinstance(rank, int) or not isinstance(cols, dict):
             return
         now = time.time()
-        with self._lock:
+        points = self._points
+        with points.lock:
             seq, pid = msg.get("seq"), msg.get("pid")
             last = self._seq.get(rank)
             if isinstance(seq, int):
@@ -94,61 +97,49 @@ class IngestMixin(AlarmsMixin):
                 if lost > prev:
                     self.lost_rows += lost - prev
                 self._lost_by_rank[rank] = lost
-            n = 0
-            if (self._want_run or not self.runs) and any(_run_trigger(k) for k in cols):
-                self._start_run(now)
-            rid = self.run_id
+            rid = self._runs.tag(now, cols)
             # the watchers judge the running cell's loop: a late message of a finished
             # cell's loop (its last one can trail the cell's end) is stored, not watched
             cell = msg.get("cell")
-            watch = cell is None or self._cell_no is None or cell == self._cell_no
+            cell_no = self._runs.cell_no
+            watch = cell is None or cell_no is None or cell == cell_no
+            column = self._alarms.column
             for name, col in cols.items():
                 try:
                     steps, times, values = _typed_columns(col)
                 except (TypeError, ValueError, OverflowError):
                     continue  # not three columns of numbers of one length: dropped
-                s = self._series.get((rank, name))
-                if s is None:
-                    s = self._series[(rank, name)] = Series()
-                    self._names_of.setdefault(rank, []).append(name)
-                if not s.runs or s.runs[-1][0] != rid:
-                    s.runs.append((rid, len(s.steps)))
-                s.steps.extend(steps)
-                s.times.extend(times)
-                s.values.extend(values)
-                n += len(steps)
+                points.append(rank, name, rid, steps, times, values)
                 if self.keep_arrivals and name == "loss":
                     self.arrivals.extend((t, now) for t in times)
                 if watch:
-                    self._watch_column(rank, name, steps, values)  # nan, spike (alarms.py)
+                    column(rid, rank, name, steps, values)  # nan, spike
             if watch and "fp" in msg:
-                self._watch_fingerprints(rank, msg["fp"])  # replica drift
-            info = self.rank_info.setdefault(rank, {})
-            info.update(
-                step=msg.get("step"),
-                step_time=msg.get("step_time"),
-                backend=msg.get("backend"),
-                idle=msg.get("idle"),
-                seen=now,
-                pid=pid,
-            )
-            if isinstance(msg.get("meta"), dict):
-                info.update(msg["meta"])
-            self.points += n
+                self._alarms.fingerprints(rid, rank, msg["fp"])  # replica drift
+            said = {
+                "step": msg.get("step"),
+                "step_time": msg.get("step_time"),
+                "backend": msg.get("backend"),
+                "idle": msg.get("idle"),
+                "seen": now,
+                "pid": pid,
+            }
+            meta = msg.get("meta")
+            if isinstance(meta, dict):
+                said.update(meta)
+            self._link.note(rank, said)
             self.messages += 1
-            self.version += 1
+            points.changed()
 
     def on_rank_info(self, msg: dict[str, Any]) -> None:
         """A rank says where it runs (sent once when its channel connects)."""
         rank = msg.get("rank")
         if not isinstance(rank, int):
             return
-        with self._lock:
-            info = self.rank_info.setdefault(rank, {})
-            for k in ("host", "local_rank", "pid"):
-                if msg.get(k) is not None:
-                    info[k] = msg[k]
-            self.version += 1
+        said = {k: msg[k] for k in ("host", "local_rank", "pid") if msg.get(k) is not None}
+        with self._points.lock:
+            self._link.note(rank, said)
+            self._points.changed()
 
     def wait_for(self, marks: dict[int, tuple[int, int]], timeout: float) -> bool:
         """Wait until every rank's message ``seq`` from process ``pid`` (``marks``: rank ->
@@ -174,3 +165,9 @@ class IngestMixin(AlarmsMixin):
                     return False
                 self._arrived.wait(left)
         return True
+
+    def reset(self) -> None:  # lock held
+        """A new cluster: its ranks' sequences start over, and so do the counts of losses."""
+        self._seq.clear()
+        self._lost_by_rank.clear()
+        self.lost_messages = self.lost_rows = 0

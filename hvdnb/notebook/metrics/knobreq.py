@@ -5,14 +5,16 @@ apply it at and answers (``knobs_plan``); the notebook forwards that plan to eve
 each rank reports when it applied it (``knobs_applied``). ``hvdnb.set_knobs``, ``%dist
 knobs`` and the panel's controls all send through ``request_knobs`` here.
 
-Owns: the ONE notebook-side validation of a change (``refusal``, with
-``hvdnb.protocol.knobs.validate``; ``change_knobs`` with ``after`` asks it early too), the
-spec the ranks announced, the log of requests, plans, applications and refusals
-(``knob_events``, ``knob_status``), and each applied change as a segment of the running
-run.
+Owns: the spec the ranks announced, with the values in force (``KnobSpec``, read by
+``Runs`` for a run's starting knobs); and in ``KnobRequests``: the ONE notebook-side
+validation of a change (``refusal``, with ``hvdnb.protocol.knobs.validate``; ``change``
+with ``after`` asks it early too), the log of requests, plans, applications and refusals
+(``events``, ``status``). Handed: the point store (its lock and ``version``), the ``Link``
+(where requests and plans go), ``Runs`` (each applied change is a segment of the running
+run: ``Runs.applied`` records it) and the ``KnobSpec``.
 
 Never: apply a change itself or decide its step (rank 0 does), validate with rules of its
-own, or block the channel thread.
+own, write a run's record (``Runs`` does), or block the channel thread.
 """
 
 from __future__ import annotations
@@ -22,93 +24,83 @@ import threading
 import time
 from typing import Any
 
-from hvdnb.notebook.metrics.runs import RunsMixin
+from hvdnb.notebook.metrics.link import Link
+from hvdnb.notebook.metrics.points import PointStore
+from hvdnb.notebook.metrics.runs import Runs
 from hvdnb.protocol import kinds
 from hvdnb.protocol.knobs import validate
 
-__all__ = ["KnobsMixin"]
+__all__ = ["KnobRequests", "KnobSpec"]
 
 
 def _strip(msg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in msg.items() if k != "kind"}
 
 
-class KnobsMixin(RunsMixin):
-    """Knob requests, plans and applications of a ``MetricsStore``."""
+class KnobSpec:
+    """The knobs of the running job, as the ranks announced them: name -> spec, with the
+    value in force (``{}``: none yet). Written under the point store's lock."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.knob_events: list[dict[str, Any]] = []  # requests, plans, applications, errors
+        self.spec: dict[str, dict[str, Any]] = {}
+
+    def values(self) -> dict[str, Any]:
+        """name -> the value in force."""
+        return {k: v.get("value") for k, v in self.spec.items()}
+
+    def apply(self, values: dict[str, Any]) -> None:
+        """A change applied: these values are in force now."""
+        for k, v in values.items():
+            if k in self.spec:
+                self.spec[k] = {**self.spec[k], "value": v}
+
+
+class KnobRequests:
+    """Knob requests, plans and applications of a ``MetricsStore``."""
+
+    def __init__(self, points: PointStore, link: Link, runs: Runs, spec: KnobSpec) -> None:
+        self._points = points
+        self._link = link
+        self._runs = runs
+        self._spec = spec
+        self.events: list[dict[str, Any]] = []  # requests, plans, applications, errors
         self.last_request: str | None = None
         self._ids = itertools.count(1)
-        #: what the store is fed from (``MetricsStore.attach``): the side channel requests
-        #: go out on, and the cluster whose ranks a plan is forwarded to
-        self._cluster: Any = None
-        self._channel: Any = None
 
     # -------------------------------------------------------------- from the ranks
     def on_spec(self, msg: dict[str, Any]) -> None:
         spec = msg.get("spec")
         if isinstance(spec, dict):
-            with self._lock:
-                self.knob_spec = spec
-                run = self._run(self.run_id)
-                if self._in_cell and not self._want_run and run is not None and not run["changes"]:
-                    # knobs made in the running cell: they are this run's starting values
-                    # (before its first point, the run is not started: the last run's stay)
-                    run["knobs"] = {k: v.get("value") for k, v in spec.items()}
-                self.version += 1
+            with self._points.lock:
+                self._spec.spec = spec
+                self._runs.knobs_made(self._spec.values())
+                self._points.changed()
 
     def on_plan(self, msg: dict[str, Any]) -> None:
         """Rank 0's decision: record it and forward it to every rank."""
-        with self._lock:
-            self.knob_events.append({"kind": "plan", "time": time.time(), **_strip(msg)})
-            self.version += 1
+        with self._points.lock:
+            self.events.append({"kind": "plan", "time": time.time(), **_strip(msg)})
+            self._points.changed()
         if msg.get("error"):
             return
-        ch = self._channel
-        if ch is not None:
-            payload = {k: msg[k] for k in ("id", "apply_at", "values") if k in msg}
-            for r in self._ranks():
-                ch.send(r, kinds.KNOBS_PLAN, **payload)
+        payload: dict[str, Any] = {k: msg[k] for k in ("id", "apply_at", "values") if k in msg}
+        self._link.forward(kinds.KNOBS_PLAN, payload)
 
     def on_applied(self, msg: dict[str, Any]) -> None:
-        with self._lock:
-            self.knob_events.append({"kind": "applied", "time": time.time(), **_strip(msg)})
+        with self._points.lock:
+            now = time.time()
+            self.events.append({"kind": "applied", "time": now, **_strip(msg)})
             if not msg.get("error"):
                 vals = msg.get("values") or {}
-                label = ", ".join(f"{k}={v:g}" for k, v in vals.items())
-                step = int(msg.get("step", 0))
-                run = self._run(self.run_id)
-                if self._in_cell and self._want_run:  # applied before the cell's first log
-                    self._start_run(time.time())
-                    run = self._run(self.run_id)
-                if self._in_cell and run is not None:  # a segment of the running run
-                    run["changes"].append((step, dict(vals), msg.get("rank")))
-                    if (step, label) not in run["marks"]:
-                        run["marks"].append((step, label))
-                for k, v in vals.items():
-                    if k in self.knob_spec:
-                        self.knob_spec[k] = {**self.knob_spec[k], "value": v}
-            self.version += 1
-
-    def _ranks(self) -> list[int]:
-        c = self._cluster
-        ids = None
-        try:
-            ids = list(c.client.ids) if c is not None and c.client is not None else None
-        except Exception:
-            ids = None
-        if ids:
-            return sorted(ids)
-        ch = self._channel
-        return list(ch.ranks) if ch is not None else []
+                self._runs.applied(int(msg.get("step", 0)), vals, msg.get("rank"), now)
+                self._spec.apply(vals)
+            self._points.changed()
 
     # -------------------------------------------------------------- to the ranks
     def refusal(self, values: dict[str, Any], at_step: int | None = None) -> str | None:
         """Why the knobs refuse ``values`` (applied at ``at_step``, if given); None when
         they accept them. The one notebook-side check of a change."""
-        err = validate(self.knob_spec, values)
+        err = validate(self._spec.spec, values)
         if (
             err is None
             and at_step is not None
@@ -118,37 +110,37 @@ class KnobsMixin(RunsMixin):
         return err
 
     def _record_refused(self, error: str, values: dict[str, Any]) -> None:
-        with self._lock:
-            self.knob_events.append(
+        with self._points.lock:
+            self.events.append(
                 {"kind": "refused", "time": time.time(), "error": error, "values": values}
             )
-            self.version += 1
+            self._points.changed()
 
-    def request_knobs(self, at_step: int | None = None, **values: Any) -> tuple[bool, str]:
+    def request(self, at_step: int | None = None, **values: Any) -> tuple[bool, str]:
         """Ask rank 0 to schedule a change; returns (sent, message). Validated here first.
 
         ``at_step``: apply at that step of the running loop (or of the next one, when no
         loop runs); default: as soon as every rank can, at one step."""
-        if not self.knob_spec:
+        if not self._spec.spec:
             return False, "no knobs yet: create them with hvdnb.knobs(...) in a %%distributed cell"
         err = self.refusal(values, at_step)
         if err:
             self._record_refused(err, values)
             return False, f"refused: {err}"
-        if self._channel is None:
+        if self._link.channel is None:
             return False, "no cluster is running"
         rid = f"k{next(self._ids)}-{int(time.time() * 1000) % 100000}"
-        with self._lock:
-            self.knob_events.append(
+        with self._points.lock:
+            self.events.append(
                 {"kind": "request", "time": time.time(), "id": rid, "values": values}
             )
-            self.version += 1
+            self._points.changed()
         self.last_request = rid
         extra = {"at_step": at_step} if at_step is not None else {}
-        self._channel.send(0, kinds.KNOBS_REQ, id=rid, values=values, **extra)
+        self._link.channel.send(0, kinds.KNOBS_REQ, id=rid, values=values, **extra)
         return True, f"sent to rank 0 ({rid})"
 
-    def change_knobs(
+    def change(
         self,
         /,
         *,
@@ -165,15 +157,15 @@ class KnobsMixin(RunsMixin):
         if after is not None:
             if not isinstance(after, (int, float)) or isinstance(after, bool) or not after >= 0:
                 raise ValueError(f"after must be a number of seconds >= 0, not {after!r}")
-            if self.knob_spec:  # refuse what is already known to be wrong now, not later
+            if self._spec.spec:  # refuse what is already known to be wrong now, not later
                 err = self.refusal(values)
                 if err:
                     raise ValueError(f"refused: {err}")
-            if self._channel is None:
+            if self._link.channel is None:
                 raise ValueError("no cluster is running: `%dist start` first")
 
             def later() -> None:
-                ok, msg = self.request_knobs(at_step=at_step, **values)
+                ok, msg = self.request(at_step=at_step, **values)
                 if not ok:
                     self._record_refused(msg, values)
 
@@ -181,26 +173,26 @@ class KnobsMixin(RunsMixin):
             timer.daemon = True
             timer.start()
             return {"scheduled_in": float(after)}
-        ok, msg = self.request_knobs(at_step=at_step, **values)
+        ok, msg = self.request(at_step=at_step, **values)
         if not ok:
             raise ValueError(msg)
         rid = self.last_request
         deadline = time.monotonic() + timeout
-        status = self.knob_status(rid)
+        status = self.status(rid)
         while time.monotonic() < deadline:
-            status = self.knob_status(rid)
+            status = self.status(rid)
             plan = status.get("plan")
             if plan is not None and (plan.get("error") or plan.get("apply_at") is not None):
                 break  # refused, or planned for a step: the ranks apply it when they get there
-            if plan is not None and len(status.get("applied") or {}) >= len(self._ranks()):
+            if plan is not None and len(status.get("applied") or {}) >= len(self._link.targets()):
                 break
             time.sleep(0.02)
         return status
 
-    def knob_status(self, rid: str | None = None) -> dict[str, Any]:
+    def status(self, rid: str | None = None) -> dict[str, Any]:
         """For one request (default: the latest): plan and the ranks that applied it."""
-        with self._lock:
-            events = list(self.knob_events)
+        with self._points.lock:
+            events = list(self.events)
         if rid is None:
             reqs = [e for e in events if e["kind"] in ("request", "refused")]
             if not reqs:
@@ -215,3 +207,6 @@ class KnobsMixin(RunsMixin):
             if e["kind"] == "applied" and e.get("id") == rid and "rank" in e
         }
         return {"id": rid, "plan": plan, "applied": applied}
+
+    def clear(self) -> None:  # lock held
+        self.events.clear()

@@ -1,22 +1,22 @@
-"""The metrics store's core: every point of every rank, in typed columns, under one lock.
+"""The metrics store's point store: every point of every rank, in typed columns, and the lock.
 
-Owns: the state every part of ``MetricsStore`` shares (the lock, one ``Series`` per rank
-and metric, ``rank_info``, ``knob_spec``, the current run's id, ``version``) and the plain
-reads of the points: ``names``, ``ranks``, ``series``, ``count``, ``thinned``, ``latest``.
-``PointStore`` is the base of the store's parts (``ingest``, ``runs``, ``knobreq``,
-``views``, assembled in ``store``): its underscored fields are theirs to use, nobody
-else's. Series are indexed by rank as well as by (rank, name), so views cost O(ranks),
-not O(ranks x series): 1,024 ranks stay cheap.
+Owns: one ``Series`` per rank and metric (indexed by rank as well as by (rank, name), so
+views cost O(ranks), not O(ranks x series): 1,024 ranks stay cheap), the count of points,
+the store's one lock and its ``version``. Every part of ``MetricsStore`` is handed this
+object and takes its lock for its own fields too: a message's ingest is one acquisition,
+and no two locks can be taken in the wrong order. Methods marked *lock held* are for the
+parts, which hold the lock already; the others take it.
 
-Never: import the cluster, torch or widgets; hold the lock for more than a copy or an
-append; invent a value (a reading a rank did not send is None or NaN, never 0).
+Never: know about runs (a read is told which run; ``-1``: every run), import the cluster,
+torch or widgets; hold the lock for more than a copy or an append; invent a value (a
+reading a rank did not send is None or NaN, never 0).
 """
 
 from __future__ import annotations
 
 import threading
 from array import array
-from typing import Any
+from collections.abc import ItemsView, KeysView, Sequence
 
 __all__ = ["MANY_RANKS", "PointStore", "Series", "thin_indices"]
 
@@ -37,7 +37,10 @@ class Series:
         self.runs: list[tuple[int, int]] = []  # (run id, index of its first point here)
 
     def run_slice(self, run: int) -> slice:
-        """The points of ``run`` (runs are appended in order, so one contiguous range)."""
+        """The points of ``run`` (runs are appended in order, so one contiguous range);
+        ``-1``: every point."""
+        if run == -1:
+            return slice(0, len(self.steps))
         for k, (rid, start) in enumerate(self.runs):
             if rid == run:
                 end = self.runs[k + 1][1] if k + 1 < len(self.runs) else len(self.steps)
@@ -55,72 +58,102 @@ def thin_indices(length: int, n: int) -> tuple[list[int] | None, int]:
 
 
 class PointStore:
-    """The points and the state the store's parts share; safe to read from any thread."""
+    """The points of every rank and the store's lock; its reads are safe from any thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._series: dict[tuple[int, str], Series] = {}
         self._names_of: dict[int, list[str]] = {}  # rank -> its series' names
-        self.version = 0  # bumped on every change; the panel redraws when it moves
+        self.version = 0  # bumped on every change to the store; the panel redraws on it
         self.points = 0
-        #: per rank: what it said of itself (host, local_rank, pid) and of its loop
-        #: (step, step_time, backend, idle, seen)
-        self.rank_info: dict[int, dict[str, Any]] = {}
-        #: the knobs of the running job: name -> spec, with the value in force
-        self.knob_spec: dict[str, dict[str, Any]] = {}
-        self.run_id = 0  # the current run (0: none yet); views read it by default
 
-    def _clear_points(self) -> None:  # lock held
+    # ------------------------------------------------------------ for the parts (lock held)
+    def changed(self) -> None:
+        """Something in the store changed (lock held): the panel redraws."""
+        self.version += 1
+
+    def append(
+        self,
+        rank: int,
+        name: str,
+        run: int,
+        steps: array[int],
+        times: array[float],
+        values: array[float],
+    ) -> None:
+        """Append one column of a rank's message, tagged with ``run`` (lock held)."""
+        s = self._series.get((rank, name))
+        if s is None:
+            s = self._series[(rank, name)] = Series()
+            self._names_of.setdefault(rank, []).append(name)
+        if not s.runs or s.runs[-1][0] != run:
+            s.runs.append((run, len(s.steps)))
+        s.steps.extend(steps)
+        s.times.extend(times)
+        s.values.extend(values)
+        self.points += len(steps)
+
+    def get(self, rank: int, name: str) -> Series | None:
+        """One series, or None (lock held)."""
+        return self._series.get((rank, name))
+
+    def items(self) -> ItemsView[tuple[int, str], Series]:
+        """Every ((rank, name), series) (lock held)."""
+        return self._series.items()
+
+    def names_of(self, rank: int) -> Sequence[str]:
+        """The names of ``rank``'s series, in the order they came (lock held)."""
+        return self._names_of.get(rank, ())
+
+    def rank_ids(self) -> KeysView[int]:
+        """The ranks that sent points (lock held)."""
+        return self._names_of.keys()
+
+    def clear(self) -> None:
+        """Drop every point (lock held)."""
         self._series.clear()
         self._names_of.clear()
         self.points = 0
 
+    # ------------------------------------------------------------------------ reads
     def names(self) -> list[str]:
-        with self._lock:
+        """Every metric's name."""
+        with self.lock:
             return sorted({n for _, n in self._series})
 
-    def ranks(self) -> list[int]:
-        with self._lock:
-            return sorted(set(self._names_of) | set(self.rank_info))
-
     def series(
-        self, name: str, rank: int, last: int | None = None, run: int | None = None
+        self, name: str, rank: int, run: int, last: int | None = None
     ) -> tuple[list[int], list[float], list[float]]:
-        """(steps, values, times) of one metric on one rank in ``run`` (default: the
-        current run; -1: every run), the last ``last`` points (copies only those)."""
-        with self._lock:
+        """(steps, values, times) of one metric on one rank in ``run`` (-1: every run),
+        the last ``last`` points (copies only those)."""
+        with self.lock:
             s = self._series.get((rank, name))
             if s is None:
                 return [], [], []
-            rs = self._slice(s, run)
+            rs = s.run_slice(run)
             if last:
                 rs = slice(max(rs.start, rs.stop - last), rs.stop)
             return s.steps[rs].tolist(), s.values[rs].tolist(), s.times[rs].tolist()
 
-    def _slice(self, s: Series, run: int | None) -> slice:
-        if run == -1:
-            return slice(0, len(s.steps))
-        return s.run_slice(self.run_id if run is None else run)
-
-    def count(self, name: str, rank: int, run: int | None = None) -> int:
+    def count(self, name: str, rank: int, run: int) -> int:
         """How many points of one metric on one rank ``run`` holds (as ``series``)."""
-        with self._lock:
+        with self.lock:
             s = self._series.get((rank, name))
             if s is None:
                 return 0
-            rs = self._slice(s, run)
+            rs = s.run_slice(run)
             return int(rs.stop - rs.start)
 
     def thinned(
-        self, name: str, rank: int, n: int, run: int | None = None
+        self, name: str, rank: int, n: int, run: int
     ) -> tuple[list[float], list[float], int]:
         """``series`` as a chart draws it: at most ~``n`` evenly spaced points (and the
         last), read without copying the whole history; returns (steps, values, stride)."""
-        with self._lock:
+        with self.lock:
             s = self._series.get((rank, name))
             if s is None:
                 return [], [], 1
-            rs = self._slice(s, run)
+            rs = s.run_slice(run)
             idx, stride = thin_indices(rs.stop - rs.start, n)
             if idx is None:
                 return [float(x) for x in s.steps[rs]], s.values[rs].tolist(), 1
@@ -128,6 +161,7 @@ class PointStore:
             return [float(steps[a + i]) for i in idx], [values[a + i] for i in idx], stride
 
     def latest(self, name: str, rank: int) -> float | None:
-        with self._lock:
+        """The last value of one metric on one rank (None: none yet)."""
+        with self.lock:
             s = self._series.get((rank, name))
             return s.values[-1] if s is not None and s.values else None

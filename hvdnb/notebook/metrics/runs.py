@@ -5,27 +5,36 @@ Each ``%%distributed`` cell that logs starts a *run* (``begin_cell`` / ``end_cel
 reading or a knob record), and each knob change applied during it starts a new *segment*
 of that run at the step it was applied. Every point is tagged with its run; rows carry
 run, segment and the knob values in force at their step on their rank. Live views show
-the current run; ``run_curves`` overlays the runs.
+the current run; ``curves`` overlays the runs.
 
-Owns: the list of runs (id, cell, start time, starting knobs, changes, marks, hidden, the
-cluster it ran on), starting one, hiding old ones from the comparison, and the overlaid
-curves, built up between redraws (a run's points are only ever appended). Each start or
-restart of a cluster begins a new *cluster* (``begin_cluster``): no run is current until
-its first cell logs, and runs of earlier clusters stay on the comparison chart, labelled
-with the cluster they ran on.
+Owns (``Runs``): the list of runs (id, cell, start time, starting knobs, changes, marks,
+hidden, the cluster it ran on), which one is current (``run_id``) and whether a cell is
+running, starting one, hiding old ones from the comparison, and the overlaid curves, built
+up between redraws (a run's points are only ever appended). Each start or restart of a
+cluster begins a new *cluster* (``begin_cluster``): no run is current until its first cell
+logs, and runs of earlier clusters stay on the comparison chart, labelled with the cluster
+they ran on. Handed: the point store (its lock and points), the ``Link`` (which cluster)
+and the knob values in force (a run's starting knobs).
 
 Never: import the cluster, torch or widgets; delete points (hidden runs stay in
-``hvdnb.metrics()``).
+``hvdnb.metrics()``); change the knobs (``knobreq`` tells it of a change).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore, Series, thin_indices
 
-__all__ = ["RunsMixin", "cluster_text", "run_label"]
+__all__ = ["Runs", "cluster_text", "run_label"]
+
+
+def _run_trigger(name: str) -> bool:
+    """A point that shows a loop is logging (memory heartbeats and knob records do not)."""
+    return not name.startswith(("mem/", "knob/"))
 
 
 class _CurveSums:
@@ -42,8 +51,8 @@ class _CurveSums:
         self.order: list[int] = []
         self.unsorted = False
 
-    def add(self, series: dict[tuple[int, str], Series], rid: int, name: str) -> None:
-        for key, s in series.items():
+    def add(self, series: Iterable[tuple[tuple[int, str], Series]], rid: int, name: str) -> None:
+        for key, s in series:
             n = key[1]
             if n != name and n != "samples":
                 continue
@@ -72,101 +81,142 @@ class _CurveSums:
                             a[1] += 1.0
 
 
-class RunsMixin(PointStore):
-    """The runs of a ``MetricsStore``."""
+class Runs:
+    """The runs of a ``MetricsStore``; safe to call from any thread (the point store's
+    lock guards them; methods marked *lock held* are for the other parts, holding it)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(
+        self, points: PointStore, link: Link, knob_values: Callable[[], dict[str, Any]]
+    ) -> None:
+        self._points = points
+        self._link = link
+        self._knob_values = knob_values
         #: runs in order: {"id", "cell", "started", "knobs" (at its start), "changes"
-        #: [(step, values, rank)], "marks" [(step, label)], "hidden"}
-        self.runs: list[dict[str, Any]] = []
+        #: [(step, values, rank)], "marks" [(step, label)], "hidden", "cluster",
+        #: "cluster_text"}
+        self.records: list[dict[str, Any]] = []
+        self._run_id = 0  # the current run (0: none yet); views read it by default
         self._want_run = False  # a cell is running and has not logged yet
         self._in_cell = False
         self._cell_no: int | None = None
-        #: (run id, name) -> what run_curves has summed so far (a run's points are only
+        #: (run id, name) -> what ``curves`` has summed so far (a run's points are only
         #: ever appended, so each redraw adds the new points instead of starting over)
         self._curves: dict[tuple[int, str], _CurveSums] = {}
-        #: the cluster the live views describe: how many were attached (0: none yet) and
-        #: what it is (``{"n", "backend", "device"}``, as ``begin_cluster`` got it)
-        self.cluster_no = 0
-        self.cluster_info: dict[str, Any] = {}
 
     @property
-    def marks(self) -> list[tuple[int, str]]:
-        """(step, label) of the knob changes applied in the current run."""
-        run = self._run(self.run_id)
-        return list(run["marks"]) if run is not None else []
+    def run_id(self) -> int:
+        """The current run (0: none yet)."""
+        return self._run_id
+
+    @property
+    def in_cell(self) -> bool:
+        """A ``%%distributed`` cell is running."""
+        return self._in_cell
 
     @property
     def cell_no(self) -> int | None:
         """The number of the ``%%distributed`` cell running or last run (None before)."""
         return self._cell_no
 
-    def current_run(self) -> dict[str, Any] | None:
-        """The current run's record (None before the first run); see ``runs``."""
-        return self._run(self.run_id)
+    @property
+    def marks(self) -> list[tuple[int, str]]:
+        """(step, label) of the knob changes applied in the current run."""
+        run = self.record(self._run_id)
+        return list(run["marks"]) if run is not None else []
 
-    def _run(self, rid: int) -> dict[str, Any] | None:
-        return self.runs[rid - 1] if 0 < rid <= len(self.runs) else None
+    def record(self, rid: int) -> dict[str, Any] | None:
+        """Run ``rid``'s record (None: no such run)."""
+        return self.records[rid - 1] if 0 < rid <= len(self.records) else None
 
     # ------------------------------------------------------------------ main thread
     def begin_cell(self, cell_no: int | None = None) -> None:
         """A ``%%distributed`` cell starts: its first logged point starts a new run."""
-        with self._lock:
+        with self._points.lock:
             self._want_run = True
             self._in_cell = True
             self._cell_no = cell_no
 
     def end_cell(self) -> None:
         """The cell ended (after its last points arrived)."""
-        with self._lock:
+        with self._points.lock:
             self._want_run = False
             self._in_cell = False
 
-    def _start_run(self, now: float) -> None:  # lock held
-        rid = len(self.runs) + 1
-        self.runs.append(
+    # ------------------------------------------------------------------ the other parts
+    def tag(self, now: float, names: Iterable[str]) -> int:
+        """The run a message's points (their metrics' ``names``) belong to, lock held: a
+        logged point of a cell that has not logged yet (or the first ever) starts one."""
+        if (self._want_run or not self.records) and any(map(_run_trigger, names)):
+            self._start(now)
+        return self._run_id
+
+    def _start(self, now: float) -> None:  # lock held
+        rid = len(self.records) + 1
+        self.records.append(
             {
                 "id": rid,
                 "cell": self._cell_no,
                 "started": now,
-                "knobs": {k: v.get("value") for k, v in self.knob_spec.items()},
+                "knobs": self._knob_values(),
                 "changes": [],
                 "marks": [],
                 "hidden": False,
-                "cluster": self.cluster_no,
-                "cluster_text": cluster_text(self.cluster_info),
+                "cluster": self._link.number,
+                "cluster_text": cluster_text(self._link.info),
             }
         )
-        self.run_id = rid
+        self._run_id = rid
         self._want_run = False
 
-    def _begin_runs_of_cluster(self, info: dict[str, Any]) -> None:  # lock held
+    def knobs_made(self, values: dict[str, Any]) -> None:
+        """The ranks announced their knobs (lock held): made in the running cell, they are
+        its run's starting values (before its first point the run is not started, and the
+        last run's stay)."""
+        run = self.record(self._run_id)
+        if self._in_cell and not self._want_run and run is not None and not run["changes"]:
+            run["knobs"] = values
+
+    def applied(self, step: int, values: dict[str, Any], rank: Any, now: float) -> None:
+        """A rank applied a knob change at ``step`` (lock held): a segment of the running
+        run (which starts here when the change came before the cell's first log)."""
+        if self._in_cell and self._want_run:
+            self._start(now)
+        run = self.record(self._run_id)
+        if self._in_cell and run is not None:
+            label = ", ".join(f"{k}={v:g}" for k, v in values.items())
+            run["changes"].append((step, dict(values), rank))
+            if (step, label) not in run["marks"]:
+                run["marks"].append((step, label))
+
+    def begin_cluster(self) -> None:  # lock held
         """A new cluster: no run is current (views of the current run start empty) until
         a cell of it logs; earlier runs keep their points and are marked earlier."""
-        self.cluster_no += 1
-        self.cluster_info = dict(info)
-        self.run_id = 0
+        self._run_id = 0
         self._want_run = False
 
-    def _clear_runs(self) -> None:  # lock held
-        self._curves.clear()
-        self.runs.clear()
-        self.run_id = 0
+    def segments(self) -> dict[int, tuple[dict[str, Any], list[Any]]]:
+        """Per run: its starting knobs and its changes, copied (lock held)."""
+        return {r["id"]: (dict(r["knobs"]), list(r["changes"])) for r in self.records}
 
-    def hide_runs(self, keep_last: int = 1) -> int:
+    def clear(self) -> None:  # lock held
+        self._curves.clear()
+        self.records.clear()
+        self._run_id = 0
+
+    # ------------------------------------------------------------------ views
+    def hide(self, keep_last: int = 1) -> int:
         """Take all but the last ``keep_last`` runs off the comparison chart (their points
         stay in ``hvdnb.metrics()``); returns how many were hidden."""
-        with self._lock:
+        with self._points.lock:
             n = 0
-            for run in self.runs[: max(0, len(self.runs) - keep_last)]:
+            for run in self.records[: max(0, len(self.records) - keep_last)]:
                 if not run["hidden"]:
                     run["hidden"] = True
                     n += 1
-            self.version += 1
+            self._points.changed()
             return n
 
-    def run_curves(
+    def curves(
         self, x: str = "step", name: str = "loss", last_runs: int = 5, points: int | None = None
     ) -> list[dict[str, Any]]:
         """The visible runs' mean-over-ranks ``name`` per step, for overlaying.
@@ -187,15 +237,15 @@ class RunsMixin(PointStore):
         first; ``earlier``: the run was on a cluster stopped or restarted since (its label
         says which: ``run 2 (earlier cluster: 1 rank, NCCL)``)
         """
-        with self._lock:
-            runs = [dict(r) for r in self.runs if not r["hidden"]][-last_runs:]
+        with self._points.lock:
+            runs = [dict(r) for r in self.records if not r["hidden"]][-last_runs:]
             out = []
             for run in runs:
                 rid = run["id"]
                 cs = self._curves.get((rid, name))
                 if cs is None:
                     cs = self._curves[(rid, name)] = _CurveSums()
-                cs.add(self._series, rid, name)
+                cs.add(self._points.items(), rid, name)
                 acc, samples = cs.sums, cs.samples
                 if cs.unsorted:
                     cs.order.sort()
@@ -221,7 +271,7 @@ class RunsMixin(PointStore):
                         if i == len(steps) or (i > 0 and st - steps[i - 1] <= steps[i] - st):
                             i -= 1
                         marks.append((xmap[steps[i]] if xmap else float(steps[i]), lab))
-                earlier = run.get("cluster", self.cluster_no) != self.cluster_no
+                earlier = run.get("cluster", self._link.number) != self._link.number
                 out.append(
                     {
                         "id": rid,

@@ -1,37 +1,48 @@
 """The notebook's metrics store: every point the ranks sent, and ``hvdnb.metrics()``.
 
-``MetricsStore`` is assembled from its parts, each in its own module: the points and the
-state they share (``points``), ingesting the side channel's messages (``ingest``), runs
-and knob segments (``runs``), the knob protocol's notebook half (``knobreq``) and the
-views the panel reads (``views``). This module adds what needs them all: the rows of
-``hvdnb.metrics()`` with their exports, clearing, and the wiring to a cluster's side
-channel; and the notebook's one store (``get_store``, ``attach``), ``hvdnb.metrics`` and
-``hvdnb.set_knobs``.
+``MetricsStore`` is a thin facade over the objects it owns, each handed only what it
+needs and owning its own fields:
+
+- ``PointStore`` (``points``): the points in typed columns, the one lock, ``version``;
+- ``Link`` (``link``): the cluster and channel it is fed from, what each rank said of
+  itself (``rank_info``), where plans go;
+- ``Runs`` (``runs``): runs and knob segments, the current run, the cell running;
+- ``KnobSpec`` and ``KnobRequests`` (``knobreq``): the announced knobs, requests, plans,
+  applications;
+- ``Alarms`` (``alarms``): the watchers, their lines and the stop they ask for;
+- ``Ingest`` (``ingest``): the channel thread's messages in;
+- ``Views`` (``views``): what the panel and ``%dist`` read (breakdown, hint, comm, hosts);
+- ``build_rows`` (``rows``): the rows of ``hvdnb.metrics()`` with their exports.
+
+This module wires them (who gets what is in ``MetricsStore.__init__``), clears them,
+connects a cluster's side channel, and holds the notebook's one store (``get_store``,
+``attach``), ``hvdnb.metrics``, ``hvdnb.set_knobs`` and ``hvdnb.watch``.
 
 One-way with the cluster: a cluster attaches the store when it starts; the store follows
 the current cluster (a restart brings a new channel) through the tiny
-``hvdnb.notebook.cluster.registry``, and reads of a cluster only ``channel`` and
-``client.ids``.
+``hvdnb.notebook.cluster.registry``, and reads of a cluster only ``channel``,
+``client.ids``, ``hosts_seen`` and what it is (``n``, ``backend``, ``device``).
 
 Never: import torch, widgets or the cluster's modules beyond that registry; block the
 channel thread; invent a value: a reading a rank did not send is None (shown as "n/a") or
-NaN, not 0.
+NaN, not 0; hold state of its own beyond its parts.
 """
 
 from __future__ import annotations
 
-import csv
-import json
-import math
 import threading
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from hvdnb.notebook.cluster import registry
-from hvdnb.notebook.metrics.ingest import IngestMixin
-from hvdnb.notebook.metrics.knobreq import KnobsMixin
-from hvdnb.notebook.metrics.views import ViewsMixin
-from hvdnb.notebook.metrics.watchers import WatchSettings
+from hvdnb.notebook.metrics.alarms import Alarms
+from hvdnb.notebook.metrics.ingest import Ingest
+from hvdnb.notebook.metrics.knobreq import KnobRequests, KnobSpec
+from hvdnb.notebook.metrics.link import Link
+from hvdnb.notebook.metrics.points import PointStore
+from hvdnb.notebook.metrics.rows import MetricRow, MetricRows, build_rows
+from hvdnb.notebook.metrics.runs import Runs
+from hvdnb.notebook.metrics.views import Views
+from hvdnb.notebook.metrics.watchers import Alarm, WatchSettings
 from hvdnb.protocol import kinds
 
 __all__ = [
@@ -46,155 +57,385 @@ __all__ = [
 ]
 
 
-class MetricRow(NamedTuple):
-    """One point. ``run``: the logging run it belongs to (0: before any run);
-    ``segment``: how many knob changes this rank had applied in that run at this step;
-    ``knobs``: the knob values in force then (``{}`` when the loop has no knobs)."""
+class MetricsStore:
+    """Every point from every rank, plus runs, knob events and alarms; safe to feed from
+    any thread. A facade: each call goes to the part that owns it (module docstring)."""
 
-    rank: int
-    step: int
-    name: str
-    value: float
-    time: float
-    run: int = 0
-    segment: int = 0
-    knobs: dict[str, float] = {}  # noqa: RUF012 - never mutated: a fresh dict per row
+    def __init__(self) -> None:
+        self._points = points = PointStore()
+        self._link = link = Link()
+        self._spec = spec = KnobSpec()
+        self._runs = runs = Runs(points, link, spec.values)
+        self._knobs = KnobRequests(points, link, runs, spec)
+        self._alarms = alarms = Alarms(points, link, runs)
+        self._ingest = Ingest(points, link, runs, alarms)
+        self._views = Views(points, runs, link)
 
+    # ------------------------------------------------------------ wiring and clearing
+    def attach_current(self) -> None:
+        """Follow ``hvdnb.current()`` (a restarted cluster has a new channel)."""
+        c = registry.current()
+        if c is not None and c.channel is not None and c.channel is not self._link.channel:
+            self.attach(c)
 
-class MetricRows(list):  # type: ignore[type-arg]
-    """A list of ``MetricRow`` with exports."""
+    def attach(self, cluster: Any) -> None:
+        """Feed this store from ``cluster.channel`` (again after a restart: idempotent).
 
-    def to_csv(self, path: str | Path) -> Path:
-        """Write ``rank,step,name,value,time,run,segment,knobs`` rows (knobs as JSON);
-        returns the path."""
-        p = Path(path)
-        with p.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(MetricRow._fields)
-            w.writerows((*r[:-1], json.dumps(r.knobs, sort_keys=True)) for r in self)
-        return p
+        A new cluster (a start or a restart: a new channel): what the live views say
+        (ranks, step, backend, knobs, lost messages) is of this cluster from now on, and no
+        run is current until its first cell logs. The points of earlier clusters stay
+        (``hvdnb.metrics()``, the runs chart)."""
+        link = self._link
+        ch = getattr(cluster, "channel", None)
+        if ch is None or ch is link.channel:
+            link.cluster = cluster
+            return
+        with self._points.lock:
+            link.begin(cluster)
+            self._ingest.reset()
+            self._spec.spec = {}
+            self._runs.begin_cluster()
+            self._points.changed()
+        link.cluster = cluster
+        link.channel = ch
+        ch.on(kinds.METRICS, self._ingest.ingest)
+        ch.on(kinds.RANK_INFO, self._ingest.on_rank_info)
+        ch.on(kinds.KNOBS_SPEC, self._knobs.on_spec)
+        ch.on(kinds.KNOBS_PLAN, self._knobs.on_plan)
+        ch.on(kinds.KNOBS_APPLIED, self._knobs.on_applied)
+        ch.on(kinds.STOP_PLAN, self._alarms.on_stop_plan)
 
-    def to_jsonl(self, path: str | Path) -> Path:
-        """Write one JSON object per row; returns the path."""
-        p = Path(path)
-        with p.open("w") as f:
-            for r in self:
-                f.write(json.dumps(r._asdict(), allow_nan=True) + "\n")
-        return p
+    @property
+    def _channel(self) -> Any:
+        """The side channel requests and plans go out on (tests and benches set a fake)."""
+        return self._link.channel
 
-    def to_pandas(self) -> Any:
-        """A DataFrame with one column per field, the knobs spread over ``knob.<name>``
-        columns (NaN where a knob did not exist)."""
-        try:
-            import pandas as pd
-        except ImportError:  # pragma: no cover - pandas is a dependency of hvdnb
-            raise ImportError("to_pandas() needs pandas: pip install pandas") from None
+    @_channel.setter
+    def _channel(self, ch: Any) -> None:
+        self._link.channel = ch
 
-        df = pd.DataFrame([r[:-1] for r in self], columns=list(MetricRow._fields[:-1]))
-        names = sorted({k for r in self for k in r.knobs})
-        for k in names:
-            df[f"knob.{k}"] = [r.knobs.get(k, math.nan) for r in self]
-        return df
+    def clear(self) -> None:
+        """Forget every point, run, knob event and alarm."""
+        with self._points.lock:
+            self._points.clear()
+            self._runs.clear()
+            self._knobs.clear()
+            self._alarms.clear()
+            self._points.changed()
 
+    # ------------------------------------------------------------ points (PointStore)
+    @property
+    def version(self) -> int:
+        """Bumped on every change; the panel redraws when it moves."""
+        return self._points.version
 
-class MetricsStore(IngestMixin, KnobsMixin, ViewsMixin):
-    """Every point from every rank, plus runs and knob events; safe to feed from any thread.
+    @property
+    def points(self) -> int:
+        """How many points the store holds."""
+        return self._points.points
 
-    Its parts: ``IngestMixin`` (``ingest``, ``on_rank_info``, ``wait_for``), ``RunsMixin``
-    (``begin_cell``, ``end_cell``, ``runs``, ``current_run``, ``cell_no``, ``marks``,
-    ``hide_runs``, ``run_curves``),
-    ``KnobsMixin`` (``request_knobs``, ``knob_status``, ``on_spec``/``on_plan``/
-    ``on_applied``), ``AlarmsMixin`` (``set_watch``, ``alarms``, ``take_lines``,
-    ``alarm_marks``, ``on_stop_plan``), ``ViewsMixin`` (``breakdown``, ``hint``,
-    ``comm_summary``, ...) and ``PointStore`` (``series``, ``thinned``, ``latest``,
-    ``ranks``, ``names``).
-    """
+    def names(self) -> list[str]:
+        """Every metric's name."""
+        return self._points.names()
+
+    def series(
+        self, name: str, rank: int, last: int | None = None, run: int | None = None
+    ) -> tuple[list[int], list[float], list[float]]:
+        """(steps, values, times) of one metric on one rank in ``run`` (default: the
+        current run; -1: every run), the last ``last`` points (copies only those)."""
+        return self._points.series(name, rank, self._run(run), last)
+
+    def count(self, name: str, rank: int, run: int | None = None) -> int:
+        """How many points of one metric on one rank ``run`` holds (as ``series``)."""
+        return self._points.count(name, rank, self._run(run))
+
+    def thinned(
+        self, name: str, rank: int, n: int, run: int | None = None
+    ) -> tuple[list[float], list[float], int]:
+        """``series`` as a chart draws it: at most ~``n`` evenly spaced points (and the
+        last); returns (steps, values, stride)."""
+        return self._points.thinned(name, rank, n, self._run(run))
+
+    def latest(self, name: str, rank: int) -> float | None:
+        """The last value of one metric on one rank (None: none yet)."""
+        return self._points.latest(name, rank)
 
     def rows(
         self, name: str | None = None, rank: int | None = None, run: int | None = None
     ) -> MetricRows:
         """Every point as ``(rank, step, name, value, time, run, segment, knobs)``, ordered
         by rank, name, arrival; ``run`` selects one run."""
-        with self._lock:
-            items = [
-                (k, s.steps[:], s.values[:], s.times[:], list(s.runs))
-                for k, s in self._series.items()
-                if (name is None or k[1] == name) and (rank is None or k[0] == rank)
-            ]
-            runs = {r["id"]: (dict(r["knobs"]), list(r["changes"])) for r in self.runs}
-        out = MetricRows()
-        for (r, n), steps, values, times, offsets in sorted(items, key=lambda it: it[0]):
-            for k, (rid, start) in enumerate(offsets):
-                if run is not None and rid != run:
-                    continue
-                end = offsets[k + 1][1] if k + 1 < len(offsets) else len(steps)
-                knobs0, changes = runs.get(rid, ({}, []))
-                mine = sorted((st, v) for st, v, rk in changes if rk == r or rk is None)
-                for i in range(start, end):
-                    st = steps[i]
-                    seg, kv = 0, knobs0
-                    for cst, cv in mine:
-                        if cst > st:
-                            break
-                        seg += 1
-                        kv = {**kv, **cv}
-                    out.append(MetricRow(r, st, n, values[i], times[i], rid, seg, dict(kv)))
-        return out
+        return build_rows(self._points, self._runs, name, rank, run)
 
+    def _run(self, run: int | None) -> int:
+        return self._runs.run_id if run is None else run
+
+    # ------------------------------------------------------------ the cluster (Link)
+    @property
+    def rank_info(self) -> dict[int, dict[str, Any]]:
+        """Per rank: what it said of itself (host, local_rank, pid) and of its loop
+        (step, step_time, backend, idle, seen)."""
+        return self._link.rank_info
+
+    @property
+    def cluster_no(self) -> int:
+        """How many clusters were attached (0: none yet)."""
+        return self._link.number
+
+    @property
+    def cluster_info(self) -> dict[str, Any]:
+        """The cluster the live views describe: ``{"n", "backend", "device"}``."""
+        return self._link.info
+
+    # ------------------------------------------------------------ messages in (Ingest)
+    def ingest(self, msg: dict[str, Any]) -> None:
+        """Add one ``metrics`` message."""
+        self._ingest.ingest(msg)
+
+    def on_rank_info(self, msg: dict[str, Any]) -> None:
+        """A rank says where it runs (sent once when its channel connects)."""
+        self._ingest.on_rank_info(msg)
+
+    def wait_for(self, marks: dict[int, tuple[int, int]], timeout: float) -> bool:
+        """Wait until every rank's message ``seq`` from process ``pid`` (``marks``: rank ->
+        (pid, seq)) is here; see ``Ingest.wait_for``."""
+        return self._ingest.wait_for(marks, timeout)
+
+    @property
+    def messages(self) -> int:
+        """``metrics`` messages ingested."""
+        return self._ingest.messages
+
+    @property
+    def lost_messages(self) -> int:
+        """Sequence gaps of the attached cluster's ranks."""
+        return self._ingest.lost_messages
+
+    @property
+    def lost_rows(self) -> int:
+        """Rows the attached cluster's ranks' rings overwrote before they could flush."""
+        return self._ingest.lost_rows
+
+    @property
+    def arrivals(self) -> list[tuple[float, float]]:
+        """(time a loss row was logged on its rank, time it got here), with
+        ``keep_arrivals``."""
+        return self._ingest.arrivals
+
+    @property
+    def keep_arrivals(self) -> bool:
+        """Record ``arrivals`` (off by default)."""
+        return self._ingest.keep_arrivals
+
+    @keep_arrivals.setter
+    def keep_arrivals(self, on: bool) -> None:
+        self._ingest.keep_arrivals = on
+
+    # ------------------------------------------------------------ runs (Runs)
+    @property
+    def run_id(self) -> int:
+        """The current run (0: none yet); views read it by default."""
+        return self._runs.run_id
+
+    @property
+    def runs(self) -> list[dict[str, Any]]:
+        """The runs in order: ``{"id", "cell", "started", "knobs", "changes", "marks",
+        "hidden", "cluster", "cluster_text"}``."""
+        return self._runs.records
+
+    @property
+    def cell_no(self) -> int | None:
+        """The number of the ``%%distributed`` cell running or last run (None before)."""
+        return self._runs.cell_no
+
+    @property
+    def marks(self) -> list[tuple[int, str]]:
+        """(step, label) of the knob changes applied in the current run."""
+        return self._runs.marks
+
+    def current_run(self) -> dict[str, Any] | None:
+        """The current run's record (None before the first run); see ``runs``."""
+        return self._runs.record(self._runs.run_id)
+
+    def begin_cell(self, cell_no: int | None = None) -> None:
+        """A ``%%distributed`` cell starts: its first logged point starts a new run."""
+        self._runs.begin_cell(cell_no)
+
+    def end_cell(self) -> None:
+        """The cell ended (after its last points arrived)."""
+        self._runs.end_cell()
+
+    def hide_runs(self, keep_last: int = 1) -> int:
+        """Take all but the last ``keep_last`` runs off the comparison chart; returns how
+        many were hidden."""
+        return self._runs.hide(keep_last)
+
+    def run_curves(
+        self, x: str = "step", name: str = "loss", last_runs: int = 5, points: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The visible runs' mean-over-ranks ``name`` per step, for overlaying; see
+        ``Runs.curves``."""
+        return self._runs.curves(x, name, last_runs, points)
+
+    # ------------------------------------------------------------ knobs (KnobRequests)
+    @property
+    def knob_spec(self) -> dict[str, dict[str, Any]]:
+        """The knobs of the running job: name -> spec, with the value in force."""
+        return self._spec.spec
+
+    @knob_spec.setter
+    def knob_spec(self, spec: dict[str, dict[str, Any]]) -> None:
+        self._spec.spec = spec
+
+    @property
+    def knob_events(self) -> list[dict[str, Any]]:
+        """Requests, plans, applications and refusals, in order."""
+        return self._knobs.events
+
+    @property
+    def last_request(self) -> str | None:
+        """The id of the latest request sent."""
+        return self._knobs.last_request
+
+    def on_spec(self, msg: dict[str, Any]) -> None:
+        """The ranks announced their knobs."""
+        self._knobs.on_spec(msg)
+
+    def on_plan(self, msg: dict[str, Any]) -> None:
+        """Rank 0's decision: record it and forward it to every rank."""
+        self._knobs.on_plan(msg)
+
+    def on_applied(self, msg: dict[str, Any]) -> None:
+        """A rank applied a change."""
+        self._knobs.on_applied(msg)
+
+    def refusal(self, values: dict[str, Any], at_step: int | None = None) -> str | None:
+        """Why the knobs refuse ``values`` (at ``at_step``); None when they accept them."""
+        return self._knobs.refusal(values, at_step)
+
+    def request_knobs(self, at_step: int | None = None, **values: Any) -> tuple[bool, str]:
+        """Ask rank 0 to schedule a change; returns (sent, message). Validated here first."""
+        return self._knobs.request(at_step, **values)
+
+    def change_knobs(
+        self,
+        /,
+        *,
+        at_step: int | None = None,
+        after: float | None = None,
+        timeout: float = 3.0,
+        **values: Any,
+    ) -> dict[str, Any]:
+        """``hvdnb.set_knobs`` on this store (see its docstring)."""
+        return self._knobs.change(at_step=at_step, after=after, timeout=timeout, **values)
+
+    def knob_status(self, rid: str | None = None) -> dict[str, Any]:
+        """For one request (default: the latest): plan and the ranks that applied it."""
+        return self._knobs.status(rid)
+
+    # ------------------------------------------------------------ watchers (Alarms)
+    @property
+    def watch_settings(self) -> WatchSettings:
+        """The watch settings in force (``hvdnb.watch``)."""
+        return self._alarms.settings
+
+    @property
+    def alarms(self) -> list[Alarm]:
+        """Every alarm, in the order found (``Alarm.run`` says whose run)."""
+        return self._alarms.alarms
+
+    @property
+    def stop_events(self) -> list[dict[str, Any]]:
+        """Stop requests and rank 0's answers."""
+        return self._alarms.stop_events
+
+    @property
+    def drift_checks(self) -> int:
+        """Comparisons of the ranks' fingerprints made in the current run."""
+        return self._alarms.drift_checks
+
+    def set_watch(self, **values: Any) -> WatchSettings:
+        """Change the watch settings (``hvdnb.watch``); ``ValueError`` for a bad value."""
+        return self._alarms.set(**values)
+
+    def on_stop_plan(self, msg: dict[str, Any]) -> None:
+        """Rank 0's answer to a stop request: forward it to every rank."""
+        self._alarms.on_stop_plan(msg)
+
+    def take_lines(self, final: bool = False) -> list[str]:
+        """The alarm and stop lines to show now in the running cell."""
+        return self._alarms.take_lines(final)
+
+    def run_alarms(self, run: int | None = None) -> list[Alarm]:
+        """The alarms of ``run`` (default: the current one)."""
+        return self._alarms.of_run(run)
+
+    def alarm_lines(self, run: int | None = None) -> list[str]:
+        """Each alarm of ``run`` (default: the current one) in words."""
+        return self._alarms.lines(run)
+
+    def alarm_marks(self) -> list[tuple[int, str]]:
+        """(step, label) of the current run's alarms, for the loss chart."""
+        return self._alarms.marks()
+
+    def alarm_summary(self) -> str:
+        """The live line's part: ``nan loss r1@57, spike r0@300`` ("" when none)."""
+        return self._alarms.summary()
+
+    # ------------------------------------------------------------ views (Views)
     def ranks(self) -> list[int]:
         """The ranks of the attached cluster (every rank heard from, before any)."""
-        if not self.cluster_no:
-            return super().ranks()
-        with self._lock:
-            return sorted(self.rank_info)
+        return self._views.ranks()
 
-    def clear(self) -> None:
-        with self._lock:
-            self._clear_points()
-            self._clear_runs()
-            self.knob_events.clear()
-            self._clear_alarms()
-            self.version += 1
+    def per_step(
+        self, prefix: str, rank: int, last_steps: int = 50, suffix: str = "/time"
+    ) -> dict[int, float]:
+        """Per step of the current run, the sum of the metrics ``prefix``...``suffix``
+        (or ``prefix`` itself), over the last ``last_steps`` steps."""
+        return self._views.per_step(prefix, rank, last_steps, suffix)
 
-    # -------------------------------------------------------------- wiring
-    def attach_current(self) -> None:
-        """Follow ``hvdnb.current()`` (a restarted cluster has a new channel)."""
-        c = registry.current()
-        if c is not None and c.channel is not None and c.channel is not self._channel:
-            self.attach(c)
+    def at_steps(
+        self, prefix: str, rank: int, steps: Any, suffix: str = "/time"
+    ) -> dict[int, float]:
+        """``per_step``'s sums at the given steps of the current run."""
+        return self._views.at_steps(prefix, rank, steps, suffix)
 
-    def attach(self, cluster: Any) -> None:
-        """Feed this store from ``cluster.channel`` (again after a restart: idempotent)."""
-        ch = getattr(cluster, "channel", None)
-        if ch is None or ch is self._channel:
-            self._cluster = cluster
-            return
-        with self._lock:
-            self._begin_cluster(cluster)
-        self._cluster = cluster
-        self._channel = ch
-        ch.on(kinds.METRICS, self.ingest)
-        ch.on(kinds.RANK_INFO, self.on_rank_info)
-        ch.on(kinds.KNOBS_SPEC, self.on_spec)
-        ch.on(kinds.KNOBS_PLAN, self.on_plan)
-        ch.on(kinds.KNOBS_APPLIED, self.on_applied)
-        ch.on(kinds.STOP_PLAN, self.on_stop_plan)
+    def breakdown(self, last_steps: int = 50) -> dict[int, dict[str, float]]:
+        """Median seconds per step on each rank, split into data / compute / comm; see
+        ``Views.breakdown``."""
+        return self._views.breakdown(last_steps)
 
-    def _begin_cluster(self, cluster: Any) -> None:  # lock held
-        """A new cluster (a start or a restart: a new channel). What the live views say
-        (ranks, step, backend, knobs, lost messages) is of this cluster from now on: the
-        ranks it has, known by the hello each sent before its start returned, and no step
-        yet. The points of earlier clusters stay (``hvdnb.metrics()``, the runs chart)."""
-        self.rank_info.clear()
-        for r, host in dict(getattr(cluster, "hosts_seen", None) or {}).items():
-            self.rank_info[r] = {"host": host}
-        self._seq.clear()
-        self._lost_by_rank.clear()
-        self.lost_messages = self.lost_rows = 0
-        self.knob_spec = {}
-        info = {k: getattr(cluster, k, None) for k in ("n", "backend", "device")}
-        self._begin_runs_of_cluster(info)
-        self.version += 1
+    def hint(self, last_steps: int = 50) -> str:
+        """One line naming the bottleneck (data, communication or compute) and stragglers."""
+        return self._views.hint(last_steps)
+
+    def hosts(self) -> dict[str, list[int]]:
+        """Ranks grouped by the host they said they run on (``"?"`` until they say)."""
+        return self._views.hosts()
+
+    def host_summary(self, name: str = "loss") -> list[dict[str, Any]]:
+        """Per host: its ranks, the step range, and min / median / max of ``name``."""
+        return self._views.host_summary(name)
+
+    def collective_times(self, last_steps: int = 50) -> dict[str, dict[int, float]]:
+        """Per bucket, per step of the current run: the collective's time."""
+        return self._views.collective_times(last_steps)
+
+    def comm_summary(self, last: int = 20) -> list[dict[str, Any]]:
+        """Per rank and bucket: collective, own and exposed times, bytes, bus bandwidth."""
+        return self._views.comm_summary(last)
+
+    def memory(self) -> dict[int, dict[str, float | None]]:
+        """Latest memory and GPU-utilisation readings per rank (None: not reported)."""
+        return self._views.memory()
+
+    def throughput(self, window: float = 3.0) -> float | None:
+        """Samples per second over every rank in the last ``window`` seconds of logs."""
+        return self._views.throughput(window)
+
+    def progress(self) -> tuple[int, int | None]:
+        """(latest step seen on any rank, total_steps if the loop said so)."""
+        return self._views.progress()
 
 
 _STORE: MetricsStore | None = None

@@ -1,10 +1,12 @@
 """What the panel and ``%dist`` read of the points: step-time breakdown, hints, comm, hosts.
 
-Owns: the derived views of the current run: per-step sums (``per_step``, ``at_steps``),
-the step-time breakdown into data / compute / comm with its one-line hint, the
-collectives (``collective_times``, ``comm_summary``), memory, throughput, progress, and the
-ranks grouped by host (``hosts``, ``host_summary``: each rank says its host once, in
-``rank_info``).
+Owns (``Views``, handed the point store, ``Runs`` for the current run and the ``Link`` for
+what the ranks said of themselves; its one field is the breakdown's cache): the ranks the
+views cover (``ranks``) and the derived views of the current run: per-step sums
+(``per_step``, ``at_steps``), the step-time breakdown into data / compute / comm with its
+one-line hint, the collectives (``collective_times``, ``comm_summary``), memory,
+throughput, progress, and the ranks grouped by host (``hosts``, ``host_summary``: each
+rank says its host once, in ``rank_info``).
 
 Communication, per collective or fused bucket and step, as ``hvdnb.torch`` and
 ``ddp_comm_hook`` report it: ``comm/<bucket>/time`` is the collective's own duration,
@@ -31,17 +33,28 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import MANY_RANKS, PointStore
+from hvdnb.notebook.metrics.runs import Runs
 
-__all__ = ["ViewsMixin"]
+__all__ = ["Views"]
 
 
-class ViewsMixin(PointStore):
-    """The derived views of a ``MetricsStore``."""
+class Views:
+    """The derived views of a ``MetricsStore``; they read, never write, the points."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, points: PointStore, runs: Runs, link: Link) -> None:
+        self._points = points
+        self._runs = runs
+        self._link = link
         self._breakdown_cache: tuple[tuple[int, int], dict[int, dict[str, float]]] | None = None
+
+    def ranks(self) -> list[int]:
+        """The ranks of the attached cluster (every rank heard from, before any)."""
+        with self._points.lock:
+            if self._link.number:
+                return sorted(self._link.rank_info)
+            return sorted(set(self._points.rank_ids()) | set(self._link.rank_info))
 
     def per_step(
         self, prefix: str, rank: int, last_steps: int = 50, suffix: str = "/time"
@@ -49,12 +62,15 @@ class ViewsMixin(PointStore):
         """Sum of every metric whose name starts with ``prefix`` and ends with ``suffix``
         (or equals ``prefix``), per step of the current run, over its last ``last_steps``
         steps."""
-        with self._lock:
+        with self._points.lock:
             keys = self._summed_keys(prefix, rank, suffix)
+            rid = self._runs.run_id
             parts = []
             for k in keys:
-                s = self._series[k]
-                rs = s.run_slice(self.run_id)
+                s = self._points.get(*k)
+                if s is None:
+                    continue
+                rs = s.run_slice(rid)
                 lo = max(rs.start, rs.stop - 4 * last_steps)
                 parts.append((s.steps[lo : rs.stop], s.values[lo : rs.stop]))
         out: dict[int, float] = {}
@@ -72,7 +88,7 @@ class ViewsMixin(PointStore):
         with ``prefix`` and ending with ``suffix`` (caller holds the lock)."""
         return [
             (rank, n)
-            for n in self._names_of.get(rank, ())
+            for n in self._points.names_of(rank)
             if n == prefix or (n.startswith(prefix) and n.endswith(suffix))
         ]
 
@@ -82,12 +98,15 @@ class ViewsMixin(PointStore):
         """``per_step``'s sums at the given steps of the current run (steps missing from a
         series contribute nothing). Found by bisection: step numbers increase within a
         loop; a cell that runs two loops (steps start over) may find fewer of them."""
-        with self._lock:
+        with self._points.lock:
             keys = self._summed_keys(prefix, rank, suffix)
+            rid = self._runs.run_id
             out: dict[int, float] = {}
             for k in keys:
-                s = self._series[k]
-                rs = s.run_slice(self.run_id)
+                s = self._points.get(*k)
+                if s is None:
+                    continue
+                rs = s.run_slice(rid)
                 arr, values = s.steps, s.values
                 lo_, hi_ = rs.start, rs.stop
                 for st in steps:
@@ -117,9 +136,9 @@ class ViewsMixin(PointStore):
         keeps a redraw at 1,024 ranks within ~0.1 s.
         """
         cached = self._breakdown_cache
-        if cached is not None and cached[0] == (self.version, last_steps):
+        version = self._points.version
+        if cached is not None and cached[0] == (version, last_steps):
             return cached[1]
-        version = self.version
         ranks = self.ranks()
         if len(ranks) > MANY_RANKS:
             last_steps = max(5, last_steps // 5)
@@ -178,7 +197,7 @@ class ViewsMixin(PointStore):
         """Ranks grouped by the host they said they run on (``"?"`` until they say)."""
         out: dict[str, list[int]] = {}
         for r in self.ranks():
-            out.setdefault(str(self.rank_info.get(r, {}).get("host") or "?"), []).append(r)
+            out.setdefault(str(self._link.rank_info.get(r, {}).get("host") or "?"), []).append(r)
         return dict(sorted(out.items(), key=lambda kv: kv[1][0]))
 
     def host_summary(self, name: str = "loss") -> list[dict[str, Any]]:
@@ -188,10 +207,10 @@ class ViewsMixin(PointStore):
         for host, ranks in self.hosts().items():
             vals, steps, times = [], [], []
             for r in ranks:
-                v = self.latest(name, r)
+                v = self._points.latest(name, r)
                 if v is not None and v == v:
                     vals.append(v)
-                info = self.rank_info.get(r, {})
+                info = self._link.rank_info.get(r, {})
                 if info.get("step") is not None:
                     steps.append(int(info["step"]))
                 if info.get("step_time") is not None:
@@ -215,12 +234,13 @@ class ViewsMixin(PointStore):
         """Per bucket, per step of the current run: the collective's time, i.e. the
         smallest of the ranks' readings at that step (see the module docstring); NaN
         readings (not measurable) are left out."""
-        with self._lock:
+        with self._points.lock:
             out: dict[str, dict[int, float]] = {}
-            for (_, n), s in self._series.items():
+            rid = self._runs.run_id
+            for (_, n), s in self._points.items():
                 if not (n.startswith("comm/") and n.endswith("/time")):
                     continue
-                rs = s.run_slice(self.run_id)
+                rs = s.run_slice(rid)
                 lo = max(rs.start, rs.stop - 4 * last_steps)
                 per = out.setdefault(n[5:-5], {})
                 for st, v in zip(s.steps[lo : rs.stop], s.values[lo : rs.stop]):
@@ -242,15 +262,20 @@ class ViewsMixin(PointStore):
         ("n/a")."""
         n_ranks = max(1, len(self.ranks()))
         coll = self.collective_times(last_steps=last)
-        with self._lock:
-            keys = [k for k in self._series if k[1].startswith("comm/") and k[1].endswith("/time")]
+        with self._points.lock:
+            keys = [
+                k
+                for k, _ in self._points.items()
+                if k[1].startswith("comm/") and k[1].endswith("/time")
+            ]
             data = []
+            rid = self._runs.run_id
 
             def tail(key: tuple[int, str]) -> tuple[Sequence[int], Sequence[float]]:
-                s = self._series.get(key)
+                s = self._points.get(*key)
                 if s is None:
                     return [], []
-                rs = s.run_slice(self.run_id)
+                rs = s.run_slice(rid)
                 lo = max(rs.start, rs.stop - last)
                 return s.steps[lo : rs.stop], s.values[lo : rs.stop]
 
@@ -287,7 +312,7 @@ class ViewsMixin(PointStore):
                     "exposed": statistics.median(ee) if ee else None,
                     "bus_bandwidth": bw,
                     "bandwidth": bw,
-                    "backend": self.rank_info.get(r, {}).get("backend"),
+                    "backend": self._link.rank_info.get(r, {}).get("backend"),
                 }
             )
         return out
@@ -302,16 +327,17 @@ class ViewsMixin(PointStore):
             "mem/gpu_util_pct",
             "mem/gpu_membw_util_pct",
         )
-        return {r: {n[4:]: self.latest(n, r) for n in names} for r in self.ranks()}
+        return {r: {n[4:]: self._points.latest(n, r) for n in names} for r in self.ranks()}
 
     def throughput(self, window: float = 3.0) -> float | None:
         """Samples per second over every rank in the last ``window`` seconds of logs."""
         total, t_lo, t_hi = 0.0, math.inf, -math.inf
         found = False
         ranks = self.ranks()
+        rid = self._runs.run_id
         last = 2000 if len(ranks) <= MANY_RANKS else 200
         for r in ranks:
-            _, vals, times = self.series("samples", r, last=last)
+            _, vals, times = self._points.series("samples", r, rid, last=last)
             if not times:
                 continue
             found = True
@@ -327,8 +353,7 @@ class ViewsMixin(PointStore):
 
     def progress(self) -> tuple[int, int | None]:
         """(latest step seen on any rank, total_steps if the loop said so)."""
-        steps: list[int] = [i.get("step") or 0 for i in self.rank_info.values()]
-        totals: list[int] = [
-            i["total_steps"] for i in self.rank_info.values() if i.get("total_steps")
-        ]
+        infos = list(self._link.rank_info.values())
+        steps: list[int] = [i.get("step") or 0 for i in infos]
+        totals: list[int] = [i["total_steps"] for i in infos if i.get("total_steps")]
         return (max(steps) if steps else 0), (max(totals) if totals else None)

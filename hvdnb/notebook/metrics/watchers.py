@@ -23,7 +23,7 @@ checks on the new columns; nothing runs on the ranks but the drift fingerprints)
 Owns: ``WatchSettings`` (each watcher's action, ``warn`` / ``stop`` / ``off``, and the
 thresholds, with their validation and the text form ``%dist watch`` reads), the three
 detectors and ``Alarm``. Never: read the store, send, print, or hold state beyond a run
-(the store's ``AlarmsMixin`` resets them when a run starts).
+(the store's ``Alarms`` resets them when a run starts).
 """
 
 from __future__ import annotations
