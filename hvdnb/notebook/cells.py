@@ -4,8 +4,9 @@ Owns: sending a cell to the engines (``apply`` of ``hvdnb.rank.engine.run_cell``
 cheaper than ``execute``), streaming each rank's output while it runs (collapsed by
 ``OutputCollapser``), the watchers' alarm lines (``hvdnb.watch``: the store finds them,
 the waiting loop prints them), displaying trailing-expression values once per distinct value,
-turning errors into one ``DistributedCellError`` that names the ranks, fail-fast when one
-rank fails while others keep running, and what the notebook's stop button does.
+turning errors into one ``DistributedCellError`` that names the ranks, and carrying out what
+the wait's policy (``hvdnb.notebook.cellwait.CellWait``: fail fast, the stop button, the
+timeout, stall checks) decides.
 
 Never: block without a deadline when a rank has failed, or print the same traceback once
 per rank.
@@ -21,15 +22,28 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hvdnb.config import get_config
+from hvdnb.notebook.cellwait import (
+    ESCALATE_AFTER,
+    Action,
+    CellWait,
+    CheckAlive,
+    Escalate,
+    Finish,
+    Interrupt,
+    LookForStall,
+    Pump,
+    Redraw,
+)
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.stall import StallWatch
 from hvdnb.notebook.streaming import Streamer
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import REBUILD_GROUP, RUN_CELL
+from hvdnb.protocol.replies import CellReply
 
 __all__ = [
     "CellResult",
@@ -323,16 +337,27 @@ def run_cell(
     # loop below acts on it, so the stop button never leaves the ranks running unwatched
     sigint = _SigintLatch()
     try:
-        ar, cell_no, ranks, everyone, store, t0 = _submit(cluster, code, targets)
+        sent = _submit(cluster, code, targets)
+        run = _CellRun(cluster, code, sent, cfg, timeout, stream)
     except BaseException:
         sigint.close()
         raise
-    return _wait_cell(
-        cluster, code, ar, cell_no, ranks, everyone, store, t0, sigint, cfg, timeout, stream, quiet
-    )
+    run.wait(sigint)
+    return run.finish(quiet)
 
 
-def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int], bool, Any, float]:
+class _Sent(NamedTuple):
+    """A cell on its way: its AsyncResult (first, as tests unpack it), number and ranks."""
+
+    ar: Any
+    cell_no: int
+    ranks: list[int]
+    everyone: bool  #: sent to every rank (the export names no targets)
+    store: Any  #: the metrics store, whose run the cell began
+    t0: float  #: ``time.monotonic()`` when it was sent
+
+
+def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     """Check the ranks, start the cell on them (apply_async) and begin its run in the store."""
     cluster.check_alive()
     health.require_all_ranks(cluster)
@@ -347,168 +372,173 @@ def _submit(cluster: Any, code: str, targets: Any) -> tuple[Any, int, list[int],
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
     t0 = time.monotonic()
     ar = view.apply_async(_engine_runner(), code, cell_no)
-    return ar, cell_no, ranks, everyone, store, t0
+    return _Sent(ar, cell_no, ranks, everyone, store, t0)
 
 
-def _wait_cell(
-    cluster: Any,
-    code: str,
-    ar: Any,
-    cell_no: int,
-    ranks: list[int],
-    everyone: bool,
-    store: Any,
-    t0: float,
-    sigint: _SigintLatch,
-    cfg: Any,
-    timeout: float | None,
-    stream: bool,
-    quiet: bool,
-) -> CellResult:
-    """Stream the running cell's output until every rank is done; interrupt on Ctrl-C, a
-    failed rank (fail-fast) or the timeout; collect the results."""
-    result = CellResult(cell=cell_no, ranks=ranks)
-    # the AsyncResult's own metadata dicts, taken when the cell was sent: the client's
-    # ``metadata`` is a defaultdict that drops an entry once its output is complete, and a
-    # lookup after that (a fast cell, a loaded machine) made a fresh empty one: the cell's
-    # output was lost (1 cell in ~40 under load)
-    metadata = list(ar._metadata)
-    limit = int(cfg.output_limit_mb * 1e6) if cfg.output_limit_mb > 0 else None
-    state_dir = getattr(cluster, "state_dir", None) or tempfile.gettempdir()
-    spill = os.path.join(state_dir, "output", f"cell{cell_no}.txt")
-    streamer = Streamer(metadata, ranks, cfg.collapse_window, limit, spill)
-    note = ""
-    interrupted_at: float | None = None
-    failed_at: float | None = None
-    deadline = None if timeout is None else t0 + timeout
-    watch = StallWatch(cluster, ranks, cfg.stall_after)
-    prompt = _PdbPrompt(cluster)
-    futures = dict(zip(ranks, ar._children))  # one reply future per rank
-    children: dict[int, Any] = {}  # per-rank AsyncResults, made only when ranks finish apart
-    done: set[int] = set()
-    resent = False
-    try:
-        while True:
-            try:
-                if sigint.seen and interrupted_at is None:
-                    # a Ctrl-C whose KeyboardInterrupt Python swallowed (raised inside a
-                    # weakref callback or __del__, it is only "unraisable"): act on it anyway
-                    raise KeyboardInterrupt
-                if ar.wait(cfg.output_interval) and ar.successful():
-                    outs = ar.get(0)  # the common case: every rank done, one unpacking
-                    for r, out in zip(ranks, outs):
-                        if r not in done:
-                            done.add(r)
-                            _record(result, r, out)
-                else:
-                    if not children:  # ranks finish apart (or one failed at engine level)
-                        children = dict(zip(ranks, ar.split()))
-                    for r, fut in futures.items():
-                        if r not in done and fut.done():
-                            done.add(r)
-                            _collect(result, r, children[r], cluster)
-                            if r in result.errors and failed_at is None:
-                                failed_at = time.monotonic()
-                            if result.errors.get(r, {}).get("dead") and interrupted_at is None:
-                                # a dead peer: the others' collectives can never complete, so
-                                # no grace period before interrupting them
-                                interrupted_at = _interrupt(
-                                    cluster, [q for q in ranks if q not in done]
-                                )
-                if stream:
-                    streamer.pump()
-                if prompt.serve():
-                    # a rank sat at breakpoint(): its peers' waiting is no stall, and the
-                    # stall detector's countdown starts again
-                    watch.t0 = time.monotonic()
-                    watch.previous = None
-                    if deadline is not None:
-                        deadline = None  # a debugging session is not the cell timing out
-                _show_alarms(store, False)
-                _run_hooks(False)
-                if len(done) == len(ranks):
+class _CellRun:
+    """The I/O half of a cell's wait: it polls the ranks, tells the ``CellWait`` policy
+    (``hvdnb.notebook.cellwait``) what happened, and carries out the actions it returns
+    (output, redraws, interrupts, health and stall checks); then collects the results."""
+
+    def __init__(
+        self,
+        cluster: Any,
+        code: str,
+        sent: _Sent,
+        cfg: Any,
+        timeout: float | None,
+        stream: bool,
+    ) -> None:
+        self.cluster, self.code, self.sent, self.stream = cluster, code, sent, stream
+        self.interval = cfg.output_interval
+        self.result = CellResult(cell=sent.cell_no, ranks=sent.ranks)
+        # the AsyncResult's own metadata dicts, taken when the cell was sent: the client's
+        # ``metadata`` is a defaultdict that drops an entry once its output is complete, and
+        # a lookup after that (a fast cell, a loaded machine) made a fresh empty one: the
+        # cell's output was lost (1 cell in ~40 under load)
+        self.metadata = list(sent.ar._metadata)
+        limit = int(cfg.output_limit_mb * 1e6) if cfg.output_limit_mb > 0 else None
+        state_dir = getattr(cluster, "state_dir", None) or tempfile.gettempdir()
+        spill = os.path.join(state_dir, "output", f"cell{sent.cell_no}.txt")
+        self.streamer = Streamer(self.metadata, sent.ranks, cfg.collapse_window, limit, spill)
+        self.policy = CellWait(sent.ranks, sent.t0, timeout, cfg.stall_after)
+        self.watch = StallWatch(cluster, sent.ranks, cfg.stall_after)
+        self.prompt = _PdbPrompt(cluster)
+        self.futures = dict(zip(sent.ranks, sent.ar._children))  # one reply future per rank
+        self.children: dict[int, Any] = {}  # per-rank AsyncResults, made when ranks finish apart
+        self.stuck: list[int] = []  # ranks that ignored an interrupt (the cluster restarts)
+
+    # ------------------------------------------------------------------ the loop
+    def wait(self, sigint: _SigintLatch) -> None:
+        """Stream the running cell's output until every rank is done, or the policy ends
+        the wait; interrupt on Ctrl-C, a failed rank (fail-fast) or the timeout."""
+        try:
+            while not self.policy.finished:
+                self._step(sigint)
+        finally:
+            sigint.close()
+            self.prompt.close()
+        self.watch.close()
+
+    def _step(self, sigint: _SigintLatch) -> None:
+        try:
+            if sigint.seen and not self.policy.interrupted:
+                # a Ctrl-C whose KeyboardInterrupt Python swallowed (raised inside a weakref
+                # callback or __del__, it is only "unraisable"): act on it anyway
+                raise KeyboardInterrupt
+            self._poll()
+            for action in self.policy.tick(time.monotonic()):
+                if self._do(action):
                     break
-                now = time.monotonic()
-                if deadline is not None and now > deadline and interrupted_at is None:
-                    note = (
-                        f"cell timed out after {timeout:g} s; the ranks still running "
-                        "were interrupted"
-                    )
-                    interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
-                if failed_at is not None and interrupted_at is None and now - failed_at > 2.0:
-                    # fail fast: a rank failed; peers not blocked on it (so not yet released) stop
-                    interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
-                if (
-                    interrupted_at is not None
-                    and not resent
-                    and interrupted_at - t0 < 0.5
-                    and now - interrupted_at > 0.5
-                ):
-                    # interrupted right after the submit: a rank that had not begun the cell
-                    # yet was idle, and an idle engine ignores SIGINT; say it once more
-                    resent = True
-                    _interrupt(cluster, [r for r in ranks if r not in done])
-                if interrupted_at is not None and now - interrupted_at > 2.0:
-                    stuck = [r for r in ranks if r not in done]
-                    cluster.check_alive()
-                    note = (
-                        f"{note + '; ' if note else ''}rank(s) {format_ranks(stuck)} did not stop "
-                        "within 2 s of an interrupt"
-                    )
-                    for r in stuck:
-                        result.errors[r] = {
-                            "ename": "Unresponsive",
-                            "evalue": "did not answer an interrupt within 2 s",
-                            "traceback": "",
-                            "interrupted": True,
-                        }
-                    break
-                if failed_at is None and interrupted_at is None:
-                    cluster.check_alive()
-                    watch.tick(done)
-            except KeyboardInterrupt:
-                note = "interrupted from the notebook"
-                if interrupted_at is None:
-                    interrupted_at = _interrupt(cluster, [r for r in ranks if r not in done])
-    finally:
-        sigint.close()
-        prompt.close()
-    watch.close()
-    try:
-        ar.wait_for_output(1.0)
-    except Exception:
-        pass
-    if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
-        store.wait_for(result.metrics_marks, timeout=1.0)
-    if stream:
-        streamer.pump(final=True)
-    _show_alarms(store, True)
-    store.end_cell()
-    _run_hooks(True)
-    result.seconds = time.monotonic() - t0
-    for r, md in zip(ranks, metadata):
-        result.stdout[r] = md.get("stdout") or ""
-        result.stderr[r] = md.get("stderr") or ""
-        cluster.last_cell[r] = {"cell": cell_no, "state": "error" if r in result.errors else "ok"}
-    # what %dist export turns into a script: every cell, in the order it ran
-    from hvdnb.notebook.export import ExportCell
+        except KeyboardInterrupt:
+            self._carry_out(self.policy.ctrl_c(time.monotonic()))
 
-    cluster.history.append(
-        ExportCell(cell_no, code, None if everyone else list(ranks), not result.errors)
-    )
-    if result.errors:
-        died = health.died_note(cluster)
-        stuck = [r for r, e in result.errors.items() if e.get("ename") == "Unresponsive"]
+    def _poll(self) -> None:
+        """Wait up to one output interval for the ranks; tell the policy who finished."""
+        ar, result, done = self.sent.ar, self.result, self.policy.done
+        if ar.wait(self.interval) and ar.successful():
+            outs = ar.get(0)  # the common case: every rank done, one unpacking
+            for r, out in zip(self.sent.ranks, outs):
+                if r not in done:
+                    _record(result, r, out)
+                    self._carry_out(self.policy.rank_done(r, time.monotonic(), r in result.errors))
+            return
+        if not self.children:  # ranks finish apart (or one failed at engine level)
+            self.children = dict(zip(self.sent.ranks, ar.split()))
+        for r, fut in self.futures.items():
+            if r not in done and fut.done():
+                _collect(result, r, self.children[r], self.cluster)
+                err = result.errors.get(r)
+                dead = bool(err and err.get("dead"))
+                self._carry_out(self.policy.rank_done(r, time.monotonic(), err is not None, dead))
+
+    def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            self._do(action)
+
+    def _do(self, action: Action) -> bool:
+        """Carry out one action; True when the rest of this tick's actions must wait (the
+        wait is over, or a pdb prompt was answered and the clock has moved on)."""
+        if isinstance(action, Pump):
+            if self.stream:
+                self.streamer.pump()
+            if self.prompt.serve():
+                # a rank sat at breakpoint(): its peers' waiting is no stall, and the stall
+                # detector's countdown starts again; the next tick decides afresh
+                self.policy.prompt_answered(time.monotonic())
+                self.watch.t0 = time.monotonic()
+                self.watch.previous = None
+                return True
+        elif isinstance(action, Redraw):
+            _show_alarms(self.sent.store, False)
+            _run_hooks(False)
+        elif isinstance(action, Interrupt):
+            _interrupt(self.cluster, list(action.ranks))
+        elif isinstance(action, CheckAlive):
+            self.cluster.check_alive()
+        elif isinstance(action, LookForStall):
+            self.watch.tick(self.policy.done)
+        elif isinstance(action, Escalate):
+            self.cluster.check_alive()
+            self.stuck = list(action.ranks)
+            for r in action.ranks:
+                self.result.errors[r] = {
+                    "ename": "Unresponsive",
+                    "evalue": f"did not answer an interrupt within {ESCALATE_AFTER:g} s",
+                    "traceback": "",
+                    "interrupted": True,
+                }
+            return True
+        elif isinstance(action, Finish):
+            return True
+        return False
+
+    # ------------------------------------------------------------------ after the wait
+    def finish(self, quiet: bool) -> CellResult:
+        """Collect the last output, points and alarms; record the cell; raise its errors
+        (``DistributedCellError``) or show its values."""
+        sent, result, store = self.sent, self.result, self.sent.store
+        try:
+            sent.ar.wait_for_output(1.0)
+        except Exception:
+            pass
+        if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
+            store.wait_for(result.metrics_marks, timeout=1.0)
+        if self.stream:
+            self.streamer.pump(final=True)
+        _show_alarms(store, True)
+        store.end_cell()
+        _run_hooks(True)
+        result.seconds = time.monotonic() - sent.t0
+        for r, md in zip(sent.ranks, self.metadata):
+            result.stdout[r] = md.get("stdout") or ""
+            result.stderr[r] = md.get("stderr") or ""
+            state = "error" if r in result.errors else "ok"
+            self.cluster.last_cell[r] = {"cell": sent.cell_no, "state": state}
+        # what %dist export turns into a script: every cell, in the order it ran
+        from hvdnb.notebook.export import ExportCell
+
+        self.cluster.history.append(
+            ExportCell(
+                sent.cell_no, self.code, None if sent.everyone else list(sent.ranks), result.ok
+            )
+        )
+        if result.errors:
+            raise DistributedCellError(result, self._error_note())
+        if not quiet:
+            _show_values(result)
+        return result
+
+    def _error_note(self) -> str:
+        """How the wait ended, and what became of the cluster: dead ranks are named, ranks
+        that ignored an interrupt get a restart, otherwise the process group is rebuilt."""
+        note = self.policy.note
+        died = health.died_note(self.cluster)
         if died:
-            note = f"{note}; {died}" if note else died
-        elif stuck:
-            note = _escalate(cluster, stuck, note)
-        else:
-            note = _rebuild_group(cluster, note)
-        raise DistributedCellError(result, note)
-    if not quiet:
-        _show_values(result)
-    return result
+            return f"{note}; {died}" if note else died
+        if self.stuck:
+            return _escalate(self.cluster, self.stuck, note)
+        return _rebuild_group(self.cluster, note)
 
 
 def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> None:
@@ -536,15 +566,15 @@ def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> 
     _record(result, rank, out)
 
 
-def _record(result: CellResult, rank: int, out: dict[str, Any]) -> None:
-    mark = out.pop("metrics", None)
-    if mark is not None:
-        result.metrics_marks[rank] = tuple(mark)
-    if out["ok"]:
-        result.values[rank] = out["value"]
-        result.reprs[rank] = out["repr"]
+def _record(result: CellResult, rank: int, out: CellReply) -> None:
+    """A rank's reply into the cell's result: its value and repr, or its error record."""
+    if out.metrics is not None:
+        result.metrics_marks[rank] = (out.metrics[0], out.metrics[1])
+    if out.ok:
+        result.values[rank] = out.value
+        result.reprs[rank] = out.repr
     else:
-        result.errors[rank] = out
+        result.errors[rank] = out.error()
 
 
 def _rebuild_group(cluster: Any, note: str) -> str:

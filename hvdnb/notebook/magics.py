@@ -23,6 +23,7 @@ from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
 from hvdnb.notebook.output import format_ranks
 from hvdnb.protocol.remote import DEBUG_COMMAND
+from hvdnb.protocol.replies import DebugReply
 
 __all__ = ["DistMagics"]
 
@@ -390,21 +391,22 @@ class DistMagics(Magics):
         if refused:
             raise UsageError(refused)
 
-        def send(line: str | None) -> dict[str, Any]:
+        def send(line: str | None) -> DebugReply:
             try:
-                return c.client[rank].apply_async(DEBUG_COMMAND, line).get(timeout=30)
+                reply: DebugReply = c.client[rank].apply_async(DEBUG_COMMAND, line).get(timeout=30)
             except Exception as exc:
                 raise UsageError(f"rank {rank} did not answer the debugger: {exc}") from None
+            return reply
 
         res = send(None)
-        if "error" in res:
-            raise UsageError(f"rank {rank}: {res['error']}")
+        if res.error is not None:
+            raise UsageError(f"rank {rank}: {res.error}")
         print(
             f"hvdnb: post-mortem of cell {c.last_cell.get(rank, {}).get('cell', '?')} on "
             f"rank {rank} (pdb: where, up, down, list, p EXPR, pp EXPR, any expression; "
             "q to leave)"
         )
-        print(res["out"], end="")
+        print(res.out, end="")
         scripted = args.commands is not None
         # IPython's splitter keeps the quotes of -c "p x": drop a matched pair
         queue = [
@@ -423,8 +425,8 @@ class DistMagics(Magics):
                 except (EOFError, KeyboardInterrupt):
                     return
             res = send(line)
-            print(res.get("out", ""), end="")
-            if res.get("done"):
+            print(res.out, end="")
+            if res.done:
                 return
 
     def _knobs(self, args: Any) -> None:

@@ -5,6 +5,9 @@ engine module into the notebook to pickle its function would tie the two sides t
 a ``RemoteCall`` names the function instead (``module:attribute``), pickles as that name
 (a few dozen bytes, once), and imports it on the rank when first called there.
 
+What each call returns is a typed reply in ``hvdnb.protocol.replies`` (``RUN_CELL`` gives a
+``CellReply``, and so on), named beside each call below.
+
 Owns: the names of the rank-side entry points. Never: import the rank side here.
 """
 
@@ -55,13 +58,13 @@ class RemoteCall:
         return f"RemoteCall({self.target!r})"
 
 
-#: run one cell on a rank (``hvdnb.rank.engine.run_cell``)
+#: run one cell on a rank (``hvdnb.rank.engine.run_cell``); returns a ``replies.CellReply``
 RUN_CELL: Final = RemoteCall("hvdnb.rank.engine:run_cell")
-#: rebuild the default process group after a failed cell (collective)
+#: rebuild the default process group after a failed cell (collective); returns None
 REBUILD_GROUP: Final = RemoteCall("hvdnb.rank.engine:rebuild_group")
-#: a rank's host, pid, device and state, for ``%dist status``
+#: a rank's host, pid, device and state, for ``%dist status``; returns a ``replies.EngineInfo``
 ENGINE_INFO: Final = RemoteCall("hvdnb.rank.engine:engine_info")
-#: connect the rank's side channel now (``%dist start`` returns once every rank has)
+#: connect the rank's side channel now (``%dist start`` returns once every rank has); None
 CONNECT_CHANNEL: Final = RemoteCall("hvdnb.rank.engine:connect_channel")
-#: one command for pdb on the frames of a rank's last failed cell
-DEBUG_COMMAND: Final = RemoteCall("hvdnb.rank.engine:debug_command")
+#: one command for pdb on the frames of a rank's last failed cell; a ``replies.DebugReply``
+DEBUG_COMMAND: Final = RemoteCall("hvdnb.rank.debugger:debug_command")

@@ -31,12 +31,13 @@ import traceback
 from typing import Any
 
 from hvdnb.protocol import kinds
+from hvdnb.protocol.replies import CellReply, EngineInfo
+from hvdnb.rank import debugger, hooks
 from hvdnb.rank.metrics import recorder
 
 __all__ = [
     "bootstrap",
     "connect_channel",
-    "debug_command",
     "engine_info",
     "main",
     "rebuild_group",
@@ -226,22 +227,22 @@ def _use_engine_kernel() -> None:
     app.Kernel = EngineKernel
 
 
-def engine_info() -> dict[str, Any]:
+def engine_info() -> EngineInfo:
     """What ``%dist status`` shows for this rank."""
     import socket
 
     import torch.distributed as dist
 
-    return {
-        "rank": int(os.environ.get("RANK", -1)),
-        "local_rank": int(os.environ.get("LOCAL_RANK", -1)),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": _STATE["device"],
-        "backend": _STATE["backend"],
-        "group": "ok" if dist.is_initialized() else "down",
-        "last_cell": _STATE["last_cell"],
-    }
+    return EngineInfo(
+        rank=int(os.environ.get("RANK", -1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", -1)),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=_STATE["device"],
+        backend=_STATE["backend"],
+        group="ok" if dist.is_initialized() else "down",
+        last_cell=_STATE["last_cell"],
+    )
 
 
 #: where a Python frame means "inside a collective": torch.distributed, hvdnb.torch, mpi4py
@@ -355,134 +356,6 @@ def _frame_lines(frames: Any) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------ post-mortem (%dist debug)
-class _PostMortem:
-    """pdb on the frames of the last failed cell, driven one command at a time from the
-    notebook (``%dist debug``): output goes to a buffer, nothing reads this process's stdin."""
-
-    def __init__(self, exc: BaseException) -> None:
-        import io
-        import pdb
-
-        self.buf = io.StringIO()
-        self.pdb = pdb.Pdb(stdout=self.buf, nosigint=True)
-        self.pdb.use_rawinput = False
-        self.exc = exc
-        self.pdb.reset()
-        self.pdb.setup(None, exc.__traceback__)
-        # hide this runner's frames, as the traceback does: the stack starts at the cell
-        stack = self.pdb.stack
-        first = next(
-            (i for i, (f, _) in enumerate(stack) if f.f_code.co_filename.startswith("<cell ")), 0
-        )
-        self.pdb.stack = stack[first:]
-        self.pdb.curindex = max(0, self.pdb.curindex - first)
-        self.pdb.curframe = self.pdb.stack[self.pdb.curindex][0]
-        self.pdb.curframe_locals = self.pdb.curframe.f_locals
-
-    def run(self, line: str) -> tuple[str, bool]:
-        self.buf.seek(0)
-        self.buf.truncate()
-        line = line.strip()
-        if line in ("q", "quit", "exit", "c", "cont", "continue"):
-            return "", True
-        if not line:
-            line = "where" if not self.pdb.lastcmd else self.pdb.lastcmd
-        if line in ("interact",):
-            return "*** interact needs a terminal: evaluate expressions directly\n", False
-        try:
-            self.pdb.onecmd(line)
-            self.pdb.lastcmd = line
-        except Exception as exc:  # a bad expression must not end the session
-            self.buf.write(f"*** {type(exc).__name__}: {exc}\n")
-        return self.buf.getvalue(), False
-
-
-def debug_command(line: str | None) -> dict[str, Any]:
-    """One pdb command on the last failed cell's frames (None: start, show where it failed).
-
-    Returns ``{"out": text, "done": bool}`` or ``{"error": text}`` when there is nothing to
-    debug on this rank."""
-    exc = _STATE.get("last_error")
-    if exc is None:
-        return {
-            "error": "no failed cell on this rank since its last cell started (the frames "
-            "are kept until the next %%distributed cell)"
-        }
-    pm = _STATE.get("post_mortem")
-    if line is None or pm is None or pm.exc is not exc:
-        pm = _STATE["post_mortem"] = _PostMortem(exc)
-        head = "".join(traceback.format_exception_only(type(exc), exc))
-        out, _ = pm.run("where")
-        return {"out": head + out, "done": False}
-    out, done = pm.run(line)
-    return {"out": out, "done": done}
-
-
-# ------------------------------------------------------------------ breakpoint() in a cell
-_PDB_LINES: Any = None  # commands from the notebook for a paused pdb (a queue.Queue)
-
-
-class _ChannelPdbIO:
-    """pdb's stdin and stdout, over the side channel: what pdb writes is sent to the notebook
-    when it asks for a command, and the notebook's answer is the command it reads."""
-
-    def __init__(self, ch: Any) -> None:
-        self.ch = ch
-        self.buf: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.buf.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def readline(self) -> str:
-        text, self.buf = "".join(self.buf), []
-        self.ch.send(kinds.PDB_OUT, text=text, waiting=True)
-        return str(_PDB_LINES.get()) + "\n"
-
-
-def _breakpoint(*args: Any, **kwargs: Any) -> None:
-    """``breakpoint()`` in a %%distributed cell: pdb on this rank, prompted in the notebook
-    (the notebook shows ``(Pdb rank N)``); ``continue`` resumes the cell. Without a notebook
-    to ask (a script), Python's own hook runs."""
-    import pdb
-    import queue
-
-    from hvdnb.rank import channel
-
-    global _PDB_LINES
-    ch = channel.get()
-    if ch is None:
-        return sys.__breakpointhook__(*args, **kwargs)
-    if _PDB_LINES is None:
-        _PDB_LINES = queue.Queue()
-        ch.on(kinds.PDB_CMD, lambda msg: _PDB_LINES.put(msg.get("line", "c")))
-    io = _ChannelPdbIO(ch)
-    # skip this runner and the engine's machinery: `next` past the cell's end resumes it
-    p = pdb.Pdb(
-        stdin=io,  # type: ignore[arg-type]  # readline/write/flush: all pdb uses of a stream
-        stdout=io,  # type: ignore[arg-type]
-        nosigint=True,
-        skip=[
-            "kernels_ext.*",
-            "hvdnb.rank.*",
-            "ipyparallel.*",
-            "ipykernel.*",
-            "IPython.*",
-            "tornado.*",
-            "asyncio.*",
-            "zmq.*",
-            "traitlets.*",
-        ],
-    )
-    p.use_rawinput = False
-    p.prompt = ""
-    p.set_trace(sys._getframe(1))
-
-
 def _progress() -> list[Any]:
     """Counters that move while a rank makes progress, read without touching the main
     thread: the default group's collective sequence number (gloo/nccl), hvdnb.torch's
@@ -497,10 +370,7 @@ def _progress() -> list[Any]:
             out[0] = group._get_sequence_number_for_group()  # type: ignore[attr-defined]
     except Exception:
         pass
-    if "hvdnb.torch.transport" in sys.modules:  # never import torch just to read a counter
-        from hvdnb.torch.transport import negotiated_calls
-
-        out[1] = negotiated_calls()
+    out[1] = hooks.negotiated_calls()  # registered by hvdnb.torch's transport (None: not loaded)
     out[2] = recorder.logged_step()
     return out
 
@@ -620,78 +490,92 @@ def _cell_ended_metrics(ok: bool) -> None:
     recorder.end_cell()
 
 
-def run_cell(code: str, cell_no: int) -> dict[str, Any]:
+def run_cell(code: str, cell_no: int) -> CellReply:
     """Run one %%distributed cell on this rank.
 
-    Returns ``{"ok": True, "value": obj, "repr": str|None}`` or, on an exception,
-    ``{"ok": False, "ename", "evalue", "traceback"}``; never raises for user errors.
+    Returns a ``CellReply``: ``ok`` with the trailing expression's value and repr, or, on
+    an exception, ``ok=False`` with its name, message and traceback; never raises for user
+    errors.
     """
     rank = int(os.environ.get("RANK", -1))
-    filename = f"<cell {cell_no}>"
     connect_channel()
     _new_cell_metrics(cell_no)
-    _STATE["last_error"] = _STATE["post_mortem"] = None  # a new cell: old frames go
-    sys.breakpointhook = _breakpoint  # breakpoint() in the cell: pdb, prompted in the notebook
+    debugger.forget()  # a new cell: the last failed cell's frames go
+    sys.breakpointhook = debugger.breakpoint_hook  # pdb on this rank, prompted in the notebook
     t0 = time.time()
     _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}
     shell = _shell()
     ns = shell.user_ns if shell is not None else globals()
     try:
-        body, tail = _compile_cell(code, filename)
-        from hvdnb.rank import nvtx as _nvtx
-
-        opened = _nvtx.push(f"cell {cell_no}")  # Nsight Systems: one range per cell (CUDA only)
-        try:
-            exec(body, ns)
-            value = eval(tail, ns) if tail is not None else None
-        finally:
-            _nvtx.pop(opened)
+        value = _execute(code, cell_no, ns)
     except BaseException as exc:
-        _STATE["last_error"] = exc  # %dist debug reads its frames until the next cell
-        report = {
-            "ok": False,
-            "rank": rank,
-            "ename": type(exc).__name__,
-            "evalue": str(exc),
-            "traceback": "",
-            "interrupted": isinstance(exc, KeyboardInterrupt),
-        }
-        # a second interrupt (fail-fast, the stop button) may land while we report: the
-        # report must still go out, or the client sees ipyparallel's own error instead
-        for _ in range(3):
-            try:
-                _release_peers()
-                if isinstance(exc, SyntaxError) and (exc.filename or "").startswith("<cell "):
-                    # the cell never ran: as IPython shows it, the line and the caret only
-                    lines = traceback.format_exception_only(type(exc), exc)
-                else:
-                    lines = ["Traceback (most recent call last):\n"]
-                    lines += _user_frames(exc.__traceback__, "<cell ")
-                    lines += traceback.format_exception_only(type(exc), exc)
-                report["traceback"] = "".join(lines)
-                break
-            except KeyboardInterrupt:
-                continue
+        debugger.keep(exc)  # %dist debug reads its frames until the next cell
+        reply = _error_reply(exc, rank)
         _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
         _cell_ended_metrics(False)
-        report["metrics"] = _flush_metrics()
-        return report
+        return reply._replace(metrics=_flush_metrics())
     # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
     _cell_ended_metrics(True)
     if value is not None and shell is not None:
         ns["_"] = value
-    out = {
-        "ok": True,
-        "rank": rank,
-        "repr": None if value is None else repr(value),
-        "value": None,
-        "metrics": _flush_metrics(),
-    }
-    if value is not None:
+    return CellReply(
+        ok=True,
+        rank=rank,
+        repr=None if value is None else repr(value),
+        value=_picklable(value),
+        metrics=_flush_metrics(),
+    )
+
+
+def _execute(code: str, cell_no: int, ns: dict[str, Any]) -> Any:
+    """Compile and run the cell in ``ns``; the trailing expression's value (or None)."""
+    from hvdnb.rank import nvtx as _nvtx
+
+    body, tail = _compile_cell(code, f"<cell {cell_no}>")
+    opened = _nvtx.push(f"cell {cell_no}")  # Nsight Systems: one range per cell (CUDA only)
+    try:
+        exec(body, ns)
+        return eval(tail, ns) if tail is not None else None
+    finally:
+        _nvtx.pop(opened)
+
+
+def _error_reply(exc: BaseException, rank: int) -> CellReply:
+    """The report of a failed cell (its peers released first): the user's frames only."""
+    text = ""
+    # a second interrupt (fail-fast, the stop button) may land while we report: the
+    # report must still go out, or the client sees ipyparallel's own error instead
+    for _ in range(3):
         try:
-            pickle.dumps(value)
-            out["value"] = value
-        except Exception:  # unpicklable results travel as their repr only
-            pass
-    return out
+            _release_peers()
+            if isinstance(exc, SyntaxError) and (exc.filename or "").startswith("<cell "):
+                # the cell never ran: as IPython shows it, the line and the caret only
+                lines = traceback.format_exception_only(type(exc), exc)
+            else:
+                lines = ["Traceback (most recent call last):\n"]
+                lines += _user_frames(exc.__traceback__, "<cell ")
+                lines += traceback.format_exception_only(type(exc), exc)
+            text = "".join(lines)
+            break
+        except KeyboardInterrupt:
+            continue
+    return CellReply(
+        ok=False,
+        rank=rank,
+        ename=type(exc).__name__,
+        evalue=str(exc),
+        traceback=text,
+        interrupted=isinstance(exc, KeyboardInterrupt),
+    )
+
+
+def _picklable(value: Any) -> Any:
+    """``value`` when it pickles; None when not (it travels as its repr only)."""
+    if value is None:
+        return None
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return None
+    return value

@@ -21,6 +21,7 @@ from hvdnb.notebook.metrics.watchers import (
     parse_settings,
 )
 from hvdnb.protocol import kinds
+from hvdnb.rank.metrics import core as coremod
 from hvdnb.rank.metrics import recorder as recmod
 from hvdnb.rank.metrics import stop
 from hvdnb.rank.metrics.recorder import Recorder, TrainingStopped
@@ -324,7 +325,7 @@ class RankCh:
 @pytest.fixture
 def rank_recorder(monkeypatch):
     rec = Recorder(0, RankCh(0), flush_interval=100.0)
-    rec._ensure_flusher = lambda: None
+    rec.flusher.start = lambda: None
     monkeypatch.setattr(recmod, "_RECORDER", rec)
     monkeypatch.setattr(recmod, "_CELL", 7)
     rec.cell_running = True
@@ -389,12 +390,12 @@ def test_step_hooks_of_several_parts_are_all_called():
     recmod.on_step_start(lambda s: calls.append(("a", s)) or False, "test_a")
     recmod.on_step_start(lambda s: calls.append(("b", s)) or True, "test_b")
     try:
-        assert recmod._STEP_HOOK(4) is True
+        assert coremod._STEP_HOOK(4) is True
         assert ("a", 4) in calls and ("b", 4) in calls
     finally:
         recmod.on_step_start(None, "test_a")
         recmod.on_step_start(None, "test_b")
-    assert set(recmod._STEP_HOOKS) == {"knobs", "stop"}
+    assert set(coremod._STEP_HOOKS) == {"knobs", "stop"}
 
 
 # ---------------------------------------------------------------------- fingerprints
@@ -520,7 +521,7 @@ def _cell_on_a_rank(
     monkeypatch.setattr(fingerprint, "_KEYS", {})
     monkeypatch.setattr(engine, "_release_peers", lambda: None)  # no process group here
     rec = Recorder(rank, RankCh(rank), flush_interval=100.0)  # no message from the loop
-    rec._ensure_flusher = lambda: None
+    rec.flusher.start = lambda: None
     monkeypatch.setattr(recmod, "_RECORDER", rec)
     ns: dict = {}  # the cell's namespace (an engine's IPython user_ns)
     monkeypatch.setattr(
@@ -549,7 +550,7 @@ if {fail}:
         reply = engine.run_cell(code, 9)
     finally:
         listeners.remove_step_listener(fingerprint.on_step)
-    assert reply["ok"] is not fail, reply
+    assert reply.ok is not fail, reply
     sent = [p for k, p in rec.channel.sent if k == kinds.METRICS]
     return reply, sent
 
@@ -558,7 +559,7 @@ def test_a_cell_ends_with_a_last_fingerprint_in_its_last_message(monkeypatch):
     reply, sent = _cell_on_a_rank(monkeypatch, 0)
     # the loop sent nothing (a 100 s interval): the cell's end sent one message, the one
     # its reply names, and it holds the sampled prints (counts 16, 32) and the last one
-    assert len(sent) == 1 and reply["metrics"] == (sent[0]["pid"], sent[0]["seq"])
+    assert len(sent) == 1 and reply.metrics == (sent[0]["pid"], sent[0]["seq"])
     fps = sent[0]["fp"]
     assert [(e["n"], e.get("end", False)) for e in fps] == [(16, False), (32, False), (40, True)]
     assert fps[-1]["step"] == 40  # after log(39): the step in progress
@@ -578,14 +579,14 @@ def test_a_cell_ends_with_a_last_fingerprint_in_its_last_message(monkeypatch):
     finally:
         listeners.remove_step_listener(fingerprint.on_step)
     last = rec.channel.sent[-1][1]
-    assert reply["metrics"] == (last["pid"], last["seq"]) == (sent[0]["pid"], sent[0]["seq"] + 1)
+    assert reply.metrics == (last["pid"], last["seq"]) == (sent[0]["pid"], sent[0]["seq"] + 1)
     assert [(e["n"], e.get("end")) for e in last["fp"]] == [(45, True)]
 
 
 def test_a_failed_cell_takes_no_last_fingerprint(monkeypatch):
     # a rank may have stopped inside a step (an interrupt, a peer gone): no last print
     reply, sent = _cell_on_a_rank(monkeypatch, 0, fail=True)
-    assert reply["ename"] == "ValueError"
+    assert reply.ename == "ValueError"
     fps = [e for p in sent for e in p.get("fp", [])]
     assert [(e["n"], e.get("end", False)) for e in fps] == [(16, False), (32, False)]
     from hvdnb.rank.metrics import fingerprint

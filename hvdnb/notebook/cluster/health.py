@@ -211,8 +211,9 @@ def status_rows(cluster: Watched) -> list[dict[str, Any]]:
         info = infos.get(r) or cluster.info_seen.get(r)
         row: dict[str, Any] = {"rank": r, "host": "?", "pid": "?", "device": "?", "backend": "?"}
         if info is not None:
-            row.update({k: info[k] for k in ("host", "pid", "device", "backend")})
-            row["group"] = info.get("group")
+            # an EngineInfo (protocol.replies), read by attribute
+            row.update({k: getattr(info, k) for k in ("host", "pid", "device", "backend")})
+            row["group"] = info.group
         else:  # what the rank told the notebook's side channel before it went
             said = said_all.get(r, {})
             row["host"], row["pid"] = said.get("host") or "?", said.get("pid") or "?"
