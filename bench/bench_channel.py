@@ -59,7 +59,7 @@ def _fill(rec: Recorder, steps: int, s0: int = 0) -> None:
 
 def _recorder() -> Recorder:
     rec = Recorder(0, channel=_Capture())
-    rec.flush_in_loop = False
+    rec.flusher.flush_in_loop = False
     rec._due = float("inf")  # no message from log(): pack() is called by hand
     return rec
 

@@ -89,7 +89,7 @@ rec = hvdnb.metrics.get_recorder()  # registers the allreduce listener (hvdnb.to
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
 step = 0
-warm = rec.warm
+warm = rec.clock.warm
 # each "on" mode is a loop of its own that pauses while the other modes run: its message
 # clock (time left to the next message), sampling grids and listener state are put back at
 # the start of each of its slices, so it sends and times collectives as often per step as
@@ -101,18 +101,18 @@ def run(n, mode, cpu=None):
     hvdnb.metrics.set_enabled(on)
     # "steady": messages every flush_interval_steady, as in a loop past its first seconds;
     # "warm": every flush_interval, as in a loop's first flush_warm seconds
-    rec.warm = 0.0 if mode == "steady" else float("inf")
+    rec.clock.warm = 0.0 if mode == "steady" else float("inf")
     if on:
         sv = saved.get(mode)
         if sv is not None:
-            rec.comm_every, rec._grid, rec._due_cell = sv[2], sv[3], sv[4]
-        rec._time_comm(step % rec.comm_every == 0)  # as log() of the previous step would
+            rec.comm_every, rec.flusher.grid, rec.flusher.due_cell = sv[2], sv[3], sv[4]
+        rec.comm.switch(step % rec.comm_every == 0)  # as log() of the previous step would
     comm.Barrier()
     c0, th0 = time.process_time(), time.thread_time()
     t0 = time.perf_counter()
     if on:
         if sv is not None and rec._due:
-            rec._due, rec._due_late = t0 + sv[0], t0 + sv[1]
+            rec._due, rec.flusher.due_late = t0 + sv[0], t0 + sv[1]
         for _ in range(n):
             opt.zero_grad()
             loss = loss_fn(model(X), Y)
@@ -121,8 +121,8 @@ def run(n, mode, cpu=None):
             hvdnb.log(step, loss, samples=__BATCH__)
             step += 1
         now = time.perf_counter()
-        saved[mode] = (rec._due - now, rec._due_late - now, rec.comm_every, rec._grid,
-                       rec._due_cell)
+        saved[mode] = (rec._due - now, rec.flusher.due_late - now, rec.comm_every, rec.flusher.grid,
+                       rec.flusher.due_cell)
     else:  # a loop that never logs
         for _ in range(n):
             opt.zero_grad()
@@ -175,7 +175,7 @@ def timed_report(self):
     report(self)
     acc[1] += pc() - t
 hvdnb.metrics.set_enabled(True)
-rec.warm = 0.0
+rec.clock.warm = 0.0
 probe = []
 n_probe = slice_steps * slices  # a block's steps, ~1 s
 for b in range(4):
@@ -195,7 +195,7 @@ for b in range(4):
     probe.append([a / n_probe for a in acc])
 res["in_loop"] = probe
 res["cpu"] = cpu_log
-rec.warm = warm
+rec.clock.warm = warm
 rec.flush()
 res
 """
@@ -397,7 +397,7 @@ def hot_path_cost() -> dict:
             encode(b"k" * 32, {**outgoing(kind, dict(payload)), "rank": 0})
 
     rec = Recorder(0, Sink(), flush_interval=100.0)
-    rec._ensure_flusher = lambda: None  # type: ignore[method-assign]
+    rec.flusher.start = lambda: None  # type: ignore[method-assign]
     n = 20000
 
     def one() -> None:
@@ -442,7 +442,7 @@ while time.perf_counter() - t0 < seconds:
     time.sleep(max(0.0, next_t - time.perf_counter()))
 for rec in recs:  # each rank's own flusher thread sent every 100 ms; a last flush now
     rec.close()
-sent_rows = sum(rec._w for rec in recs)
+sent_rows = sum(rec.ring.w for rec in recs)
 msgs = sum(rec.seq for rec in recs)
 for rec in recs:
     rec.channel.close()

@@ -1,60 +1,23 @@
-"""Timing of collectives for the comm listeners: NCCL's own kernel time, the compute
-stream's wait on the GPU, and the gloo completion clock.
+"""Timing of collectives for the comm listeners: the compute stream's wait on the GPU and
+the gloo completion clock (NCCL's own kernel time, ``NcclSeconds``, is the rank side's:
+``hvdnb.rank.hooks``, re-exported here).
 
-Owns: ``NcclSeconds`` (a collective's GPU time, read later from its Work), ``CudaGap`` and
-``cuda_wait`` (how long the compute stream waited for NCCL), ``GlooClock`` (own seconds of
-gloo works in enqueue order). Never: wait for the device on the training thread (values
-are read later, off the step), issue a collective, or import another hvdnb module.
+Owns: ``CudaGap`` and ``cuda_wait`` (how long the compute stream waited for NCCL),
+``GlooClock`` (own seconds of gloo works in enqueue order). Never: wait for the device on
+the training thread (values are read later, off the step), issue a collective, or import
+an hvdnb module but ``hvdnb.rank.hooks``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import torch
 
+from hvdnb.rank.hooks import NcclSeconds
+
 __all__ = ["CudaGap", "GlooClock", "NcclSeconds", "cuda_wait"]
-
-
-class NcclSeconds:
-    """A collective's own GPU time as ProcessGroupNCCL measures it: CUDA events it records
-    on its own stream around the kernel (``Work._get_duration`` in torch 2.11 and 2.13,
-    ``get_duration`` where a torch names it so; needs ``TORCH_NCCL_ENABLE_TIMING=1``, which
-    hvdnb's rendezvous sets for NCCL groups). Read later (the recorder's flusher thread,
-    the timeline's flush), never in the step; read once, then kept; NaN ("n/a") when the
-    group was made without timing. Seen on an H100: 7.8 us for a 4 MB one-rank allreduce."""
-
-    __slots__ = ("value", "work")
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-        self.value: float | None = None
-
-    def ready(self) -> bool:
-        """Has the GPU finished it (never waits)?"""
-        w = self.work
-        return w is None or self.value is not None or bool(w.is_completed())
-
-    def item(self) -> float:
-        if self.value is not None:
-            return self.value
-        w = self.work
-        if w is None:
-            return math.nan
-        deadline = time.monotonic() + 60.0
-        try:
-            while not w.is_completed():  # polls the end event; never blocks the device
-                if time.monotonic() > deadline:
-                    return math.nan
-                time.sleep(0.0002)
-            get = getattr(w, "_get_duration", None) or w.get_duration  # torch >= 2.11: private
-            v = float(get()) / 1000.0
-        except Exception:  # timing off for this group, or the work failed
-            v = math.nan
-        self.value, self.work = v, None
-        return v
 
 
 class CudaGap:

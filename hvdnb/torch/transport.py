@@ -1,12 +1,13 @@
 """Wire level of hvdnb.torch: headers, negotiation and the two transports.
 
 Owns: the fixed 128-byte header every collective sends before (or with) its data, the
-header exchange, the count of negotiated calls (``negotiated_calls``, the stall
-detector's progress counter), and the per-process-set transports: ``MPITransport`` (mpi4py
-over a private communicator, CPU tensors, zero-copy through numpy views) and
-``TorchTransport`` (torch.distributed: NCCL for CUDA tensors, gloo without MPI). Never:
-decide Horovod semantics (scaling, averaging, names), allocate per call what can be
-cached, or issue a collective outside the SPMD order of the caller.
+header exchange, the count of negotiated calls (``negotiated_calls``, the stall detector's
+progress counter, registered with ``hvdnb.rank.hooks.count_negotiated``), and the
+per-process-set transports: ``MPITransport`` (mpi4py over a private communicator, CPU
+tensors, zero-copy through numpy views) and ``TorchTransport`` (torch.distributed: NCCL for
+CUDA tensors, gloo without MPI). Never: decide Horovod semantics (scaling, averaging,
+names), allocate per call what can be cached, or issue a collective outside the SPMD order
+of the caller.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from hvdnb.rank import hooks
 from hvdnb.torch.butterfly import DATA, Butterfly, signature
 from hvdnb.torch.timing import GlooClock
 
@@ -50,6 +52,9 @@ def negotiated_calls() -> int:
     """How many collectives this process has negotiated so far (``CALLS``); safe to call
     from any thread (the stall detector's progress counter)."""
     return CALLS[0]
+
+
+hooks.count_negotiated(negotiated_calls)  # the rank's stall report reads it from there
 
 
 class Kind:

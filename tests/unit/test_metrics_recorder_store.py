@@ -78,7 +78,7 @@ def test_time_spent_off_does_not_count_toward_the_next_message():
     ch = FakeChannel(rank=0)
     rec = Recorder(0, ch, flush_interval=0.3, capacity=1024, warm=0.0)
     rec.flush_interval_steady = 0.3
-    rec._ensure_flusher = lambda: None  # only the loop sends (no timer thread)
+    rec.flusher.start = lambda: None  # only the loop sends (no timer thread)
     old, recmod._RECORDER = recmod._RECORDER, rec
     try:
         step = 0
@@ -98,7 +98,7 @@ def test_time_spent_off_does_not_count_toward_the_next_message():
         assert len(ch.sent) == 2, "a message went out for time spent off"
         # past the rest of the interval (and its slack, in which a loop waits for the step
         # that every rank sends on): the next step sends
-        time.sleep(max(0.0, rec._due_late - time.perf_counter()) + 0.05)
+        time.sleep(max(0.0, rec.flusher.due_late - time.perf_counter()) + 0.05)
         rec.log(step + 1, 1.0)
         assert len(ch.sent) == 3
     finally:
@@ -143,7 +143,7 @@ def test_log_without_a_channel_is_cheap_and_silent():
     for step in range(200):
         rec.log(step, 0.1)
     rec.flush()  # no channel: nothing to do, no error
-    assert rec._thread is None
+    assert rec.flusher.thread is None
 
 
 def test_tensor_like_values_are_read_at_flush():
@@ -589,7 +589,7 @@ def test_object_values_are_read_at_pack_then_released_and_lapped_ones_dropped():
     assert all(r() is None for r in lrefs)
     # a pack that cleared the flag just before this object was stored still reads it
     rec.log(200, Span(7.0))
-    rec._objects = False  # what a pack racing the store leaves behind
+    rec.ring.has_objects = False  # what a pack racing the store leaves behind
     rec.flush()
     assert ch.sent[-1]["cols"]["loss"][2] == [7.0]
 
@@ -683,7 +683,7 @@ def test_log_and_comm_from_another_thread_go_through_the_side_queue():
     th = threading.Thread(target=train)
     th.start()
     th.join()
-    assert rec._w == 0  # nothing went into the ring from that thread
+    assert rec.ring.w == 0  # nothing went into the ring from that thread
     rec.flush()
     got = _rows_of(ch.sent)
     assert [s for s, _, _ in got["loss"]] == list(range(5))
@@ -705,14 +705,14 @@ def test_set_enabled_off_stops_logging_and_the_collective_timing():
         assert rec.on_comm in L.LISTENERS
         R.set_enabled(False)
         assert rec.on_comm not in L.LISTENERS
-        w = rec._w
+        w = rec.ring.w
         R.log(0, 1.0, samples=4)
         rec.on_comm("x", 4, 0.001, "mpi")
-        assert rec._w == w
+        assert rec.ring.w == w
         R.set_enabled(True)
         assert L.LISTENERS.count(rec.on_comm) == 1
         R.log(0, 1.0)
-        assert rec._w > w
+        assert rec.ring.w > w
     finally:
         R.set_enabled(True)
 
@@ -769,7 +769,7 @@ def test_queue_stays_bounded_without_log_or_channel():
         rec.on_comm("allreduce.x", 16, 0.0001, "mpi", 0.0001)
     assert len(rec._pend) <= rec.capacity
     queued_rows = sum(1 if e[0] == 2 else 3 for e in rec._pend)  # a record: 1, a comm: 3
-    assert rec._w + queued_rows == 4000  # every row is in the ring or still queued
+    assert rec.ring.w + queued_rows == 4000  # every row is in the ring or still queued
 
 
 def test_log_never_waits_for_a_pack_in_progress():
@@ -785,7 +785,7 @@ def test_log_never_waits_for_a_pack_in_progress():
     held, release = threading.Event(), threading.Event()
 
     def slow_pack() -> None:  # as the flusher thread's flush(): both locks, then a slow read
-        with rec._send_lock, rec._lock:
+        with rec.flusher.send_lock, rec._lock:
             held.set()
             release.wait(5)
 
@@ -812,19 +812,19 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
     ``s`` with ``s % comm_every == 0`` (k from the step time), and again between loops."""
     rec = Recorder(0, None, flush_interval=0.01, capacity=1 << 12, comm_interval=0.008)
     listeners: list = []
-    rec._comm_list = listeners
-    rec._time_comm(True)
+    rec.comm.listeners = listeners
+    rec.comm.switch(True)
     registered = []
     clock = [100.0]
-    import hvdnb.rank.metrics.recorder as recmod
-    import hvdnb.rank.metrics.ring as ringmod
+    import hvdnb.rank.metrics.core as recmod
+    import hvdnb.rank.metrics.drain as ringmod
 
     real = recmod._perf_counter
     recmod._perf_counter = ringmod._perf_counter = lambda: clock[0]
     try:
         for step in range(200):
-            registered.append((rec.cur_step, rec._on_comm in listeners))
-            if rec._on_comm in listeners:
+            registered.append((rec.cur_step, rec.comm.listener in listeners))
+            if rec.comm.listener in listeners:
                 rec.on_comm("bucket.0", 64, 1e-4, "mpi", 5e-5)
             clock[0] += 0.001  # 1 ms steps
             rec.log(step, 0.5)
@@ -837,14 +837,14 @@ def test_collectives_are_timed_on_one_step_in_k_while_a_loop_logs():
     timed = [r for r in _rows(rec) if r[1] == "comm/bucket.0/exposed"]
     assert {s for s, _, _ in timed if s >= 50} == {s for s in range(56, 200) if s % 8 == 0}
     rec.new_loop()  # a new cell: collectives outside a logging loop are all timed
-    assert rec._on_comm in listeners and rec.comm_every == 1
+    assert rec.comm.listener in listeners and rec.comm_every == 1
     # comm_interval 0 (the default of a bare Recorder): every step
     rec0 = Recorder(0, None, capacity=1 << 10)
-    rec0._comm_list = []
-    rec0._time_comm(True)
+    rec0.comm.listeners = []
+    rec0.comm.switch(True)
     for step in range(20):
         rec0.log(step, 0.5)
-        assert rec0._on_comm in rec0._comm_list
+        assert rec0.comm.listener in rec0.comm.listeners
 
 
 def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds():
@@ -861,11 +861,11 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
         comm_interval_steady=0.05,
     )
     listeners: list = []
-    rec._comm_list = listeners
-    rec._time_comm(True)
+    rec.comm.listeners = listeners
+    rec.comm.switch(True)
     clock = [100.0]
-    import hvdnb.rank.metrics.recorder as recmod
-    import hvdnb.rank.metrics.ring as ringmod
+    import hvdnb.rank.metrics.core as recmod
+    import hvdnb.rank.metrics.drain as ringmod
 
     real = recmod._perf_counter
     recmod._perf_counter = ringmod._perf_counter = lambda: clock[0]
@@ -874,7 +874,7 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
 
         def loop(first: int, steps: int) -> None:
             for step in range(first, first + steps):
-                if rec._on_comm in listeners:
+                if rec.comm.listener in listeners:
                     timed.append(step)
                     rec.on_comm("bucket.0", 64, 1e-4, "mpi", 5e-5)
                 clock[0] += 0.001  # 1 ms steps
@@ -899,9 +899,9 @@ def test_collectives_are_sampled_sparser_once_a_loop_is_past_its_first_seconds()
 
 
 def _rows(rec: Recorder) -> list[tuple[int, str, float]]:
-    n = rec._w
+    n = rec.ring.w
     return [
-        (rec._steps[i], rec._name_list[rec._names[i]], rec._vals[i])
+        (rec.ring.steps[i], rec.ring.name_list[rec.ring.names[i]], rec.ring.vals[i])
         for i in range(max(0, n - rec.capacity), n)
     ]
 
@@ -990,22 +990,22 @@ def _feed(rec: Recorder, clock: list[float], drain_every: int) -> None:
 
 @pytest.mark.parametrize("drain_every", [1, 37, 250, 1000])
 def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, drain_every):
-    """``_drain`` writes a run of alike log entries with numpy (``_drain_run``): the rows,
+    """The drain writes a run of alike log entries with numpy (``Drain._run``): the rows,
     the step-time estimate, the loop start, the sampling grid and what the message
     carries are those of writing them one by one."""
-    import hvdnb.rank.metrics.recorder as recmod
-    import hvdnb.rank.metrics.ring as ringmod
+    import hvdnb.rank.metrics.core as recmod
+    import hvdnb.rank.metrics.drain as ringmod
 
     got = []
     runs: list[bool] = []
-    real_run = Recorder._drain_run
+    real_run = ringmod.Drain._run
 
     def spy(self, *a):
         r = real_run(self, *a)
         runs.append(r is not None)
         return r
 
-    monkeypatch.setattr(Recorder, "_drain_run", spy)
+    monkeypatch.setattr(ringmod.Drain, "_run", spy)
     run_min0 = ringmod._RUN_MIN
     for run_min in (run_min0, 10**9):  # numpy, then one by one
         monkeypatch.setattr(ringmod, "_RUN_MIN", run_min)
@@ -1030,13 +1030,13 @@ def test_a_drain_in_one_go_writes_what_one_entry_at_a_time_writes(monkeypatch, d
     assert list(fast_cols["loss"][2]) == pytest.approx(list(slow_cols["loss"][2]), nan_ok=True)
     assert 0.25 in list(fast_cols["loss"][2])  # the object, read at pack
     assert fast.step_time == pytest.approx(slow.step_time, rel=1e-9)
-    assert (fast._loop_t0, fast._prev_step, fast.last_log) == (
-        slow._loop_t0,
-        slow._prev_step,
-        slow.last_log,
+    assert (fast.clock.loop_t0, fast.clock.prev_step, fast.clock.last_log) == (
+        slow.clock.loop_t0,
+        slow.clock.prev_step,
+        slow.clock.last_log,
     )
     assert fast.meta == slow.meta == {"total_steps": 900}
-    assert (fast.comm_every, fast._grid) == (slow.comm_every, slow._grid)
+    assert (fast.comm_every, fast.flusher.grid) == (slow.comm_every, slow.flusher.grid)
 
 
 def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
@@ -1044,8 +1044,8 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
     message stalls the rank that packs it, and its peer waits at the next allreduce, so
     messages on different steps stall the pair twice. Sends are put on a grid of steps
     (a power of two, ~1/16 of an interval): both ranks send on the same step."""
-    import hvdnb.rank.metrics.recorder as recmod
-    import hvdnb.rank.metrics.ring as ringmod
+    import hvdnb.rank.metrics.core as recmod
+    import hvdnb.rank.metrics.drain as ringmod
 
     clock = [0.0]
     monkeypatch.setattr(recmod, "_perf_counter", lambda: clock[0])
@@ -1062,7 +1062,7 @@ def test_ranks_in_lockstep_send_their_messages_on_the_same_step(monkeypatch):
         rec = Recorder(
             r, Ch(), flush_interval=0.25, steady_interval=1.0, warm=2.0, capacity=1 << 16
         )
-        rec._ensure_flusher = lambda: None  # messages from log() only, as in a busy loop
+        rec.flusher.start = lambda: None  # messages from log() only, as in a busy loop
         recs.append(rec)
     base = 100.0
     for step in range(8000):  # 1.4 ms steps; rank 1 a little behind, by a varying amount
@@ -1105,11 +1105,11 @@ def test_a_plan_heard_between_log_events_applies_at_its_step():
     from hvdnb.rank.metrics import recorder as R
 
     rec = R.get_recorder()
-    saved, old = rec._comm_list, kn.CURRENT
+    saved, old = rec.comm.listeners, kn.CURRENT
     try:
         R.set_enabled(True)
-        rec._time_comm(False)
-        rec._comm_list = None  # no sampled collectives: no step-driven events at all
+        rec.comm.switch(False)
+        rec.comm.listeners = None  # no sampled collectives: no step-driven events at all
         rec.new_loop()
         k = kn.knobs(warmup_steps=10)
         seen = {}
@@ -1122,7 +1122,7 @@ def test_a_plan_heard_between_log_events_applies_at_its_step():
         assert k.history == [(60, {"warmup_steps": 7}, False)]
     finally:
         kn.CURRENT = old
-        rec._comm_list = saved
+        rec.comm.listeners = saved
         R.set_enabled(True)
 
 

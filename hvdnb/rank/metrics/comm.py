@@ -1,49 +1,51 @@
-"""Collective timing: the recorder's listener on ``hvdnb.torch``'s collectives (the
-``DistributedOptimizer``'s buckets, named allreduces) and the rows a collective makes.
+"""Collective timing: when the recorder's listener sits on the rank's comm listeners
+(``hvdnb.rank.hooks.COMM_LISTENERS``, which ``hvdnb.torch``'s collectives call: the
+``DistributedOptimizer``'s buckets, named allreduces).
 
-Owns: ``CommTiming`` (a part of ``hvdnb.rank.metrics.recorder.Recorder``: ``on_comm``,
-registering and removing it on ``hvdnb.torch.listeners.LISTENERS``, ``record_comm`` for
-timings taken elsewhere, e.g. ``hvdnb.rank.metrics.ddp``).
+Owns: ``CommTiming`` (a part of ``hvdnb.rank.metrics.recorder.Recorder``: the listener list
+while attached, the sampling period ``every`` and the intervals it follows, registering and
+removing the recorder's listener). The listener itself (``Recorder.on_comm``) and the rows a
+collective makes are the recorder's and the drain's.
 
-While a loop logs, the listener is registered for one step in ``k`` only (``comm_every``,
-switched by the recorder's ``_events``: timed steps ``comm_interval`` seconds apart, 8 ms
-by default, for the loop's first ``warm`` seconds, then ``comm_interval_steady`` apart,
-50 ms by default; every step when steps are longer; ``k`` a power of two, so that ranks in
-lockstep time the same steps): reporting a timed collective costs the training thread
-~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are drained, packed and
-sent with the step's.
+While a loop logs, the listener is registered for one step in ``k`` only (``every``,
+switched by the recorder's ``_events`` through ``plan``: timed steps ``interval`` seconds
+apart, 8 ms by default, for the loop's first ``warm`` seconds, then ``interval_steady``
+apart, 50 ms by default; every step when steps are longer; ``k`` a power of two, so that
+ranks in lockstep time the same steps): reporting a timed collective costs the training
+thread ~7-9 us (cold caches, 2-rank loop of 1.4 ms steps), and its rows are drained, packed
+and sent with the step's.
 
-Also owns ``on_torch``: what else hooks into ``hvdnb.torch`` (the replica-drift
-fingerprints of ``hvdnb.rank.metrics.fingerprint``) hooks in when the recorder attaches to
-it: when the recorder is made, at a cell's start, or when a message is due (a loop that
-imported ``hvdnb.torch`` after its first ``hvdnb.log``); and out with ``set_enabled(False)``.
+Also owns ``on_torch``: what else hooks into the collective layer (the replica-drift
+fingerprints of ``hvdnb.rank.metrics.fingerprint``) hooks in when the recorder attaches:
+when the recorder is made, at a cell's start, or when a message is due (a loop that
+imported torch after its first ``hvdnb.log``); and out with ``set_enabled(False)``.
 
-Never: import torch (the listener list is looked up only when ``hvdnb.torch`` or torch is
-already loaded), wait for a collective or a device, or issue a collective.
+Never: import torch or ``hvdnb.torch`` (it attaches only once torch is loaded: nothing else
+calls the listeners), wait for a collective or a device, or issue a collective.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-from hvdnb.rank.metrics.ring import Ring
-from hvdnb.rank.metrics.state import COMM
+from hvdnb.rank import hooks
+from hvdnb.rank.metrics.state import COMM_EVERY_MAX
 
-__all__ = ["CommTiming", "on_torch"]
+__all__ = ["CommTiming", "on_torch", "pow2"]
 
 _TORCH_HOOKS: list[tuple[Callable[[], None], Callable[[], None] | None]] = []
-_TORCH_ON = False  # a recorder is attached to hvdnb.torch now
+_TORCH_ON = False  # a recorder is attached to the collective layer now
+_NEVER = 1 << 62  # a step no loop reaches
 
 
 def on_torch(fn: Callable[[], None], off: Callable[[], None] | None = None) -> None:
-    """Call ``fn()`` whenever a recorder attaches to a loaded ``hvdnb.torch`` (now, if one
-    is attached), and ``off()`` when recording is switched off (``set_enabled(False)``): a
-    way to hook into ``hvdnb.torch`` without importing torch. Both must be idempotent."""
+    """Call ``fn()`` whenever a recorder attaches to the collective layer (now, if one is
+    attached), and ``off()`` when recording is switched off (``set_enabled(False)``): a
+    way to hook into ``hvdnb.rank.hooks`` only while a recorder listens. Both must be
+    idempotent."""
     if (fn, off) not in _TORCH_HOOKS:
         _TORCH_HOOKS.append((fn, off))
     if _TORCH_ON:
@@ -63,50 +65,75 @@ def _torch_hooks(on: bool) -> None:
             print(f"hvdnb: {f!r} failed: {exc!r}", file=sys.stderr)
 
 
-class CommTiming(Ring):
-    """Collective timing: a part of ``Recorder`` (no fields of its own)."""
+def pow2(x: float) -> int:
+    """The power of two nearest to ``x`` on a log scale (at least 1): ranks whose
+    estimates differ a little still agree, and when they do not, one's grid holds the
+    other's."""
+    return 1 << round(math.log2(x)) if x > 1.0 else 1
 
-    __slots__ = ()
 
-    def attach_comm_listener(self) -> None:
-        """Time collectives: register ``on_comm`` on ``hvdnb.torch``'s listener list, only
-        when ``hvdnb.torch`` (or torch) is already imported: never import torch for the
-        panel's sake."""
-        if "hvdnb.torch" in sys.modules or "torch" in sys.modules:
-            try:
-                from hvdnb.torch import listeners
+class CommTiming:
+    """Which steps' collectives the recorder times.
 
-                self._comm_list = listeners.LISTENERS
-                self._time_comm(True)
-            except Exception:
-                return
-            self._torch_noticed = True
+    Parameters
+    ----------
+    listener : the recorder's ``on_comm`` (one bound method: registered and removed by
+        identity)
+    interval : while a loop logs, time its collectives on one step in ``k``, with ``k`` the
+        whole number of steps in ``interval`` seconds (1 to ``COMM_EVERY_MAX``); 0 times
+        every step
+    interval_steady : the same once the loop has logged for ``warm`` seconds (the larger
+        of the two applies)
+    """
+
+    __slots__ = ("every", "interval", "interval_steady", "listener", "listeners", "noticed", "on")
+
+    def __init__(
+        self, listener: Callable[..., None], interval: float, interval_steady: float
+    ) -> None:
+        self.listener = listener
+        self.interval = float(interval)
+        self.interval_steady = float(interval_steady)
+        self.every = 1
+        #: the listener list while attached (None: not: torch is not loaded, or recording is
+        #: off); ``on``: the listener is registered on it now
+        self.listeners: list[Any] | None = None
+        self.on = False
+        self.noticed = False  # attached once torch was loaded (see ``notice``)
+
+    def attach(self) -> None:
+        """Time collectives: register the listener, once torch is loaded (before that no
+        collective layer calls it: no step-driven switching for a loop without one)."""
+        if "torch" in sys.modules:
+            self.listeners = hooks.COMM_LISTENERS
+            self.switch(True)
+            self.noticed = True
             _torch_hooks(True)
 
-    def notice_torch(self) -> None:
-        """Attach to ``hvdnb.torch`` if it was loaded after this recorder was made (a cell
-        that imports it after its first ``hvdnb.log``); cheap when it has been seen."""
-        if self._torch_noticed or not self.enabled:
+    def notice(self) -> None:
+        """Attach if torch was loaded after the recorder was made (a cell that imports it
+        after its first ``hvdnb.log``); cheap once seen."""
+        if self.noticed:
             return
-        if self._comm_list is not None:  # given a listener list already
-            self._torch_noticed = True
-        elif "hvdnb.torch" in sys.modules:
-            self.attach_comm_listener()
+        if self.listeners is not None:  # given a listener list already
+            self.noticed = True
+        elif "torch" in sys.modules:
+            self.attach()
 
-    def detach_comm_listener(self) -> None:
-        """Stop timing collectives: ``hvdnb.torch`` takes its untimed paths again (and
+    def detach(self) -> None:
+        """Stop timing collectives: the collective layer takes its untimed paths again (and
         what hooked in through ``on_torch`` unhooks)."""
-        self._time_comm(False)
-        if self._comm_list is not None:
+        self.switch(False)
+        if self.listeners is not None:
             _torch_hooks(False)
-        self._comm_list = None
+        self.listeners = None
 
-    def _time_comm(self, on: bool) -> None:
-        """Register (``on``) or remove this recorder's allreduce listener."""
-        lst = self._comm_list
+    def switch(self, on: bool) -> None:
+        """Register (``on``) or remove the listener (attached only)."""
+        lst = self.listeners
         if lst is None:
             return
-        fn = self._on_comm
+        fn = self.listener
         if on:
             if fn not in lst:
                 lst.append(fn)
@@ -115,52 +142,30 @@ class CommTiming(Ring):
                 lst.remove(fn)
             except ValueError:
                 pass
-        self._comm_on = on
-        self._next_event = -1
+        self.on = on
 
-    def on_comm(
-        self, name: str, nbytes: int, seconds: Any, backend: str, exposed: float = math.nan
-    ) -> None:
-        """``hvdnb.torch`` comm listener: one collective (or fused bucket) just completed.
+    def plan(self, nxt: int) -> int:
+        """Step ``nxt`` starts: register the listener if its collectives are timed
+        (``nxt % every == 0``), else remove it; returns the next step at which to look
+        again (after a timed step; before the next timed one)."""
+        k = self.every
+        if self.listeners is None or k <= 1:
+            if self.listeners is not None and not self.on:
+                self.switch(True)
+            return _NEVER  # not timing, or timing every step: nothing to switch
+        on = nxt % k == 0
+        if on is not self.on:
+            self.switch(on)
+        return nxt if on else nxt + (k - nxt % k) - 1
 
-        Records ``comm/<name>/time`` (the collective's own duration; a CUDA-event span is
-        kept as an object and read on the flusher thread), ``comm/<name>/exposed`` (what
-        the training thread waited for it) and ``comm/<name>/bytes``.
-        """
-        if not self.enabled:
-            return
-        t = time.time()
-        if threading.get_ident() == self._owner:
-            q = self._pend
-            q.append((COMM, t, self.cur_step, name, nbytes, seconds, backend, exposed))
-            if len(q) > self.capacity:  # no log() drains it (allreduces alone, no channel)
-                self._try_drain()
-            return
-        self.comm_backend = backend
-        step = self.cur_step
-        short = name.replace("DistributedOptimizer.", "")
-        for n_, v_ in (
-            (f"comm/{short}/time", seconds),
-            (f"comm/{short}/exposed", exposed),
-            (f"comm/{short}/bytes", nbytes),
-        ):
-            self._side.append((step, t, n_, v_))
-
-    def record_comm(
-        self,
-        step: int,
-        t: float,
-        short: str,
-        seconds: Any,
-        exposed: Any,
-        nbytes: float,
-        backend: str,
-    ) -> None:
-        """Record one collective timed elsewhere (any thread; the DDP hook): its rows
-        ``comm/<short>/time``, ``/exposed`` and ``/bytes`` go through the side queue, read at
-        the next pack (``seconds`` may be an object read then, e.g. NCCL's own timing)."""
-        side = self._side
-        side.append((step, t, f"comm/{short}/time", seconds))
-        side.append((step, t, f"comm/{short}/exposed", exposed))
-        side.append((step, t, f"comm/{short}/bytes", nbytes))
-        self.comm_backend = backend
+    def resample(self, per: float, last: float, t0: float, warm: float) -> None:
+        """The step time over the last drain is ``per`` (every rank in lockstep sees the
+        same): time one step in ``every``, ``interval`` seconds of steps (``interval_steady``
+        once the loop that started at ``t0`` has run ``warm`` seconds at ``last``)."""
+        if per > 0.0 and self.interval > 0.0:
+            ci = self.interval
+            if t0 and last - t0 >= warm:  # past the loop's first seconds: sparser
+                ci = max(ci, self.interval_steady)
+            self.every = min(COMM_EVERY_MAX, pow2(ci / per))
+        else:
+            self.every = 1

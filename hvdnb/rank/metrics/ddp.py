@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from hvdnb.rank.hooks import NcclSeconds
 from hvdnb.rank.metrics import fingerprint
 from hvdnb.rank.metrics.recorder import get_recorder
 
@@ -89,8 +90,6 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
         cuda = bool(buf.is_cuda)
         nbytes = float(buf.numel() * buf.element_size())
         if cuda:  # allreduce_hook's own steps, keeping the Work for NCCL's kernel time
-            from hvdnb.torch.timing import NcclSeconds
-
             group: Any = st if st is not None else dist.group.WORLD
             buf.div_(group.size())
             work = dist.all_reduce(buf, group=group, async_op=True)

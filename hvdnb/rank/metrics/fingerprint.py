@@ -3,8 +3,8 @@ on every rank, sent with the metrics; the notebook compares the ranks
 (``hvdnb.notebook.metrics.watchers``).
 
 Where the parameters are known: ``hvd.DistributedOptimizer`` calls ``on_step`` after each
-``step()`` (registered with ``hvdnb.torch.listeners.add_step_listener``: hvdnb.torch never
-imports this package), with its step count and named parameters; ``hvdnb.ddp_comm_hook``
+``step()`` (registered with ``hvdnb.rank.hooks.add_step_listener``, the rank side's hook that
+hvdnb.torch calls), with its step count and named parameters; ``hvdnb.ddp_comm_hook``
 calls it at each backward's last bucket with its model's parameters (before the
 optimizer's update: the same point on every rank).
 
@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hvdnb.config import get_config
+from hvdnb.rank import hooks
 from hvdnb.rank.metrics.comm import on_torch
 from hvdnb.rank.metrics.recorder import cell_no, current
 
@@ -232,15 +233,11 @@ def _fingerprint(m: _Model, params: list[Any]) -> tuple[Any, Any, bool]:
 
 
 def _attach() -> None:
-    from hvdnb.torch.listeners import add_step_listener
-
-    add_step_listener(on_step)
+    hooks.add_step_listener(on_step)
 
 
 def _detach() -> None:
-    from hvdnb.torch.listeners import remove_step_listener
-
-    remove_step_listener(on_step)
+    hooks.remove_step_listener(on_step)
 
 
 def install() -> None:
