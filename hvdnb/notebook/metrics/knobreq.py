@@ -48,6 +48,10 @@ class KnobSpec:
         """name -> the value in force."""
         return {k: v.get("value") for k, v in self.spec.items()}
 
+    def reset(self) -> None:
+        """A new cluster: no knobs until its ranks announce theirs."""
+        self.spec = {}
+
     def apply(self, values: dict[str, Any]) -> None:
         """A change applied: these values are in force now."""
         for k, v in values.items():

@@ -93,7 +93,7 @@ class MetricsStore:
         with self._points.lock:
             link.begin(cluster)
             self._ingest.reset()
-            self._spec.spec = {}
+            self._spec.reset()
             self._runs.begin_cluster()
             self._points.changed()
         link.cluster = cluster
