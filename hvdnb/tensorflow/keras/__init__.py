@@ -45,7 +45,7 @@ from hvdnb.tensorflow import (  # noqa: E402
     size,
 )
 from hvdnb.tensorflow import ops as _ops  # noqa: E402
-from hvdnb.tensorflow.keras import callbacks  # noqa: E402
+from hvdnb.tensorflow.keras import aggregate, callbacks  # noqa: E402
 from hvdnb.tensorflow.tape import make_allreduce_grads_fn  # noqa: E402
 from hvdnb.torch.process_sets import ProcessSet  # noqa: E402
 
@@ -103,6 +103,7 @@ class _Distributed:
 
     _hvd_fn: Any = None
     _hvd_local: Any = None
+    _agg_helper: Any = None  # Horovod's name (its tests read ``_agg_helper.counter``)
 
     def _hvd_reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         if self._hvd_fn is None:  # an optimizer made by from_config: Horovod's defaults
@@ -125,7 +126,20 @@ class _Distributed:
         else:
             gv = base.compute_gradients(loss, var_list, tape)
         grads, variables = zip(*gv) if gv else ((), ())
+        if self._agg_helper is not None:
+            return list(zip(self._agg_helper.compute(grads, variables), variables))
         return list(zip(self._hvd_reduce(grads, variables), variables))
+
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        """The base update; with ``backward_passes_per_step > 1`` only on the pass that
+        allreduced (the other passes count the iteration)."""
+        base: Any = super(type(self), self)
+        if self._agg_helper is None:
+            return base.apply_gradients(grads_and_vars, *args, **kwargs)
+        gv = list(grads_and_vars)
+        return aggregate.apply(
+            self._agg_helper, self, lambda: base.apply_gradients(gv, *args, **kwargs)
+        )
 
     def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list[Any]:
         """The base optimizer's gradients, averaged over the ranks (one call)."""
@@ -165,16 +179,14 @@ def DistributedOptimizer(
     buffer per dtype) before the update. Scale the learning rate by ``hvd.size()`` yourself,
     as with Horovod. ``register_local_var(var)`` keeps a variable's gradient local.
 
-    Raises TypeError for a Keras 3 optimizer (set ``TF_USE_LEGACY_KERAS=1``). Gradient
-    accumulation (``backward_passes_per_step > 1``) is not supported: NotImplementedError.
+    ``backward_passes_per_step > 1`` sums that many passes' gradients on each rank and
+    allreduces (and applies) once per that many steps, the sum divided by the count when
+    ``average_aggregated_gradients``. Raises TypeError for a Keras 3 optimizer (set
+    ``TF_USE_LEGACY_KERAS=1``).
     """
     _check_optimizer(optimizer)
-    if backward_passes_per_step != 1:
-        raise NotImplementedError(
-            "hvdnb.tensorflow.keras.DistributedOptimizer does not accumulate gradients over "
-            f"several passes (backward_passes_per_step={backward_passes_per_step}); average "
-            "every step (1) or accumulate in your own loop with DistributedGradientTape"
-        )
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
     methods = {k: v for k, v in vars(_Distributed).items() if not k.startswith("__")}
     cls: Any = type(type(optimizer).__name__, (type(optimizer),), methods)
     opt = cls.from_config(optimizer.get_config())
@@ -189,6 +201,10 @@ def DistributedOptimizer(
         opt._hvd_local,
         scale_local_gradients,
     )
+    if backward_passes_per_step > 1:
+        opt._agg_helper = aggregate.Aggregator(
+            int(backward_passes_per_step), average_aggregated_gradients, opt._hvd_fn
+        )
     return opt
 
 
