@@ -12,7 +12,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(__file__))
-import _spmd  # noqa: E402
+import _spmd
 
 _spmd.setup()
 
@@ -47,10 +47,18 @@ def close(a, b):
 x = tf.fill([3, 4], float(R + 1))
 # -- allreduce, every op
 both("average", lambda: hvd.allreduce(x), lambda r: close(r, np.full([3, 4], (N + 1) / 2)))
-both("sum", lambda: hvd.allreduce(x, op=hvd.Sum), lambda r: close(r, np.full([3, 4], N * (N + 1) / 2)))
+both(
+    "sum",
+    lambda: hvd.allreduce(x, op=hvd.Sum),
+    lambda r: close(r, np.full([3, 4], N * (N + 1) / 2)),
+)
 both("min", lambda: hvd.allreduce(x, op=hvd.Min), lambda r: close(r, np.ones([3, 4])))
 both("max", lambda: hvd.allreduce(x, op=hvd.Max), lambda r: close(r, np.full([3, 4], N)))
-both("product", lambda: hvd.allreduce(x, op=hvd.Product), lambda r: close(r, np.full([3, 4], np.prod(ranks + 1))))
+both(
+    "product",
+    lambda: hvd.allreduce(x, op=hvd.Product),
+    lambda r: close(r, np.full([3, 4], np.prod(ranks + 1))),
+)
 both(
     "scaled",
     lambda: hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
@@ -61,14 +69,26 @@ both(
     lambda: hvd.allreduce(tf.constant([R * 3 + 1], tf.int32)),
     lambda r: close(r, [int(sum(k * 3 + 1 for k in range(N)) / N)]),
 )
-both("fp16 compression", lambda: hvd.allreduce(x, compression=hvd.Compression.fp16), lambda r: (close(r, np.full([3, 4], (N + 1) / 2)), r.dtype == tf.float32 or sys.exit(1)))
+both(
+    "fp16 compression",
+    lambda: hvd.allreduce(x, compression=hvd.Compression.fp16),
+    lambda r: (close(r, np.full([3, 4], (N + 1) / 2)), r.dtype == tf.float32 or sys.exit(1)),
+)
 if N & (N - 1) == 0:
-    both("adasum of equal vectors", lambda: hvd.allreduce(tf.ones([4]), op=hvd.Adasum), lambda r: close(r, np.ones(4)))
+    both(
+        "adasum of equal vectors",
+        lambda: hvd.allreduce(tf.ones([4]), op=hvd.Adasum),
+        lambda r: close(r, np.ones(4)),
+    )
 # -- grouped: mixed dtypes, one call
 both(
     "grouped",
     lambda: hvd.grouped_allreduce([x, tf.constant([R], tf.int64), 2 * x], op=hvd.Sum),
-    lambda rs: (close(rs[0], np.full([3, 4], N * (N + 1) / 2)), close(rs[1], [N * (N - 1) // 2]), close(rs[2], np.full([3, 4], N * (N + 1)))),
+    lambda rs: (
+        close(rs[0], np.full([3, 4], N * (N + 1) / 2)),
+        close(rs[1], [N * (N - 1) // 2]),
+        close(rs[2], np.full([3, 4], N * (N + 1))),
+    ),
 )
 # -- IndexedSlices: gathered, averaged
 sl = tf.IndexedSlices(tf.fill([1, 2], float(R)), tf.constant([R]), tf.constant([N, 2]))
@@ -97,11 +117,19 @@ both(
     lambda: hvd.alltoall(a2a_in, splits=[k + 1 for k in range(N)]),
     lambda r: (close(r[0], np.repeat(np.arange(N), R + 1)), close(r[1], [R + 1] * N)),
 )
-both("alltoall equal", lambda: hvd.alltoall(tf.fill([2 * N], R)), lambda r: close(r, np.repeat(np.arange(N), 2)))
+both(
+    "alltoall equal",
+    lambda: hvd.alltoall(tf.fill([2 * N], R)),
+    lambda r: close(r, np.repeat(np.arange(N), 2)),
+)
 # -- reducescatter: uneven rows (the first dim0 % N ranks one more)
 rows = 2 * N + 1
 mine = 3 if R == 0 else 2
-both("reducescatter", lambda: hvd.reducescatter(tf.fill([rows, 2], float(R + 1))), lambda r: close(r, np.full([mine, 2], (N + 1) / 2)))
+both(
+    "reducescatter",
+    lambda: hvd.reducescatter(tf.fill([rows, 2], float(R + 1))),
+    lambda r: close(r, np.full([mine, 2], (N + 1) / 2)),
+)
 both(
     "grouped_reducescatter",
     lambda: hvd.grouped_reducescatter([tf.fill([rows, 2], float(R + 1))], op=hvd.Sum),
