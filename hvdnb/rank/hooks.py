@@ -34,6 +34,7 @@ __all__ = [
     "add_step_listener",
     "after_step",
     "count_negotiated",
+    "layer_loaded",
     "negotiated_calls",
     "notify",
     "remove_comm_listener",
@@ -205,6 +206,12 @@ def count_negotiated(fn: Callable[[], int]) -> None:
     far (``hvdnb.torch.transport`` at its import; safe to call from any thread)."""
     global _NEGOTIATED
     _NEGOTIATED = fn
+
+
+def layer_loaded() -> bool:
+    """Has a collective layer (``hvdnb.torch``) registered here? (Its transport registers
+    its counter at import.)"""
+    return _NEGOTIATED is not None
 
 
 def negotiated_calls() -> int | None:

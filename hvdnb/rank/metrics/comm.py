@@ -111,13 +111,14 @@ class CommTiming:
             _torch_hooks(True)
 
     def notice(self) -> None:
-        """Attach if torch was loaded after the recorder was made (a cell that imports it
-        after its first ``hvdnb.log``); cheap once seen."""
+        """Attach if ``hvdnb.torch`` was loaded after the recorder was made (a cell that
+        imports it after its first ``hvdnb.log``: it registered into ``hvdnb.rank.hooks``);
+        cheap once seen."""
         if self.noticed:
             return
         if self.listeners is not None:  # given a listener list already
             self.noticed = True
-        elif "torch" in sys.modules:
+        elif hooks.layer_loaded():
             self.attach()
 
     def detach(self) -> None:
