@@ -20,6 +20,7 @@ order, or keep a reference to a tensor's buffer past the call.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,9 @@ import torch
 from hvdnb.torch.rounds import CollectiveMismatchError
 
 __all__ = ["call", "from_torch", "raw_view", "to_torch", "translate"]
+
+#: the last collective built in each v1 graph (see ``call``)
+_LAST: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 #: numpy dtypes torch has no tensor type for, moved as same-width integers (no arithmetic)
 _RAW = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}
@@ -101,7 +105,15 @@ def call(
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         return [np.asarray(o) for o in fn(*arrays)]
 
-    outs = tf.numpy_function(run, list(inputs), list(touts), stateful=True)
+    g = tf.compat.v1.get_default_graph()
+    # a v1 graph has no automatic control dependencies: chain the collectives in the order
+    # they were built, or a session may run them in a different order on each rank
+    chain = None if getattr(g, "building_function", False) else _LAST.get(g)
+    with tf.control_dependencies([chain] if chain is not None else []):
+        outs = tf.numpy_function(run, list(inputs), list(touts), stateful=True)
+    if not getattr(g, "building_function", False):
+        first = outs[0] if isinstance(outs, (list, tuple)) and outs else outs
+        _LAST[g] = getattr(first, "op", None)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     for o, s in zip(outs, shapes or [None] * len(outs)):
