@@ -32,7 +32,7 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import CellReply, EngineInfo
-from hvdnb.rank import debugger
+from hvdnb.rank import debugger, hooks
 from hvdnb.rank.metrics import recorder
 
 __all__ = [
@@ -370,10 +370,7 @@ def _progress() -> list[Any]:
             out[0] = group._get_sequence_number_for_group()  # type: ignore[attr-defined]
     except Exception:
         pass
-    if "hvdnb.torch.transport" in sys.modules:  # never import torch just to read a counter
-        from hvdnb.torch.transport import negotiated_calls
-
-        out[1] = negotiated_calls()
+    out[1] = hooks.negotiated_calls()  # registered by hvdnb.torch's transport (None: not loaded)
     out[2] = recorder.logged_step()
     return out
 
