@@ -49,7 +49,7 @@ class OptionalModule:
 OPTIONAL: Final[dict[str, OptionalModule]] = {
     "tensorflow": OptionalModule("tf", "tensorflow-cpu", what="TensorFlow, CPU build"),
     "keras": OptionalModule("tf", None, what="Keras, installed with tensorflow-cpu"),
-    "tf_keras": OptionalModule("tf", None, ("tf-keras",), "Keras 2 for TF_USE_LEGACY_KERAS=1"),
+    "tf_keras": OptionalModule("tf", "tf-keras", what="Keras 2 for TF_USE_LEGACY_KERAS=1"),
     "pynvml": OptionalModule("gpu", "nvidia-ml-py", what="NVML: GPU memory and utilisation"),
     "sklearn": OptionalModule("test", "scikit-learn", what="scikit-learn"),
     "playwright": OptionalModule("test", "playwright", what="browser tests"),

@@ -55,7 +55,7 @@ def test_the_table_matches_pyprojects_extras():
         ("tensorflow", "pip install 'hvdnb[tf]'"),
         ("tensorflow.keras.layers", "pip install 'hvdnb[tf]'"),
         ("keras", "pip install 'hvdnb[tf]'"),
-        ("tf_keras", "pip install 'hvdnb[tf]' tf-keras"),
+        ("tf_keras", "pip install 'hvdnb[tf]'"),
         ("pynvml", "pip install 'hvdnb[gpu]'"),
         ("sklearn.datasets", "pip install 'hvdnb[test]'"),
         ("playwright.sync_api", "pip install 'hvdnb[test]'"),
