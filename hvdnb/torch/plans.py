@@ -10,9 +10,10 @@ tensors without mpiexec) a ``torchplans.TorchPlan``; ``planned_allreduce``, the 
 point the public allreduce tries first, and ``planned_launch``, DistributedOptimizer's
 for a bucket over torch.distributed. A plan sends the very header (or its check word)
 the general path (``reduce.py``) would, so ranks on either path still match; when they
-differ it hands every rank's header to the general path. Never: run while async ops are queued or
-listeners are registered, keep a large tensor alive, or add a Python call to the planned
-hot path.
+differ it hands every rank's header to the general path. A planned call holds
+``rounds.SERIAL`` like every other call (one thread negotiates at a time). Never: run
+while async ops are queued or listeners are registered, keep a large tensor alive, or add
+a Python call to the planned hot path.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import hvdnb.torch.listeners as _lst
 from hvdnb.torch.butterfly import CHECK, DATA, free_all, signature
 from hvdnb.torch.process_sets import STATE, ProcessSet
 from hvdnb.torch.reduce import allreduce_op
-from hvdnb.torch.rounds import Handle, after_exchange
+from hvdnb.torch.rounds import SERIAL, Handle, after_exchange
 from hvdnb.torch.spec import (
     DCODE,
     OPNAMES,
@@ -391,45 +392,46 @@ def planned_allreduce(
     ps: ProcessSet,
 ) -> torch.Tensor | None:
     """A planned path, or None when this call needs the general one."""
-    if _lst.LISTENERS or name is None or t.requires_grad:
-        return None
-    mpi = ps.mpi
-    if mpi is not None:
-        if mpi.pending:
+    with SERIAL:
+        if _lst.LISTENERS or name is None or t.requires_grad:
             return None
-    elif ps.torch is None or ps.torch.pending:
-        return None
-    op = Average if op is None else op
-    key = (name, t.data_ptr(), t.dtype, t.shape, op, pre, post, ps)
-    p = STATE.plans.get(key, _NO_PLAN)
-    if p is _NO_PLAN:
-        if len(STATE.plans) >= 256:
-            STATE.plans.clear()
-        p = STATE.plans[key] = _plan(t, name, op, pre, post, ps)
-    if p is None:
-        return None
-    r: torch.Tensor | None
-    if type(p) is TorchPlan:
-        got = run_blocking(p, t, inplace)
-        if isinstance(got, list):
-            _LAST[0], r = got, None
+        mpi = ps.mpi
+        if mpi is not None:
+            if mpi.pending:
+                return None
+        elif ps.torch is None or ps.torch.pending:
+            return None
+        op = Average if op is None else op
+        key = (name, t.data_ptr(), t.dtype, t.shape, op, pre, post, ps)
+        p = STATE.plans.get(key, _NO_PLAN)
+        if p is _NO_PLAN:
+            if len(STATE.plans) >= 256:
+                STATE.plans.clear()
+            p = STATE.plans[key] = _plan(t, name, op, pre, post, ps)
+        if p is None:
+            return None
+        r: torch.Tensor | None
+        if type(p) is TorchPlan:
+            got = run_blocking(p, t, inplace)
+            if isinstance(got, list):
+                _LAST[0], r = got, None
+            else:
+                r = got
+        elif type(p) is _Plan:
+            r = _run_plan(p, t, inplace)
+            if r is None:
+                peer = p.tr.rbuf[:HDR_BYTES].tobytes()
+                _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
+        elif type(p) is _TreePlan:
+            r = _run_tree(p, t, inplace)
         else:
-            r = got
-    elif type(p) is _Plan:
-        r = _run_plan(p, t, inplace)
-        if r is None:
-            peer = p.tr.rbuf[:HDR_BYTES].tobytes()
-            _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
-    elif type(p) is _TreePlan:
-        r = _run_tree(p, t, inplace)
-    else:
-        r = _run_big(p, t, inplace)
-    if r is None:  # headers differed: a mistake, a queued async op or a joined peer
-        hdrs, _LAST[0] = _LAST[0], None
-        tr, o = allreduce_op(t, inplace, name, op, pre, post, ps, tr=p.tr)
-        res: torch.Tensor = after_exchange(tr, hdrs, o).wait()
-        return res
-    return r
+            r = _run_big(p, t, inplace)
+        if r is None:  # headers differed: a mistake, a queued async op or a joined peer
+            hdrs, _LAST[0] = _LAST[0], None
+            tr, o = allreduce_op(t, inplace, name, op, pre, post, ps, tr=p.tr)
+            res: torch.Tensor = after_exchange(tr, hdrs, o).wait()
+            return res
+        return r
 
 
 def planned_launch(
@@ -440,21 +442,22 @@ def planned_launch(
     Only where the bucket travels over torch.distributed (CUDA buckets; CPU buckets in a
     job without mpiexec): MPI buckets keep the general path's nonblocking round.
     """
-    if _lst.LISTENERS or not (t.is_cuda or ps.mpi is None):
-        return None
-    tr = ps.torch
-    if tr is None or tr.pending:
-        return None
-    key = (name, t.data_ptr(), t.dtype, shape_key, op, pre, post, ps, "launch")
-    p = STATE.plans.get(key, _NO_PLAN)
-    if p is _NO_PLAN:
-        if len(STATE.plans) >= 256:
-            STATE.plans.clear()
-        p = STATE.plans[key] = make_torch_plan(tr, t, name, op, pre, post, shape_key)
-    if p is None:
-        return None
-    h = run_launch(p, t)
-    if isinstance(h, list):  # headers differed: settle the round the slow way
-        _, o = allreduce_op(t, True, name, op, pre, post, ps, shape_key, tr=tr)
-        return after_exchange(tr, h, o)
-    return h
+    with SERIAL:
+        if _lst.LISTENERS or not (t.is_cuda or ps.mpi is None):
+            return None
+        tr = ps.torch
+        if tr is None or tr.pending:
+            return None
+        key = (name, t.data_ptr(), t.dtype, shape_key, op, pre, post, ps, "launch")
+        p = STATE.plans.get(key, _NO_PLAN)
+        if p is _NO_PLAN:
+            if len(STATE.plans) >= 256:
+                STATE.plans.clear()
+            p = STATE.plans[key] = make_torch_plan(tr, t, name, op, pre, post, shape_key)
+        if p is None:
+            return None
+        h = run_launch(p, t)
+        if isinstance(h, list):  # headers differed: settle the round the slow way
+            _, o = allreduce_op(t, True, name, op, pre, post, ps, shape_key, tr=tr)
+            return after_exchange(tr, h, o)
+        return h

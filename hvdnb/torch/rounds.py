@@ -27,6 +27,14 @@ How ranks agree (Horovod's contract without its background thread):
 - ``join``: a joined rank keeps taking part in rounds, contributing zeros to allreduces
   (as Horovod does; Average still divides by the full size) and failing every other
   collective on the active ranks, until every rank has joined.
+- Threads: one thread at a time negotiates and starts collectives in a process (``SERIAL``,
+  reentrant; held from the header exchange to the start of the data phase, not while a
+  handle is waited on). TensorFlow runs a graph's independent ops on several threads, and
+  two calls from two threads would otherwise share the staging buffers and pair their
+  header exchanges with the peer's crosswise: ranks then decided differently (one started
+  the data phase while the other reported a mismatch) and deadlocked. Serialized, each rank
+  runs its calls in some order: ranks that picked the same order succeed, others get the
+  same ``CollectiveMismatchError`` on every rank.
 
 Never: issue a collective outside a round, decide differently on different ranks (every
 decision is a function of what all ranks sent), block in ``poll``, or know any collective's
@@ -35,6 +43,7 @@ semantics (those live above: ``reduce.py``, ``collectives.py``).
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -48,6 +57,7 @@ from hvdnb.torch.transport import HDR, HDR_BYTES, SIG_BYTES, Kind
 
 __all__ = [
     "DTYPES",
+    "SERIAL",
     "CollectiveMismatchError",
     "Handle",
     "Op",
@@ -76,6 +86,9 @@ DTYPES = (
     torch.bool,
 )
 HALF = (torch.float16, torch.bfloat16)
+#: held by the one thread that negotiates and starts a collective in this process (see
+#: the module doc): every entry point into a round takes it
+SERIAL = threading.RLock()
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -223,88 +236,92 @@ def _describe(
 # -- submitting ---------------------------------------------------------------------------
 def blocking(tr: Any, op: Op) -> Handle:
     """Negotiate ``op`` now (collective) and start its data phase; raise if it failed."""
-    timed = bool(_lst.LISTENERS)
-    t0 = time.perf_counter() if timed else 0.0
-    if tr.pending:
-        rounds(tr, op, op)
-    elif op.inline is not None:
-        r = op.inline()
-        if type(r) is Handle:
-            op.handle = r
+    with SERIAL:
+        timed = bool(_lst.LISTENERS)
+        t0 = time.perf_counter() if timed else 0.0
+        if tr.pending:
+            rounds(tr, op, op)
+        elif op.inline is not None:
+            r = op.inline()
+            if type(r) is Handle:
+                op.handle = r
+            else:
+                settle(tr, r, op, op)
+                if not op.settled:
+                    rounds(tr, op, op)
         else:
-            settle(tr, r, op, op)
-            if not op.settled:
-                rounds(tr, op, op)
-    else:
-        hdrs = tr.exchange(op.hdr)
-        sig = op.hdr[:SIG_BYTES]
-        if all(h[:SIG_BYTES] == sig for h in hdrs):
-            op.handle = op.start(hdrs)
-        else:
-            settle(tr, hdrs, op, op)
-            if not op.settled:
-                rounds(tr, op, op)
-    if op.error is not None:
-        raise op.error
-    h = op.handle
-    assert h is not None
-    if timed and h.meta is not None:
-        dt = time.perf_counter() - t0
-        h.exp += dt
-        h.own += dt
-    return h
+            hdrs = tr.exchange(op.hdr)
+            sig = op.hdr[:SIG_BYTES]
+            if all(h[:SIG_BYTES] == sig for h in hdrs):
+                op.handle = op.start(hdrs)
+            else:
+                settle(tr, hdrs, op, op)
+                if not op.settled:
+                    rounds(tr, op, op)
+        if op.error is not None:
+            raise op.error
+        h = op.handle
+        assert h is not None
+        if timed and h.meta is not None:
+            dt = time.perf_counter() - t0
+            h.exp += dt
+            h.own += dt
+        return h
 
 
 def after_exchange(tr: Any, hdrs: list[bytes], op: Op) -> Handle:
     """A fast path exchanged ``op``'s header and saw a difference: settle it the slow way."""
-    settle(tr, hdrs, op, op)
-    if not op.settled:
-        rounds(tr, op, op)
-    if op.error is not None:
-        raise op.error
-    assert op.handle is not None
-    return op.handle
+    with SERIAL:
+        settle(tr, hdrs, op, op)
+        if not op.settled:
+            rounds(tr, op, op)
+        if op.error is not None:
+            raise op.error
+        assert op.handle is not None
+        return op.handle
 
 
 def defer(tr: Any, op: Op) -> Op:
     """Queue an async op (no communication); it runs in the next round on this set."""
-    for o in tr.pending:
-        if o.name == op.name:
-            raise ValueError(
-                f"an operation named '{op.name}' is already in flight on this rank; async "
-                "collectives in flight at the same time need distinct names"
-            )
-    tr.pending.append(op)
-    return op
+    with SERIAL:
+        for o in tr.pending:
+            if o.name == op.name:
+                raise ValueError(
+                    f"an operation named '{op.name}' is already in flight on this rank; async "
+                    "collectives in flight at the same time need distinct names"
+                )
+        tr.pending.append(op)
+        return op
 
 
 def rounds(tr: Any, cur: Op | None, target: Op) -> None:
     """Take part in rounds until ``target`` has run or failed (``cur``: this call's op)."""
-    while not target.settled:
-        ops = tr.pending + ([cur] if cur is not None and cur not in tr.pending else [])
-        if len(ops) == 1 and ops[0].inline is not None:
-            only = ops[0]
-            r = only.inline()
-            if type(r) is Handle:
+    with SERIAL:
+        while not target.settled:
+            ops = tr.pending + ([cur] if cur is not None and cur not in tr.pending else [])
+            if len(ops) == 1 and ops[0].inline is not None:
+                only = ops[0]
+                r = only.inline()
+                if type(r) is Handle:
+                    if only in tr.pending:
+                        tr.pending.remove(only)
+                    only.handle = r
+                else:
+                    settle(tr, r, cur, target)
+                continue
+            if len(ops) == 1:
+                hdr = ops[0].hdr
+            else:
+                digest = zlib.crc32(b"".join(o.hdr[:SIG_BYTES] for o in ops))
+                hdr = HDR.pack(Kind.ROUND, digest, len(ops), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            hdrs = tr.exchange(hdr)
+            if len(ops) == 1 and all(h[:SIG_BYTES] == hdr[:SIG_BYTES] for h in hdrs):
+                only = ops[0]
                 if only in tr.pending:
                     tr.pending.remove(only)
-                only.handle = r
-            else:
-                settle(tr, r, cur, target)
-            continue
-        if len(ops) == 1:
-            hdr = ops[0].hdr
-        else:
-            digest = zlib.crc32(b"".join(o.hdr[:SIG_BYTES] for o in ops))
-            hdr = HDR.pack(Kind.ROUND, digest, len(ops), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-        hdrs = tr.exchange(hdr)
-        if len(ops) == 1 and all(h[:SIG_BYTES] == hdr[:SIG_BYTES] for h in hdrs):
-            only = ops[0]
-            if only in tr.pending:
-                tr.pending.remove(only)
-            _run(only, hdrs)
-            continue
-        settle(tr, hdrs, cur, target)
+                _run(only, hdrs)
+                continue
+            settle(tr, hdrs, cur, target)
 
 
 def settle(tr: Any, hdrs: list[bytes], cur: Op | None, target: Op) -> None:
@@ -412,15 +429,16 @@ def _serve_zeros(tr: Any, hdr: bytes) -> None:
 
 def join_round(tr: Any, served: int) -> int | None:
     """One round of a joined rank; returns the last rank to join once every rank has."""
-    hdr = HDR.pack(Kind.JOIN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, served, 0, 0, 0)
-    hdrs = tr.exchange(hdr)
-    if all(kind_of(h) == Kind.JOIN for h in hdrs):
-        counts = [HDR.unpack(h)[12] for h in hdrs]
-        # the ranks that served fewest rounds joined last; ties: the highest rank
-        last = min(counts)
-        return max(r for r, c in enumerate(counts) if c == last)
-    full_round(tr, None, None, joined=served)
-    return None
+    with SERIAL:
+        hdr = HDR.pack(Kind.JOIN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, served, 0, 0, 0)
+        hdrs = tr.exchange(hdr)
+        if all(kind_of(h) == Kind.JOIN for h in hdrs):
+            counts = [HDR.unpack(h)[12] for h in hdrs]
+            # the ranks that served fewest rounds joined last; ties: the highest rank
+            last = min(counts)
+            return max(r for r, c in enumerate(counts) if c == last)
+        full_round(tr, None, None, joined=served)
+        return None
 
 
 assert HDR_BYTES == 128

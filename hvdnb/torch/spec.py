@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hvdnb.torch.process_sets import ProcessSet, check_registered
-from hvdnb.torch.rounds import DTYPES
+from hvdnb.torch.rounds import DTYPES, SERIAL
 from hvdnb.torch.transport import HDR, Kind, MPITransport, TorchTransport
 
 __all__ = [
@@ -59,9 +59,10 @@ def name_hash(name: str) -> int:
 def auto_name(ps: ProcessSet, kind: int) -> str:
     """``<kind>.noname.<n>``: the name of an unnamed call, numbered per process set."""
     # one counter for every kind: a rank that called another kind by mistake stays in step
-    c = ps.counters.get(0, 0)
-    ps.counters[0] = c + 1
-    return f"{Kind.NAMES[kind]}.noname.{c}"
+    with SERIAL:
+        c = ps.counters.get(0, 0)
+        ps.counters[0] = c + 1
+        return f"{Kind.NAMES[kind]}.noname.{c}"
 
 
 def dtype_code(t: torch.Tensor) -> int:

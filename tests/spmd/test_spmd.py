@@ -67,6 +67,7 @@ def test_spmd_under_mpiexec(script: Path) -> None:
     [
         ("spmd_ops", 3),
         ("spmd_errors", 3),
+        ("spmd_threads", 3),
         ("spmd_horovod", 3),
         ("spmd_cache", 3),
         ("spmd_cache", 4),
@@ -122,6 +123,7 @@ def test_spmd_adasum_ranks(ranks: int) -> None:
         "spmd_adasum",
         "spmd_cache",
         "spmd_optimizer",
+        "spmd_threads",
     ],
 )
 def test_torchrun_style_gloo(script: str) -> None:
