@@ -85,6 +85,16 @@ class Recorder:
         "last_activity",
     )
 
+    @property
+    def channel(self) -> Any:
+        """Where messages go (None: nowhere); the flusher's, so that setting it later (an
+        exported script's metrics file, ``hvdnb.rank.script``) reaches the sender."""
+        return self.flusher.channel
+
+    @channel.setter
+    def channel(self, channel: Any) -> None:
+        self.flusher.channel = channel
+
     def __init__(
         self,
         rank: int,
@@ -97,7 +107,6 @@ class Recorder:
         comm_interval_steady: float | None = None,
     ) -> None:
         self.rank = rank
-        self.channel = channel
         self.pid = os.getpid()
         self.ring = Ring(capacity)
         steady = flush_interval if steady_interval is None else steady_interval
