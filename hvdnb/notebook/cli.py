@@ -71,7 +71,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _install_kernel(args: argparse.Namespace) -> int:
-    from kernels_ext.kernelspec import DISPLAY_NAME, install
+    from hvdnb.notebook.kernelspec import DISPLAY_NAME, install
 
     where = install(user=args.user, prefix=args.prefix)
     print(f"installed kernelspec {DISPLAY_NAME!r} in {where}")

@@ -272,7 +272,7 @@ def _kernel_manager(td: str, env: dict[str, str], run: bool = False) -> Any:
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager, KernelManager
 
-    from kernels_ext.kernelspec import KERNEL_NAME, get_kernel_dict
+    from hvdnb.notebook.kernelspec import KERNEL_NAME, get_kernel_dict
 
     kdir = Path(td, "kernels", KERNEL_NAME)
     kdir.mkdir(parents=True)

@@ -175,16 +175,8 @@ def package_loops(graph: dict[str, set[str]], packages: list[str] = PACKAGES) ->
 
 
 #: package loops still being taken apart: remove an entry when its loop is gone (the test
-#: below then keeps it gone).
-KNOWN_PACKAGE_LOOPS = [
-    # issue 32 item 4, second bullet (one narrow interface, one direction): its owner
-    # removes it
-    ["hvdnb.notebook.cluster", "hvdnb.notebook.metrics"],
-    # the kernel's launch shims sit on hvdnb (kernels_ext.autoload -> notebook.magics,
-    # kernels_ext.engine -> rank.engine) while hvdnb.notebook.cli and .runner write the
-    # kernelspec with kernels_ext.kernelspec: the spec writer belongs under hvdnb.notebook
-    ["hvdnb", "kernels_ext"],
-]
+#: below then keeps it gone). Empty since issue 32: a new loop is made one-way, not listed.
+KNOWN_PACKAGE_LOOPS: list[list[str]] = []
 
 
 def test_the_graph_is_read_from_every_kind_of_import():
@@ -250,6 +242,25 @@ def test_no_package_loop():
         if m.startswith("hvdnb.rank") and any(d.startswith("hvdnb.torch") for d in GRAPH[m])
     )
     assert torch_users == []
+
+
+def test_the_directions_issue_32_chose():
+    """``kernels_ext`` sits on hvdnb (its kernelspec re-exports ``hvdnb.notebook.kernelspec``);
+    ``hvdnb.notebook.cluster`` uses the metrics store (``attach``, ``follow``,
+    ``get_store``), and the store never imports a cluster module."""
+    assert [
+        m
+        for m in GRAPH
+        if m.startswith("hvdnb") and any(d.startswith("kernels_ext") for d in GRAPH[m])
+    ] == []
+    assert "hvdnb.notebook.kernelspec" in GRAPH["kernels_ext.kernelspec"]
+    assert [
+        m
+        for m in GRAPH
+        if m.startswith("hvdnb.notebook.metrics")
+        and any(d.startswith("hvdnb.notebook.cluster") for d in GRAPH[m])
+    ] == []
+    assert "hvdnb.notebook.metrics.store" in GRAPH["hvdnb.notebook.cluster.lifecycle"]
 
 
 @pytest.mark.parametrize("mod", sorted(GRAPH))

@@ -49,6 +49,9 @@ from hvdnb.notebook.cluster.watchdog import remove_files
 from hvdnb.notebook.metrics import store
 from hvdnb.protocol.remote import CONNECT_CHANNEL
 
+# the store follows the current cluster through this (it never imports the cluster's modules)
+store.follow(registry.current)
+
 __all__ = ["Cluster", "ClusterError", "cores", "current", "find_mpiexec", "gpu_count"]
 
 log = logging.getLogger("hvdnb")

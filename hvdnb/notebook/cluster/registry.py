@@ -1,8 +1,9 @@
 """Which cluster ``%dist``, ``%%distributed`` and ``hvdnb.current()`` act on.
 
 Owns: one reference, set by a cluster when it has started and cleared when it stops; read
-by ``hvdnb.notebook.cluster.lifecycle.current`` and by the metrics store (to follow a
-restarted cluster's new side channel) alike, so neither imports the other for it.
+by ``hvdnb.notebook.cluster.lifecycle.current`` and, handed to it by ``lifecycle`` through
+``metrics.store.follow``, by the metrics store (to follow a restarted cluster's new side
+channel): the store never imports the cluster's modules.
 
 Never: import anything of hvdnb (both sides of the store/cluster pair read it), start,
 stop or inspect a cluster.

@@ -18,12 +18,14 @@ This module wires them (who gets what is in ``MetricsStore.__init__``), clears t
 connects a cluster's side channel, and holds the notebook's one store (``get_store``,
 ``attach``), ``hvdnb.metrics``, ``hvdnb.set_knobs`` and ``hvdnb.watch``.
 
-One-way with the cluster: a cluster attaches the store when it starts; the store follows
-the current cluster (a restart brings a new channel) through the tiny
-``hvdnb.notebook.cluster.registry``, and reads of a cluster only ``channel``,
-``client.ids``, ``hosts_seen`` and what it is (``n``, ``backend``, ``device``).
+One-way with the cluster: ``hvdnb.notebook.cluster`` imports this module, never the
+reverse. Its narrow interface is three calls: a cluster ``attach``es the store when it
+starts, the cluster package hands ``follow`` the function that says which cluster is
+current (so the store follows a restart's new channel), and health reads
+``get_store().rank_info``. Of a cluster the store reads only ``channel``, ``client.ids``,
+``hosts_seen`` and what it is (``n``, ``backend``, ``device``).
 
-Never: import torch, widgets or the cluster's modules beyond that registry; block the
+Never: import torch, widgets or the cluster's modules; block the
 channel thread; invent a value: a reading a rank did not send is None (shown as "n/a") or
 NaN, not 0; hold state of its own beyond its parts.
 """
@@ -31,9 +33,9 @@ NaN, not 0; hold state of its own beyond its parts.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from hvdnb.notebook.cluster import registry
 from hvdnb.notebook.metrics.alarms import Alarms
 from hvdnb.notebook.metrics.ingest import Ingest
 from hvdnb.notebook.metrics.knobreq import KnobRequests, KnobSpec
@@ -50,6 +52,7 @@ __all__ = [
     "MetricRows",
     "MetricsStore",
     "attach",
+    "follow",
     "get_store",
     "metrics",
     "set_knobs",
@@ -74,7 +77,7 @@ class MetricsStore:
     # ------------------------------------------------------------ wiring and clearing
     def attach_current(self) -> None:
         """Follow ``hvdnb.current()`` (a restarted cluster has a new channel)."""
-        c = registry.current()
+        c = _current()
         if c is not None and c.channel is not None and c.channel is not self._link.channel:
             self.attach(c)
 
@@ -442,6 +445,22 @@ _STORE: MetricsStore | None = None
 _SLOCK = threading.Lock()
 
 
+def _no_cluster() -> Any:
+    return None
+
+
+#: which cluster is current: handed by the cluster package (``follow``) when it is imported;
+#: before that no cluster can have started
+_current: Callable[[], Any] = _no_cluster
+
+
+def follow(current: Callable[[], Any]) -> None:
+    """Read which cluster is current from ``current`` (``registry.current``): the cluster
+    package registers it, so the store never imports the cluster's modules."""
+    global _current
+    _current = current
+
+
 def get_store() -> MetricsStore:
     """The notebook's store (one per kernel)."""
     global _STORE
@@ -454,7 +473,7 @@ def get_store() -> MetricsStore:
 def attach(cluster: Any = None) -> MetricsStore:
     """Feed the notebook's store from ``cluster`` (default: ``hvdnb.current()``)."""
     store = get_store()
-    c = cluster if cluster is not None else registry.current()
+    c = cluster if cluster is not None else _current()
     if c is not None:
         store.attach(c)
     return store
