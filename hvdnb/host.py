@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["cores", "gpu_count", "ifname_of", "route_addr"]
+__all__ = ["cores", "gpu_count", "ifname_of", "is_loopback", "reachable_addr", "route_addr"]
 
 
 def cores() -> int:
@@ -60,6 +61,33 @@ def route_addr(peer: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((peer, 9))
         return str(s.getsockname()[0])
+
+
+def is_loopback(addr: str) -> bool:
+    """``addr`` is reachable from this host only (``127.*``, ``localhost``, ``::1``, or the
+    wildcard ``0.0.0.0`` / ``::``): never an address to hand to another host."""
+    return addr in ("", "localhost", "::1", "0.0.0.0", "::") or addr.startswith("127.")
+
+
+def reachable_addr(peers: Iterable[str | None] = ()) -> str:
+    """The address other hosts reach this one on: the one rule, for the notebook's listen
+    address (``notebook.cluster.spec``), rank 0's rendezvous (``rank.rendezvous``) and each
+    TensorFlow worker (``rank.tfconfig``).
+
+    This host's address on the route to the first of ``peers`` (names or addresses of other
+    hosts; loopback ones and None are skipped) whose route is not loopback; else the address
+    this host's name resolves to. Raises OSError when that does not resolve either.
+    """
+    for peer in peers:
+        if not peer or is_loopback(peer):
+            continue
+        try:
+            addr = route_addr(peer if ":" in peer else socket.gethostbyname(peer))
+        except OSError:
+            continue
+        if not is_loopback(addr):
+            return addr
+    return socket.gethostbyname(socket.gethostname())
 
 
 def ifname_of(addr: str) -> str | None:

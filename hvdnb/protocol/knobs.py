@@ -78,6 +78,17 @@ def validate(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> str | N
     return None
 
 
+def at_step_error(at_step: Any) -> str | None:
+    """None when ``at_step`` is absent (None) or a step number >= 0, else what is wrong. The
+    one rule: the notebook refuses a request with it, and rank 0 re-checks a request with
+    the same words (a plan with this error) instead of ignoring the value."""
+    if at_step is None:
+        return None
+    if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+        return f"at_step must be a step number >= 0, not {at_step!r}"
+    return None
+
+
 def coerce(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> dict[str, Any]:
     """Values converted to the knob's kind (after ``validate`` accepted them)."""
     return {k: (int(v) if spec[k]["kind"] == "int" else float(v)) for k, v in values.items()}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from hvdnb.host import cores, ifname_of, route_addr
+from hvdnb.host import cores, ifname_of, is_loopback, reachable_addr, route_addr
 from hvdnb.protocol import kinds
 from hvdnb.rank import gpurules
 
@@ -225,17 +225,9 @@ def _master_addr(w: World, ip: str) -> str:
     """Rank 0's address: loopback when the whole job is on one host; across hosts, an
     explicit non-loopback ``ip``, else the address of rank 0's route to the notebook (an
     address the other hosts can reach, as the notebook's own is reachable from them)."""
-    if w.local_size == w.size:
+    if w.local_size == w.size or not is_loopback(ip):
         return ip
-    if ip not in ("127.0.0.1", "localhost"):
-        return ip
-    peer = _channel_host()
-    if peer and peer not in ("127.0.0.1", "localhost", "0.0.0.0"):
-        try:
-            return route_addr(peer)
-        except OSError:
-            pass
-    return socket.gethostbyname(socket.gethostname())
+    return reachable_addr([_channel_host()])
 
 
 def _pin_interface(addr: str) -> None:

@@ -35,12 +35,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hvdnb.host import route_addr
+from hvdnb.host import reachable_addr
 from hvdnb.rank.rendezvous import World, threads_per_rank
 
 __all__ = ["free_port", "resolve", "setup", "tf_config", "worker_addr"]
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def tf_config(workers: Sequence[str], index: int) -> str:
@@ -67,12 +65,7 @@ def worker_addr(w: World, master_addr: str | None) -> str:
     one host, else this host's address on the route to rank 0 (``master_addr``)."""
     if w.local_size >= w.size:
         return "127.0.0.1"
-    if master_addr and master_addr not in _LOOPBACK:
-        try:
-            return route_addr(master_addr)
-        except OSError:
-            pass
-    return socket.gethostbyname(socket.gethostname())
+    return reachable_addr([master_addr])
 
 
 def free_port(addr: str) -> int | None:

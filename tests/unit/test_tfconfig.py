@@ -13,6 +13,7 @@ import types
 import pytest
 
 import hvdnb
+from hvdnb import host
 from hvdnb.rank import keras as hkeras
 from hvdnb.rank import tfconfig
 from hvdnb.rank.rendezvous import World
@@ -46,10 +47,10 @@ def test_worker_address_is_loopback_on_one_host_and_the_route_to_rank_0_across_h
     monkeypatch,
 ):
     assert tfconfig.worker_addr(_world(1, 2, 2), "10.1.2.3") == "127.0.0.1"
-    monkeypatch.setattr(tfconfig, "route_addr", lambda peer: f"route-to-{peer}")
+    monkeypatch.setattr(host, "route_addr", lambda peer: f"route-to-{peer}")
     assert tfconfig.worker_addr(_world(2, 4, 2), "10.1.2.3") == "route-to-10.1.2.3"
     # no usable MASTER_ADDR across hosts: this host's own name
-    monkeypatch.setattr(tfconfig.socket, "gethostbyname", lambda name: "10.9.9.9")
+    monkeypatch.setattr(host.socket, "gethostbyname", lambda name: "10.9.9.9")
     assert tfconfig.worker_addr(_world(2, 4, 2), "127.0.0.1") == "10.9.9.9"
     assert tfconfig.worker_addr(_world(2, 4, 2), None) == "10.9.9.9"
 

@@ -12,13 +12,12 @@ leaves nothing behind because nothing was started.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hvdnb.config import get_config
-from hvdnb.host import cores, gpu_count, route_addr
+from hvdnb.host import cores, gpu_count, is_loopback, reachable_addr
 
 __all__ = [
     "LOCAL_LAUNCHERS",
@@ -193,23 +192,12 @@ def _listen_ip(
         return ip or default
     if ip:
         return ip
-    if default not in ("127.0.0.1", "localhost"):
+    if not is_loopback(default):
         return default  # HVDNB_IP
-    peers = []
-    if hostfile:
-        peers = hostfile_hosts(hostfile)
-    for es in sets or []:
-        if es.get("host"):
-            peers.append(str(es["host"]))
-    for peer in peers:
-        try:
-            addr = route_addr(socket.gethostbyname(peer))
-        except OSError:
-            continue
-        if not addr.startswith("127."):
-            return addr
+    peers = hostfile_hosts(hostfile) if hostfile else []
+    peers += [str(es["host"]) for es in sets or [] if es.get("host")]
     try:
-        return socket.gethostbyname(socket.gethostname())
+        return reachable_addr(peers)
     except OSError:
         raise ClusterError(
             "cannot tell which address the other hosts reach this one on: pass "

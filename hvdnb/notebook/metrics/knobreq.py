@@ -28,7 +28,7 @@ from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore
 from hvdnb.notebook.metrics.runs import Runs
 from hvdnb.protocol import kinds
-from hvdnb.protocol.knobs import validate
+from hvdnb.protocol.knobs import at_step_error, validate
 
 __all__ = ["KnobRequests", "KnobSpec"]
 
@@ -104,14 +104,7 @@ class KnobRequests:
     def refusal(self, values: dict[str, Any], at_step: int | None = None) -> str | None:
         """Why the knobs refuse ``values`` (applied at ``at_step``, if given); None when
         they accept them. The one notebook-side check of a change."""
-        err = validate(self._spec.spec, values)
-        if (
-            err is None
-            and at_step is not None
-            and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0)
-        ):
-            err = f"at_step must be a step number >= 0, not {at_step!r}"
-        return err
+        return validate(self._spec.spec, values) or at_step_error(at_step)
 
     def _record_refused(self, error: str, values: dict[str, Any]) -> None:
         with self._points.lock:

@@ -34,7 +34,7 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.kinds import Kind
-from hvdnb.protocol.knobs import coerce, make_spec, validate
+from hvdnb.protocol.knobs import at_step_error, coerce, make_spec, validate
 from hvdnb.rank.metrics import stop
 from hvdnb.rank.metrics.recorder import (
     LEAD_SECONDS,
@@ -184,12 +184,13 @@ class Knobs:
         self._seen.add(msg.get("id"))
         values = msg.get("values")
         err = validate(self.spec, values) if isinstance(values, dict) else "values must be a dict"
+        at = msg.get("at_step")
+        err = err or at_step_error(at)  # the notebook's rule, in its words
         if err:
             self._send(kinds.KNOBS_PLAN, id=msg.get("id"), error=err)
             return
         rec = get_recorder()
-        at = msg.get("at_step")
-        if isinstance(at, int) and not isinstance(at, bool) and at >= 0:
+        if at is not None:
             apply_at: int | None = at
         elif rec.idle():
             apply_at = None
