@@ -9,12 +9,12 @@ pick a port, or start processes.
 from __future__ import annotations
 
 import atexit
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import hvdnb.torch.handles as handles
 from hvdnb.config import get_config
+from hvdnb.host import cores
 from hvdnb.rank import rendezvous
 from hvdnb.torch.process_sets import (
     STATE,
@@ -55,12 +55,13 @@ def butterfly_bytes(configured: int, w: Any) -> int:
     core per rank (4, 8 and 16 ranks) the butterfly is 0.8-1.0x MPI's time up to 4 KB and
     0.3-0.6x from 8 KB (its messages leave MPICH's eager path there, while MPI's own
     allreduce uses shared memory); on 2 cores shared by 4 ranks it is 1.05-1.6x up to 64
-    KB, where MPI's collective waits on descheduled peers.
+    KB, where MPI's collective waits on descheduled peers. Cores are ``host.cores()``, the
+    ones this rank may use, as the rendezvous counts them for its threads.
     """
     if configured >= 0:
         return int(configured)
     local = max(1, int(getattr(w, "local_size", 1) or 1))
-    return 64 * 1024 if local > (os.cpu_count() or 1) else 4 * 1024
+    return 64 * 1024 if local > cores() else 4 * 1024
 
 
 def init(
