@@ -7,6 +7,8 @@ an odd size: no Adasum, uneven reducescatter rows) and the install hints are che
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +85,133 @@ def test_missing_tf_keras_names_the_install_command() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERR hvdnb.tensorflow.keras needs tf_keras" in out.stdout, out.stdout + out.stderr
     assert "hvdnb[tf]" in out.stdout, out.stdout
+
+
+# -- Horovod's TF2 examples, unchanged -------------------------------------------------------
+#: where Horovod's ``examples/tensorflow2`` files are looked for (Apache-2.0 code, not vendored)
+EXAMPLES = Path(
+    os.environ.get(
+        "HVDNB_HOROVOD_EXAMPLES",
+        str(
+            Path(__file__).resolve().parents[2]
+            / ".."
+            / "shared"
+            / "conformance"
+            / "horovod"
+            / "examples"
+            / "tensorflow2"
+        ),
+    )
+)
+
+#: put on the examples' path: ``horovod.X`` is hvdnb's module of the same role, and MNIST
+#: (no download here) is scikit-learn's digits; the test's doing, never hvdnb's
+SITECUSTOMIZE = '''
+import importlib, importlib.abc, importlib.util, sys, types
+
+ALIASES = {"horovod.tensorflow": "hvdnb.tensorflow", "horovod.keras": "hvdnb.tensorflow.keras"}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, real):
+        self.real = real
+
+    def create_module(self, spec):
+        return importlib.import_module(self.real)
+
+    def exec_module(self, module):
+        pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        for alias, real in ALIASES.items():
+            if fullname == alias or fullname.startswith(alias + "."):
+                return importlib.util.spec_from_loader(
+                    fullname, _Loader(real + fullname[len(alias):])
+                )
+        return None
+
+
+sys.meta_path.insert(0, _Finder())
+_pkg = types.ModuleType("horovod")  # the examples' `import horovod`
+_pkg.__path__ = []  # a package: its submodules come from the finder above
+sys.modules["horovod"] = _pkg
+
+
+def _digits(path="mnist.npz"):
+    """MNIST's (x_train, y_train), (x_test, y_test) as uint8 images: scikit-learn's 1797
+    8x8 digits (0..16 scaled to 0..255), 80/20."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images * (255 / 16)).astype(np.uint8)
+    y = d.target.astype(np.uint8)
+    cut = len(x) * 4 // 5
+    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+import tensorflow as tf
+
+tf.keras.datasets.mnist.load_data = _digits
+'''
+
+
+def _example(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
+    _need("tensorflow")
+    _need("tf_keras")
+    _need("sklearn")
+    src = EXAMPLES / name
+    if not src.exists():
+        pytest.skip(
+            f"Horovod's example {name} not found in {EXAMPLES}: it is Apache-2.0 code this "
+            "project does not vendor. Point HVDNB_HOROVOD_EXAMPLES at a Horovod checkout's "
+            "examples/tensorflow2 (git clone https://github.com/horovod/horovod)"
+        )
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = _env(TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = f"{site}:{root}"
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(src)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+        cwd=tmp_path,  # checkpoints land here
+    )
+    assert proc.returncode == 0, _report(proc)
+    return proc
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_horovod_example_tensorflow2_mnist(tmp_path: Path) -> None:
+    """DistributedGradientTape and broadcast_variables: 5000 steps on 2 ranks, rank 0
+    prints the loss every 10 steps and saves a checkpoint."""
+    proc = _example(tmp_path, "tensorflow2_mnist.py")
+    losses = [float(x) for x in re.findall(r"Step #\d+\tLoss: ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 10000 // 2 // 10, _report(proc)  # rank 0 only
+    assert min(losses[-10:]) < losses[0] / 2, losses[:3] + losses[-10:]
+    assert list(tmp_path.glob("checkpoints-1.index")), sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_horovod_example_tensorflow2_keras_mnist(tmp_path: Path) -> None:
+    """DistributedOptimizer and the three callbacks in ``fit``: 24 epochs on 2 ranks,
+    the warm-up reported, checkpoints written by rank 0 alone."""
+    proc = _example(tmp_path, "tensorflow2_keras_mnist.py")
+    out = proc.stdout
+    assert out.count("Epoch 24/24") == 1, _report(proc)  # rank 0 is verbose, rank 1 not
+    accs = [float(a) for a in re.findall(r" accuracy: ([0-9.]+)", out)]
+    assert accs and accs[-1] > 0.5, accs[-5:]  # chance is 0.1
+    assert "learning rate" in out.lower(), _report(proc)  # LearningRateWarmupCallback, verbose
+    assert len(list(tmp_path.glob("checkpoint-*.h5"))) == 24
