@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     from hvdnb.notebook.cells import CellResult, DistributedCellError, run_cell
     from hvdnb.notebook.cluster.lifecycle import Cluster, current
     from hvdnb.notebook.cluster.spec import ClusterError
+    from hvdnb.notebook.metrics.history import import_runs, runs
     from hvdnb.notebook.metrics.store import set_knobs, watch
+    from hvdnb.notebook.tfps import tf_cluster_resolver
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,7 @@ __all__ = [
     "current",
     "ddp_comm_hook",
     "get_config",
+    "import_runs",
     "keras_callback",
     "knobs",
     "load_ipython_extension",
@@ -66,7 +69,9 @@ __all__ = [
     "phase",
     "require_ranks",
     "run_cell",
+    "runs",
     "set_knobs",
+    "tf_cluster_resolver",
     "unload_ipython_extension",
     "watch",
 ]
@@ -80,7 +85,10 @@ _LAZY = {
     "ClusterError": "hvdnb.notebook.cluster.spec",
     "current": "hvdnb.notebook.cluster.lifecycle",
     "set_knobs": "hvdnb.notebook.metrics.store",
+    "runs": "hvdnb.notebook.metrics.history",
+    "import_runs": "hvdnb.notebook.metrics.history",
     "watch": "hvdnb.notebook.metrics.store",
+    "tf_cluster_resolver": "hvdnb.notebook.tfps",
 }
 
 

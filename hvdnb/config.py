@@ -88,6 +88,11 @@ class Config:
     #: side area through jupyterlab-sidecar), "inline" (in the cell's output: classic
     #: Notebook, VS Code) or "off"
     panel: str = "side"
+    #: where the run store lives (``runs.sqlite``: every run of every session); "" is
+    #: ``~/.hvdnb``
+    home: str = ""
+    #: the run store's size bound in MB: past it, the oldest runs are deleted (0: no bound)
+    runs_max_mb: float = 1024.0
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod

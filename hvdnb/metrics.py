@@ -12,6 +12,9 @@ rows for a batch run: what an exported script wrote with ``HVDNB_METRICS_DIR=DIR
 ``hvdnb.notebook.metrics.files``)::
 
     df = hvdnb.metrics.load("out").to_pandas()
+
+``hvdnb.metrics(run="a3f9c1-2")`` reads a run of the run store (``hvdnb.runs()``), from
+any session; ``.to_tensorboard(DIR)`` writes rows as TensorBoard event files.
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ def __getattr__(name: str) -> Any:
 
 
 class _CallableModule(types.ModuleType):
-    """``hvdnb.metrics(name=None, rank=None, run=None)``: every point as rows."""
+    """``hvdnb.metrics(name=None, rank=None, run=None)``: every point as rows; ``run`` an id
+    of ``hvdnb.runs()``: that run of the run store, whichever session logged it."""
 
     def __call__(
-        self, name: str | None = None, rank: int | None = None, run: int | None = None
+        self, name: str | None = None, rank: int | None = None, run: int | str | None = None
     ) -> MetricRows:
         rows: MetricRows = __getattr__("metrics")(name, rank, run)
         return rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,10 @@ import pytest
 # marked gpu see the GPUs again inside ``gpu_visible()``. Set before torch is imported.
 REAL_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# The run store (``$HVDNB_HOME/runs.sqlite``): the suite and the kernels and ranks it starts
+# write into a directory of their own, never into the user's ~/.hvdnb.
+os.environ["HVDNB_HOME"] = tempfile.mkdtemp(prefix="hvdnb-home-")
 
 
 @contextmanager

@@ -38,6 +38,7 @@ from hvdnb.notebook.cellwait import (
     Redraw,
 )
 from hvdnb.notebook.cluster import health
+from hvdnb.notebook.metrics.runlog import outcome_of
 from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.stall import StallWatch
 from hvdnb.notebook.streaming import Streamer
@@ -507,7 +508,7 @@ class _CellRun:
         if self.stream:
             self.streamer.pump(final=True)
         _show_alarms(store, True)
-        store.end_cell()
+        store.end_cell(outcome_of(result.errors))  # how the run ended, for the run store
         _run_hooks(True)
         result.seconds = time.monotonic() - sent.t0
         for r, md in zip(sent.ranks, self.metadata):

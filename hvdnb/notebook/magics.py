@@ -90,6 +90,8 @@ _ACTIONS: dict[str, _Action] = {
     "where": _Action(frozenset(), False, "%dist where"),
     "debug": _Action(frozenset({"commands"}), True, "%dist debug [RANK] [-c COMMAND ...]"),
     "logs": _Action(frozenset({"n"}), True, "%dist logs [RANK] [-n LINES]"),
+    "runs": _Action(frozenset({"delete", "n"}), True, "%dist runs [-n LAST] [--delete ID ...]"),
+    "compare": _Action(frozenset(), True, "%dist compare [ID ...]"),
 }
 
 _CELL_USAGE = "%%distributed [-t RANKS] [-o NAME] [--timeout SECONDS] [-q]"
@@ -137,7 +139,7 @@ class DistMagics(Magics):
         nargs="?",
         default="status",
         help="start | stop | restart | status | panel | knobs | watch | export | where | debug | "
-        "logs (default: status)",
+        "logs | runs | compare (default: status)",
     )
     @argument(
         "values",
@@ -166,6 +168,7 @@ class DistMagics(Magics):
         dest="commands",
         help="debug: run this pdb command and return (repeatable), instead of a prompt",
     )
+    @argument("--delete", action="store_true", help="runs: delete the runs named (their ids)")
     @argument("--cells", default="ok", help="export: ok (default: leave failed cells out) or all")
     @argument(
         "--inline",
@@ -242,6 +245,7 @@ class DistMagics(Magics):
             %dist debug [RANK]        # pdb on the last failed cell's frames on that rank
             %dist debug 1 -c "p x" -c up   # ... a few commands, without a prompt
             %dist logs [RANK] [-n 50] # each rank's log, and how it ended
+            %dist runs [--delete ID ...]; %dist compare ID ...  # every session's runs; pin
             %dist stop                # nothing left running
         """
         try:
@@ -368,6 +372,31 @@ class DistMagics(Magics):
         if lines < 0:
             raise UsageError(f"-n must be a number of lines >= 0, not {lines}")
         print(format_logs(c, ranks, lines))
+
+    def _runs(self, args: Any) -> None:
+        """The run store's runs (``hvdnb.runs()``), or delete some."""
+        from hvdnb.notebook.metrics import history
+
+        try:
+            if args.delete:
+                if not args.values:
+                    raise _refused("runs", "%dist runs --delete needs the ids to delete")
+                print(history.delete(list(args.values)))
+            elif args.values:
+                raise _refused("runs", "%dist runs takes ids only with --delete")
+            else:
+                print(history.runs_text(20 if args.n is None else args.n))
+        except (RuntimeError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+
+    def _compare(self, args: Any) -> None:
+        """Pin runs of the run store to the panel's runs chart (none: unpin)."""
+        from hvdnb.notebook.metrics import history
+
+        try:
+            print(history.compare(list(args.values)))
+        except (RuntimeError, KeyError) as exc:
+            raise UsageError(str(exc).strip("'\"")) from None
 
     def _debug(self, args: Any) -> None:
         """pdb on the frames of the last failed cell, on one rank."""

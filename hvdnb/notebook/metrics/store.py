@@ -12,7 +12,9 @@ needs and owning its own fields:
 - ``Alarms`` (``alarms``): the watchers, their lines and the stop they ask for;
 - ``Ingest`` (``ingest``): the channel thread's messages in;
 - ``Views`` (``views``): what the panel and ``%dist`` read (breakdown, hint, comm, hosts);
-- ``build_rows`` (``rows``): the rows of ``hvdnb.metrics()`` with their exports.
+- ``build_rows`` (``rows``): the rows of ``hvdnb.metrics()`` with their exports;
+- ``RunLog`` (``runlog``): the notebook's store only (``keep_runs``): every run written to
+  the run store on disk (``runstore``) by a writer thread, and runs pinned from it.
 
 This module wires them (who gets what is in ``MetricsStore.__init__``), clears them,
 connects a cluster's side channel, and holds the notebook's one store (``get_store``,
@@ -42,7 +44,9 @@ from hvdnb.notebook.metrics.knobreq import KnobRequests, KnobSpec
 from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore
 from hvdnb.notebook.metrics.rows import MetricRow, MetricRows, build_rows
+from hvdnb.notebook.metrics.runlog import RunLog, stored_rows
 from hvdnb.notebook.metrics.runs import Runs
+from hvdnb.notebook.metrics.tboard import RunRows
 from hvdnb.notebook.metrics.views import Views
 from hvdnb.notebook.metrics.watchers import Alarm, WatchSettings
 from hvdnb.protocol import kinds
@@ -64,7 +68,7 @@ class MetricsStore:
     """Every point from every rank, plus runs, knob events and alarms; safe to feed from
     any thread. A facade: each call goes to the part that owns it (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_runs: bool = False) -> None:
         self._points = points = PointStore()
         self._link = link = Link()
         self._spec = spec = KnobSpec()
@@ -73,6 +77,7 @@ class MetricsStore:
         self._alarms = alarms = Alarms(points, link, runs)
         self._ingest = Ingest(points, link, runs, alarms)
         self._views = Views(points, runs, link)
+        self._log = RunLog(points, runs, link, enabled=keep_runs)
 
     # ------------------------------------------------------------ wiring and clearing
     def attach_current(self) -> None:
@@ -101,7 +106,7 @@ class MetricsStore:
             self._points.changed()
         link.cluster = cluster
         link.channel = ch
-        ch.on(kinds.METRICS, self._ingest.ingest)
+        ch.on(kinds.METRICS, self.ingest)
         ch.on(kinds.RANK_INFO, self._ingest.on_rank_info)
         ch.on(kinds.KNOBS_SPEC, self._knobs.on_spec)
         ch.on(kinds.KNOBS_PLAN, self._knobs.on_plan)
@@ -192,8 +197,9 @@ class MetricsStore:
 
     # ------------------------------------------------------------ messages in (Ingest)
     def ingest(self, msg: dict[str, Any]) -> None:
-        """Add one ``metrics`` message."""
+        """Add one ``metrics`` message (and queue it for the run store)."""
         self._ingest.ingest(msg)
+        self._log.note(msg)
 
     def on_rank_info(self, msg: dict[str, Any]) -> None:
         """A rank says where it runs (sent once when its channel connects)."""
@@ -264,9 +270,11 @@ class MetricsStore:
         """A ``%%distributed`` cell starts: its first logged point starts a new run."""
         self._runs.begin_cell(cell_no)
 
-    def end_cell(self) -> None:
-        """The cell ended (after its last points arrived)."""
+    def end_cell(self, outcome: str = "done") -> None:
+        """The cell ended (after its last points arrived); ``outcome``: how (``done``,
+        ``interrupted``, ``error``, ``stopped``), kept in the run store."""
         self._runs.end_cell()
+        self._log.end(outcome)
 
     def hide_runs(self, keep_last: int = 1) -> int:
         """Take all but the last ``keep_last`` runs off the comparison chart; returns how
@@ -279,6 +287,20 @@ class MetricsStore:
         """The visible runs' mean-over-ranks ``name`` per step, for overlaying; see
         ``Runs.curves``."""
         return self._runs.curves(x, name, last_runs, points)
+
+    # ------------------------------------------------------------ the run store (RunLog)
+    @property
+    def run_log(self) -> RunLog:
+        """This session's runs on disk (``hvdnb.runs()``, ``%dist runs``, ``%dist compare``)."""
+        return self._log
+
+    def stored_rows(self, rid: str, name: str | None = None, rank: int | None = None) -> MetricRows:
+        """A run of the run store (any session) as rows; see ``hvdnb.metrics(run=ID)``."""
+        return stored_rows(self._log.store(), rid, name, rank)
+
+    def pinned_curves(self, x: str = "step", points: int | None = None) -> list[dict[str, Any]]:
+        """Runs of the run store pinned beside this session's (``%dist compare``)."""
+        return self._log.pinned_curves(x, points)
 
     # ------------------------------------------------------------ knobs (KnobRequests)
     @property
@@ -466,7 +488,7 @@ def get_store() -> MetricsStore:
     global _STORE
     with _SLOCK:
         if _STORE is None:
-            _STORE = MetricsStore()
+            _STORE = MetricsStore(keep_runs=True)
         return _STORE
 
 
@@ -556,7 +578,9 @@ def watch(
     return attach().set_watch(**values, **options)
 
 
-def metrics(name: str | None = None, rank: int | None = None, run: int | None = None) -> MetricRows:
+def metrics(
+    name: str | None = None, rank: int | None = None, run: int | str | None = None
+) -> MetricRows:
     """Every point the ranks recorded with ``hvdnb.log`` (and allreduce, memory, phases),
     as rows ``(rank, step, name, value, time, run, segment, knobs)``.
 
@@ -564,15 +588,21 @@ def metrics(name: str | None = None, rank: int | None = None, run: int | None = 
     ----------
     name : only this metric (e.g. ``"loss"``)
     rank : only this rank
-    run : only this run (``hvdnb.metrics().to_pandas().run`` lists them)
+    run : only this run of this session (``hvdnb.metrics().to_pandas().run`` lists
+        them), or a run of the run store by its id (``hvdnb.runs().id``), whichever
+        session logged it
 
     Returns
     -------
-    MetricRows, a list with ``to_csv(path)``, ``to_jsonl(path)`` and ``to_pandas()``
+    MetricRows, a list with ``to_csv(path)``, ``to_jsonl(path)``, ``to_pandas()`` and
+    ``to_tensorboard(dir)``
 
     Examples
     --------
     >>> rows = hvdnb.metrics("loss")                               # doctest: +SKIP
     >>> rows.to_csv("loss.csv")
     """
-    return attach().rows(name, rank, run)
+    store = attach()
+    if isinstance(run, str):
+        return RunRows(store.stored_rows(run, name, rank))
+    return RunRows(store.rows(name, rank, run))

@@ -652,7 +652,7 @@ class RunsChart:
     """The last runs' mean loss over ranks (x: step or samples seen), one line each,
     labelled with its knob values; marks (x, label, line number) at its knob changes;
     ``missing``: runs without an x (no ``samples=`` logged); ``earlier``: the line numbers
-    of runs on an earlier cluster (stopped or restarted since; their labels say which)."""
+    of runs on an earlier cluster or pinned from the run store (``%dist compare``)."""
 
     x: str
     lines: list[Line]
@@ -671,7 +671,7 @@ def runs_chart(
     marks: list[tuple[float, str, int]] = []
     missing: list[int] = []
     earlier: list[int] = []
-    for c in curves:
+    for c in store.pinned_curves(x=x, points=points) + curves:  # pinned: %dist compare
         if c["xs"] is None:
             missing.append(c["id"])
             continue

@@ -1,0 +1,240 @@
+"""The run store (``hvdnb/notebook/metrics/runstore.py``, ``runlog.py``, ``history.py``):
+runs written by the writer thread, read back from a fresh store, across processes, past
+faults; each test with its own ``HVDNB_HOME``."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import stat
+import warnings
+from pathlib import Path
+
+import pytest
+
+from hvdnb.notebook.metrics.runlog import outcome_of, stored_rows
+from hvdnb.notebook.metrics.runstore import RunStore, StoreUnavailable
+from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.protocol import jsonl
+
+pytestmark = [pytest.mark.timeout(60)]
+
+KNOBS = {
+    "lr": {"kind": "float", "min": 0.0, "max": 1.0, "value": 0.1},
+    "batch_size": {"kind": "int", "min": 1, "max": 4096, "value": 32},
+}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "home"
+    monkeypatch.setenv("HVDNB_HOME", str(h))
+    return h
+
+
+def _log_run(st: MetricsStore, cell: int, steps: int, ranks: int = 2, pid: int = 1) -> None:
+    """A cell whose loop logs ``steps`` losses on each rank, in messages of 10 steps, and
+    changes batch_size at step 20."""
+    st.knob_spec = {k: dict(v) for k, v in KNOBS.items()}
+    st.begin_cell(cell)
+    seq = {r: 0 for r in range(ranks)}
+    for a in range(0, steps, 10):
+        if a == 20:
+            for r in range(ranks):
+                st.on_applied({"rank": r, "step": 20, "values": {"batch_size": 64}})
+        for r in range(ranks):
+            seq[r] += 1
+            b = min(a + 10, steps)
+            cols = {
+                "loss": [
+                    list(range(a, b)),
+                    [1000.0 + s for s in range(a, b)],
+                    [1.0 / (s + 1) for s in range(a, b)],
+                ],
+                "samples": [list(range(a, b)), [1000.0 + s for s in range(a, b)], [32.0] * (b - a)],
+            }
+            st.ingest({"rank": r, "seq": seq[r], "pid": pid * 100 + cell, "cols": cols})
+    st.end_cell("done")
+
+
+def test_a_run_is_on_disk_with_its_knobs_and_points(home):
+    st = MetricsStore(keep_runs=True)
+    _log_run(st, cell=1, steps=50)
+    store = st.run_log.store()  # flushes the writer thread's queue first
+    assert store.path == home / "runs.sqlite"
+    assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o600
+    con = sqlite3.connect(store.path)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+    # a fresh store (another kernel) reads what this one wrote
+    other = RunStore()
+    (run,) = other.runs()
+    assert run["id"] == st.run_log.key(1) and run["run"] == 1 and run["cell"] == 1
+    assert run["knobs"] == {"lr": 0.1, "batch_size": 32}
+    assert [c[:2] for c in run["changes"]] == [[20, {"batch_size": 64}]] * 2
+    assert (run["steps"], run["points"], run["outcome"]) == (49, 200, "done")
+    assert run["last_loss"] == pytest.approx(1 / 50)
+    rows = stored_rows(other, run["id"], "loss")
+    assert len(rows) == 100 and [r.step for r in rows if r.rank == 1] == list(range(50))
+    assert {r.segment for r in rows if r.step < 20} == {0}
+    assert {(r.segment, r.knobs["batch_size"]) for r in rows if r.step >= 20} == {(1, 64)}
+    # the same rows as this session's own hvdnb.metrics() gives
+    live = [(r.rank, r.step, r.value, r.segment, r.knobs) for r in st.rows("loss", run=1)]
+    assert [(r.rank, r.step, r.value, r.segment, r.knobs) for r in rows] == live
+
+
+def test_runs_newest_last_delete_and_pins(home):
+    st = MetricsStore(keep_runs=True)
+    for cell in (1, 2, 3):
+        _log_run(st, cell, steps=30)
+    store = st.run_log.store()
+    ids = [r["id"] for r in store.runs()]
+    assert ids == [st.run_log.key(i) for i in (1, 2, 3)]
+    assert store.delete([ids[0], "nope-1"]) == [ids[0]]
+    assert [r["id"] for r in store.runs()] == ids[1:]
+    v = st.version
+    assert st.run_log.pin([ids[1]]) == [ids[1]] and st.version > v
+    (c,) = st.pinned_curves()
+    assert c["earlier"] and c["label"].startswith(ids[1]) and "batch_size=32" in c["label"]
+    assert c["xs"] == [float(s) for s in range(30)]
+    assert c["ys"] == pytest.approx([1.0 / (s + 1) for s in range(30)])  # mean of 2 ranks
+    (cs,) = st.pinned_curves(x="samples")
+    assert cs["xs"][-1] == 30 * 2 * 32.0
+    with pytest.raises(KeyError, match="hvdnb.runs"):
+        st.run_log.pin(["nope-1"])
+
+
+def test_outcome_of_a_cell():
+    assert outcome_of({}) == "done"
+    assert outcome_of({1: {"ename": "KeyboardInterrupt", "interrupted": True}}) == "interrupted"
+    assert outcome_of({0: {"ename": "TrainingStopped"}, 1: {"ename": "X"}}) == "stopped"
+    assert outcome_of({0: {"ename": "ValueError"}}) == "error"
+
+
+def test_a_corrupt_file_is_left_and_a_fresh_one_used(home):
+    home.mkdir()
+    bad = home / "runs.sqlite"
+    junk = b"this is not a database, but somebody's notes" * 100
+    bad.write_bytes(junk)
+    st = MetricsStore(keep_runs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _log_run(st, cell=1, steps=20)
+        store = st.run_log.store()
+    texts = [str(w.message) for w in caught]
+    assert any("runs.sqlite" in t and "left in place" in t and "runs-2.sqlite" in t for t in texts)
+    assert bad.read_bytes() == junk  # nothing deleted or rewritten
+    assert store.path == home / "runs-2.sqlite"
+    assert [r["points"] for r in store.runs()] == [80]
+    assert st.points == 80  # the live store went on
+
+
+def test_an_unwritable_home_warns_once_and_keeps_runs_in_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("HVDNB_HOME", str(blocker / "home"))  # a directory under a file
+    st = MetricsStore(keep_runs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _log_run(st, cell=1, steps=20)
+        with pytest.raises(StoreUnavailable, match="HVDNB_HOME"):
+            st.run_log.store()
+        _log_run(st, cell=2, steps=20)
+        with pytest.raises(StoreUnavailable):
+            st.run_log.store()
+    assert sum("memory only" in str(w.message) for w in caught) == 1
+    assert st.points == 160 and [r["id"] for r in st.runs] == [1, 2]  # today's behaviour
+
+
+def test_the_size_bound_deletes_the_oldest_runs(home):
+    st = MetricsStore(keep_runs=True)
+    _log_run(st, cell=1, steps=20)
+    store = st.run_log.store()
+    store.max_bytes = 1  # any run is past it: all but the live ones go, oldest first
+    con = store.connect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.prune(con, keep=set()) == [st.run_log.key(1)]
+    con.close()
+    assert any("HVDNB_RUNS_MAX_MB" in str(w.message) for w in caught)
+    assert store.runs() == []
+
+
+def _writer(home: str, n: int) -> None:  # another process: its own kernel's store
+    os.environ["HVDNB_HOME"] = home
+    st = MetricsStore(keep_runs=True)
+    for cell in range(1, n + 1):
+        _log_run(st, cell, steps=200, pid=os.getpid())
+    st.run_log.store()
+
+
+def test_two_processes_write_at_once(home):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(home), 5)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(50)
+        assert p.exitcode == 0
+    runs = RunStore().runs()
+    assert len(runs) == 10 and len({r["session"] for r in runs}) == 2
+    assert [r["points"] for r in runs] == [800] * 10
+    con = sqlite3.connect(home / "runs.sqlite")
+    assert con.execute("SELECT count(*) FROM points").fetchone()[0] == 8000
+    con.close()
+
+
+def test_to_tensorboard_reads_back(home, tmp_path):
+    ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from hvdnb.notebook.metrics.tboard import RunRows
+
+    st = MetricsStore(keep_runs=True)
+    _log_run(st, cell=1, steps=30)
+    rid = st.run_log.key(1)
+    out = RunRows(st.stored_rows(rid)).to_tensorboard(tmp_path / "tb")
+    for rank in (0, 1):
+        ea = ea_mod.EventAccumulator(str(out / "run1" / f"rank{rank}"))
+        ea.Reload()
+        loss = ea.Scalars("loss")
+        assert [e.step for e in loss] == list(range(30))
+        assert loss[5].value == pytest.approx(1 / 6)
+        assert len(ea.Scalars("samples")) == 30
+    ea = ea_mod.EventAccumulator(str(out / "run1" / "rank0"))
+    ea.Reload()
+    content = ea.PluginTagToContent("hparams")
+    assert content and b"batch_size" in b"".join(content.values())
+
+
+def test_import_a_batch_run(home, tmp_path):
+    from hvdnb.notebook.metrics import history
+
+    d = tmp_path / "out"
+    d.mkdir()
+    for rank in (0, 1):
+        with (d / f"rank{rank}.jsonl").open("w") as f:
+            for seq, a in enumerate(range(0, 40, 10), 1):
+                msg = {
+                    "kind": "metrics",
+                    "rank": rank,
+                    "seq": seq,
+                    "pid": 4242 + rank,
+                    "t": 1000.0 + a,
+                    "cols": {"loss": [list(range(a, a + 10)), [1.0] * 10, [float(a)] * 10]},
+                }
+                f.write(jsonl.dumps_line(msg) + "\n")
+    ids = history.import_runs(d)
+    assert len(ids) == 1 and ids == history.import_runs(d)  # again: replaced, not copied
+    store = RunStore()
+    (run,) = store.runs()
+    assert run["id"] == ids[0] and run["source"] == f"batch {d.resolve()}"
+    assert (run["ranks"], run["steps"], run["points"]) == (2, 39, 80)
+    assert len(stored_rows(store, ids[0], "loss")) == 80
+
+
+def test_no_store_for_stores_that_do_not_keep_runs(home):
+    st = MetricsStore()  # tests, benches, hvdnb.metrics.load
+    _log_run(st, cell=1, steps=20)
+    with pytest.raises(StoreUnavailable):
+        st.run_log.store()
+    assert not Path(home).exists()
