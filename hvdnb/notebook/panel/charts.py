@@ -7,14 +7,14 @@ Each turns the ``MetricsStore`` into the numbers a chart shows: a line per rank,
 ``MAX_LINES`` ranks a min/max band with the median and one median line per host; EMA
 smoothing; the window of last steps the loss and allreduce charts show; the breakdown's
 stacked parts (per rank, or the median per host); the memory columns; the axis limits with
-spike clipping (``axis_limits``); the axes' round ticks (``nice_ticks``: 1-2-5 x 10^k, or
-decades on a log axis, labelled for their range); what a hover reads at each step
-(``readouts``). The live SVG
+spike clipping (``axis_limits``; the round ticks are ``panel/ticks.py``'s); what a hover
+reads at each step (``readouts``); each chart's title and colours (``title``, ``PALETTE``,
+``BAND_COLOR``, ``MARK_COLOR``, ``ALARM_COLOR``, ``PHASES``). The live SVG
 (``hvdnb.notebook.panel.svg``) and the saved PNG (``hvdnb.notebook.panel.png``) both draw
 these models, so each shaping rule exists once, here; ``points`` (how many points a line
 keeps) is the one thing a renderer picks.
 
-Owns: the data of the charts and their ticks. Never: touch widgets, matplotlib or SVG
+Owns: the data of the charts, their titles and colours. Never: touch widgets, matplotlib or SVG
 text; write to the store; turn a missing reading into 0 (None and NaN stay missing).
 """
 
@@ -33,13 +33,17 @@ import numpy as np
 
 from hvdnb.notebook.metrics.points import thin_indices
 from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.notebook.panel.ticks import fmt_value, nice_ticks
 
 __all__ = [
     "ALARM_COLOR",
+    "BAND_COLOR",
     "BAND_COLUMNS",
     "HOVER_COLUMNS",
     "LIVE_POINTS",
+    "MARK_COLOR",
     "MAX_LINES",
+    "PALETTE",
     "PHASES",
     "PNG_POINTS",
     "SPIKE_FACTOR",
@@ -84,8 +88,31 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("comm", "#e45756"),
 )
 
-#: the colour of the watchers' alarm marks (knob changes are red)
+#: the colour of the watchers' alarm marks (knob changes are ``MARK_COLOR``)
 ALARM_COLOR = "#7b2d8e"
+#: a knob change's mark, and the note that spikes were clipped (both pictures)
+MARK_COLOR = "#d62728"
+#: the min-max band and its median (both pictures; the band's readout rows too)
+BAND_COLOR = "#4c78a8"
+#: the lines' colours, in order (the live panel's lines, legends and run marks)
+PALETTE: tuple[str, ...] = (
+    "#4c78a8",
+    "#f58518",
+    "#54a24b",
+    "#e45756",
+    "#72b7b2",
+    "#b279a2",
+    "#ff9da6",
+    "#9d755d",
+    "#bab0ac",
+    "#eeca3b",
+    "#1f77b4",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#17becf",
+)
 #: the step windows the loss and allreduce charts offer (0: the whole run)
 WINDOWS: tuple[int, ...] = (0, 100, 1000, 10000)
 #: a hover reads the lines on at most this many columns of the plot
@@ -134,109 +161,6 @@ def _median_of(stack: np.ndarray) -> list[float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return list(np.nanmedian(stack, 0).tolist())
-
-
-def fmt_value(v: float) -> str:
-    """A number as the charts print it (axis ticks, the clipped maximum)."""
-    if v == 0:
-        return "0"
-    a = abs(v)
-    if a >= 1e4 or a < 1e-3:
-        return f"{v:.1e}"
-    return f"{v:.4g}"
-
-
-# ------------------------------------------------------------------ ticks
-_SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-
-
-def _nice_step(span: float, n: int) -> float:
-    """The 1, 2 or 5 x 10^k step nearest (on a log scale) to ``span / n``, as d3's ticks
-    pick it: ``n`` = 5 gives 3 to 9 ticks."""
-    raw = span / max(1, n)
-    mag = 10.0 ** math.floor(math.log10(raw))
-    err = raw / mag
-    if err >= math.sqrt(50):
-        return 10 * mag
-    if err >= math.sqrt(10):
-        return 5 * mag
-    if err >= math.sqrt(2):
-        return 2 * mag
-    return mag
-
-
-def _decimals(step: float) -> int:
-    """Decimals that tell ticks ``step`` apart (0.05: 2; 0.5: 1; 20: 0)."""
-    return max(0, -math.floor(math.log10(step) + 1e-9))
-
-
-def _fmt_ticks(values: list[float], step: float) -> list[str]:
-    """Labels for ticks ``step`` apart, one format for all of them: ``0.05``, ``1,500``,
-    ``20k`` (10^4 and more: k, M, G, T), ``2.5e-4`` (values under 10^-3 whose steps need
-    more than 4 decimals), ``0.693102`` (a narrow range: the decimals it takes)."""
-    big = max(abs(v) for v in values)
-    if big >= 1e4:
-        unit, suffix = next((u, s) for u, s in _SI if big >= u)
-        d = _decimals(step / unit)
-        return ["0" if v == 0 else f"{v / unit:,.{d}f}{suffix}" for v in values]
-    d = _decimals(step)
-    if d > 4 and 0 < big < 1e-3:  # tiny: a mantissa and the exponent of the largest
-        e = math.floor(math.log10(big))
-        dm = max(0, e - math.floor(math.log10(step) + 1e-9))
-        return ["0" if v == 0 else f"{v / 10.0**e:.{dm}f}e{e}" for v in values]
-    return [f"{0.0 if v == 0 else v:,.{d}f}" for v in values]
-
-
-def _fmt_round(v: float) -> str:
-    """One round value (a decade, or 1, 2, 5 x 10^k) on its own: ``0.002``, ``50``,
-    ``2,000``, ``20k``, ``2e-4``."""
-    if v >= 1e4:
-        unit, suffix = next((u, s) for u, s in _SI if v >= u)
-        return f"{v / unit:g}{suffix}"
-    if v < 1e-3:
-        e = math.floor(math.log10(v) + 1e-9)
-        return f"{v / 10.0**e:g}e{e}"
-    return f"{v:,.{_decimals(v)}f}"
-
-
-def nice_ticks(
-    lo: float, hi: float, *, log: bool = False, integer: bool = False, n: int = 5
-) -> list[tuple[float, str]]:
-    """Round ticks inside ``lo``..``hi``, as (position, label), the labels formatted for
-    the range. Linear: about ``n`` ticks 1, 2 or 5 x 10^k apart (``integer``: never less
-    than 1 apart: steps). ``log``: ``lo`` and ``hi`` are log10 units and so are the
-    positions; decades where three or more fit (every 2nd, 3rd... when many do), else the
-    1, 2, 5 x 10^k values when three fit, else two decades, else round values as on a
-    linear axis."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
-        return [(lo, _fmt_round(10.0**lo) if log else _fmt_ticks([lo], 1.0)[0])]
-    if log:
-        k0, k1 = math.ceil(lo - 1e-9), math.floor(hi + 1e-9)
-        if k1 - k0 >= 2:  # three decades or more
-            every = max(1, math.ceil((k1 - k0) / n))
-            ks = [k for k in range(k0, k1 + 1) if k % every == 0]
-            return [(float(k), _fmt_round(10.0**k)) for k in ks]
-        vals = [
-            m * 10.0**k
-            for k in range(math.floor(lo) - 1, math.ceil(hi) + 1)
-            for m in (1, 2, 5)
-            if lo - 1e-9 <= math.log10(m) + k <= hi + 1e-9
-        ]
-        if len(vals) >= 3:
-            return [(math.log10(v), _fmt_round(v)) for v in vals]
-        if k1 > k0:  # two decades
-            return [(float(k), _fmt_round(10.0**k)) for k in (k0, k1)]
-        a, b = 10.0**lo, 10.0**hi
-        lin = nice_ticks(a, b, n=max(2, n - 1))
-        return [(math.log10(v), lab) for v, lab in lin if v > 0]
-    step = _nice_step(hi - lo, n)
-    if integer:
-        step = max(step, 1.0)
-    first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
-    values = [k * step for k in range(first, last + 1)]
-    if not values:
-        values = [lo]
-    return list(zip(values, _fmt_ticks(values, step)))
 
 
 def backend_name(b: Any) -> str:
@@ -419,6 +343,8 @@ class LineChart:
     window: int = 0
     #: the watchers' alarms (x, label): ``nan r1``, ``spike r0``, ``drift`` (loss chart)
     alarms: list[tuple[float, str]] = field(default_factory=list)
+    #: the chart's title, the same in the live panel and the saved picture
+    title: str = ""
 
     def limits(self) -> Limits | None:
         return axis_limits(self.lines, self.band, log_y=self.log_y, clip_spikes=self.clip_spikes)
@@ -526,6 +452,7 @@ def loss_chart(
         log_y=log_y,
         window=window,
         alarms=alarms,
+        title="loss" + (" (log)" if log_y else "") + window_note(window),
     )
 
 
@@ -559,12 +486,14 @@ def allreduce_chart(
             lines.append(
                 (f"rank {r} exposed", [float(x) for x in steps], [1e3 * per[k] for k in steps])
             )
+    backends = backends_text(store)
     return LineChart(
         _cut(lines, window),
         "no allreduce timings (hvdnb.torch reports them)",
         clip_spikes=True,
-        backends=backends_text(store),
+        backends=backends,
         window=window,
+        title=f"allreduce ms per step ({backends}){window_note(window)}",
     )
 
 
@@ -577,6 +506,10 @@ class BarChart:
     by: str
     rows: list[tuple[str, list[float]]]
     empty: str = "no step times yet"
+
+    @property
+    def title(self) -> str:
+        return "step time (median of last 50 steps; comm = exposed)"
 
     def labels(self) -> list[str]:
         """The rows' labels: ``rank 3``, or the host's ``name (ranks)``."""
@@ -617,6 +550,10 @@ class MemoryChart:
 
     values: dict[int, dict[str, float | None]]
     gpu: bool
+
+    @property
+    def title(self) -> str:
+        return "GPU memory per rank (GB)" if self.gpu else "process RSS per rank (GB)"
 
     @property
     def ranks(self) -> list[int]:
@@ -661,6 +598,11 @@ class RunsChart:
     empty: str
     log_y: bool = False
     earlier: list[int] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        what = "samples seen (all ranks)" if self.x == "samples" else "step"
+        return f"runs: mean loss vs {what}" + (" (log)" if self.log_y else "")
 
 
 def runs_chart(

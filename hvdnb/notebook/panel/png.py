@@ -19,6 +19,8 @@ import numpy as np
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.charts import (
     ALARM_COLOR,
+    BAND_COLOR,
+    MARK_COLOR,
     PHASES,
     PNG_POINTS,
     BarChart,
@@ -28,13 +30,9 @@ from hvdnb.notebook.panel.charts import (
     breakdown_chart,
     loss_chart,
     memory_chart,
-    window_note,
 )
 
 __all__ = ["render_png"]
-
-_BAND = "#4c78a8"
-_MARK = "#d62728"
 
 
 class _Figure:
@@ -109,7 +107,7 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def _loss(ax: Any, m: LineChart) -> None:
-    _start(ax, "loss" + window_note(m.window))
+    _start(ax, m.title)
     ax.set_xlabel("step", fontsize=8)
     if not m.lines and m.band is None:
         _empty(ax, m.empty)
@@ -117,9 +115,9 @@ def _loss(ax: Any, m: LineChart) -> None:
     if m.band is not None:
         grid, mn, mx, med = m.band
         ax.fill_between(
-            grid, mn, mx, alpha=0.25, color=_BAND, label=f"min-max of {m.band_ranks} ranks"
+            grid, mn, mx, alpha=0.25, color=BAND_COLOR, label=f"min-max of {m.band_ranks} ranks"
         )
-        ax.plot(grid, med, lw=1.2, color=_BAND, label="median")
+        ax.plot(grid, med, lw=1.2, color=BAND_COLOR, label="median")
     for label, xs, ys in m.lines:  # per rank, or per host over the band
         ax.plot(xs, ys, lw=1.0, label=label)
     if m.band is not None or len(m.lines) > 1:
@@ -127,7 +125,7 @@ def _loss(ax: Any, m: LineChart) -> None:
     if m.log_y:
         ax.set_yscale("log")
     for step, label, color in [
-        *((x, lab, _MARK) for x, lab in m.marks),
+        *((x, lab, MARK_COLOR) for x, lab in m.marks),
         *((x, lab, ALARM_COLOR) for x, lab in m.alarms),
     ]:
         ax.axvline(step, color=color, ls="--", lw=0.8)
@@ -144,7 +142,7 @@ def _loss(ax: Any, m: LineChart) -> None:
 
 
 def _comm(ax: Any, m: LineChart) -> None:
-    _start(ax, f"allreduce time per step (ms) - {m.backends}{window_note(m.window)}")
+    _start(ax, m.title)
     ax.set_xlabel("step", fontsize=8)
     if not m.lines:
         _empty(ax, m.empty)
@@ -161,7 +159,7 @@ def _comm(ax: Any, m: LineChart) -> None:
             "\u2191 " + lim.clip_note,
             transform=ax.transAxes,
             fontsize=7,
-            color=_MARK,
+            color=MARK_COLOR,
             va="top",
         )
     if 1 < len(m.lines) <= 8:
@@ -169,7 +167,7 @@ def _comm(ax: Any, m: LineChart) -> None:
 
 
 def _breakdown(ax: Any, m: BarChart) -> None:
-    _start(ax, f"step time per {m.by} (ms, median of last 50 steps)")
+    _start(ax, m.title)
     if not m.rows:
         _empty(ax, m.empty)
         return
@@ -189,7 +187,7 @@ def _breakdown(ax: Any, m: BarChart) -> None:
 
 
 def _memory(ax: Any, m: MemoryChart) -> None:
-    _start(ax, "GPU memory per rank (GB)" if m.gpu else "process RSS per rank (GB)")
+    _start(ax, m.title)
     rs = m.ranks
     if not rs:
         ax.text(0.5, 0.5, "n/a", ha="center", va="center", transform=ax.transAxes, color="gray")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import html
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,11 @@ import numpy as np
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.charts import (
     ALARM_COLOR,
+    BAND_COLOR,
     HOVER_COLUMNS,
     LIVE_POINTS,
+    MARK_COLOR,
+    PALETTE,
     PHASES,
     LineChart,
     Readout,
@@ -48,7 +52,6 @@ from hvdnb.notebook.panel.charts import (
     nice_ticks,
     readouts,
     runs_chart,
-    window_note,
 )
 
 __all__ = [
@@ -60,28 +63,12 @@ __all__ = [
     "stacked_bars",
 ]
 
-PALETTE = [
-    "#4c78a8",
-    "#f58518",
-    "#54a24b",
-    "#e45756",
-    "#72b7b2",
-    "#b279a2",
-    "#ff9da6",
-    "#9d755d",
-    "#bab0ac",
-    "#eeca3b",
-    "#1f77b4",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#17becf",
-]
 W, H = 460, 220
 L, R, T, B = 52, 10, 22, 26
-#: the band's colour (and its readout rows')
-BAND = "#4c78a8"
+#: (label, xs, ys): one line; (xs, lo, hi, median): a band; (x, label[, colour]): a mark
+Series = tuple[str, Sequence[float], Sequence[float]]
+SvgBand = tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]]
+Mark = tuple[float, str] | tuple[float, str, str]
 #: a readout lists one line per row up to this many lines, two per row beyond
 READOUT_ROWS = 8
 #: about this many bytes of readouts a chart (the hover reads fewer columns, down to
@@ -137,7 +124,11 @@ def _hover(
         tip = "\n".join([head] + [f"{e} {v}" for _, e, v, _ in items])
         if len(items) <= READOUT_ROWS:
             rows = [
-                (f"{e} {v}", len(label) + len(v), BAND if k < 0 else PALETTE[k % len(PALETTE)])
+                (
+                    f"{e} {v}",
+                    len(label) + len(v),
+                    BAND_COLOR if k < 0 else PALETTE[k % len(PALETTE)],
+                )
                 for label, e, v, k in items
             ]
         else:  # two a row: short labels, the text's own colour
@@ -163,12 +154,143 @@ def _hover(
     return out
 
 
+@dataclass(frozen=True)
+class _Plot:
+    """Where a line chart draws: the axes' limits (``charts.Limits``) and the plot's size
+    in pixels; maps data to pixels."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    pw: float
+    ph: float
+    log_y: bool
+    #: values above the axis, drawn on its top edge (0: none)
+    clipped: int
+
+    def sx(self, x: float) -> float:
+        return L + (x - self.x0) / (self.x1 - self.x0) * self.pw
+
+    def tenths(self, xs: Sequence[float], ys: Sequence[float]) -> Any:
+        """A curve in tenths of a pixel, as integers (drawn inside a scale(0.1) group):
+        formatting them is one join over a numpy array (a float f-string per point was
+        half a redraw). NaN (and, on a log axis, values <= 0) dropped; clipped spikes run
+        along the top edge."""
+        x = np.asarray(xs, dtype=float)
+        y = np.asarray(ys, dtype=float)
+        ok = y == y
+        if self.log_y:
+            ok &= y > 0
+        x, y = x[ok], y[ok]
+        if self.log_y:
+            y = np.log10(y)
+        if self.clipped:
+            y = np.minimum(y, self.y1)
+        px = np.rint(10 * (L + (x - self.x0) / (self.x1 - self.x0) * self.pw)).astype(np.int64)
+        py = np.rint(10 * (T + self.ph - (y - self.y0) / (self.y1 - self.y0) * self.ph))
+        return np.column_stack((px, py.astype(np.int64)))
+
+
+def _joined(xy: Any) -> str:
+    return " ".join(map(str, xy.ravel().tolist()))
+
+
+def _grid(p: _Plot, height: int) -> list[str]:
+    """The plot's frame, grid lines and round ticks on both axes."""
+    pw, ph = p.pw, p.ph
+    yt = [
+        (T + ph - (t - p.y0) / (p.y1 - p.y0) * ph, label)
+        for t, label in nice_ticks(p.y0, p.y1, log=p.log_y)
+    ]
+    xt = [(p.sx(t), label) for t, label in nice_ticks(p.x0, p.x1, integer=True)]
+    out = [f"<rect x='{L}' y='{T}' width='{pw}' height='{ph}' fill='none' stroke='#ccc'/>"]
+    out.append("<g stroke='#eee'>")
+    out.extend(f"<path d='M{L} {yy:.1f}h{pw}'/>" for yy, _ in yt)
+    out.append("</g><g class='hvdnb-ticks-y' text-anchor='end' fill='#555'>")
+    out.extend(f"<text x='{L - 3}' y='{yy + 3:.1f}'>{label}</text>" for yy, label in yt)
+    out.append("</g><g class='hvdnb-ticks-x' text-anchor='middle' fill='#555'>")
+    out.extend(f"<text x='{xx:.1f}' y='{height - 10}'>{label}</text>" for xx, label in xt)
+    out.append("</g>")
+    return out
+
+
+def _curves(p: _Plot, series: Sequence[Series], band: SvgBand | None) -> list[str]:
+    """The band (min-max polygon and median) and one polyline per series, in its colour."""
+    out = ["<g transform='scale(0.1)'>"]
+    if band is not None:
+        bx, lo, hi, med = band
+        upper, lower = p.tenths(bx, hi), p.tenths(bx, lo)
+        if len(upper) and len(lower):
+            poly = _joined(np.concatenate((upper, lower[::-1])))
+            out.append(
+                f"<polygon points='{poly}' fill='{BAND_COLOR}' fill-opacity='0.25' stroke='none'/>"
+            )
+        out.append(
+            f"<polyline points='{_joined(p.tenths(bx, med))}' fill='none' "
+            f"stroke='{BAND_COLOR}' stroke-width='15'/>"
+        )
+    for i, (label, xs, ys) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        out.append(
+            f"<polyline points='{_joined(p.tenths(xs, ys))}' fill='none' stroke='{color}' "
+            f"stroke-width='12'><title>{html.escape(label)}</title></polyline>"
+        )
+    out.append("</g>")
+    return out
+
+
+def _labels(
+    p: _Plot, marks: Sequence[Mark], keys: list[tuple[str, str]], clip_note: str
+) -> list[str]:
+    """The marks (dashed lines and their labels), the clip note and the legend's keys.
+
+    A mark's label goes right of its line (left of it in the plot's last quarter), on the
+    first row where it overlaps no other label, the clip note (top left) or the legend
+    (top right)."""
+    out: list[str] = []
+    pw, ph = p.pw, p.ph
+    # per row: where its last label ends, and where the legend's label starts
+    ends = [L + 3 + 5.6 * len(clip_note) + 12] if p.clipped else []
+    stops = [L + pw - 4 - 5.6 * len(label) for label, _ in keys]
+    for mark in sorted(marks, key=lambda m: m[0]):
+        x, label = mark[0], mark[1]
+        mc = mark[2] if len(mark) > 2 else MARK_COLOR
+        if p.x0 <= x <= p.x1:
+            xx = p.sx(x)
+            tw = 5.6 * len(label)
+            left = xx > L + 0.75 * pw and xx - 2 - tw >= L
+            a, b = (xx - 2 - tw, xx - 2) if left else (xx + 2, xx + 2 + tw)
+            row = 0
+            while (row < len(ends) and ends[row] >= a) or (row < len(stops) and b >= stops[row]):
+                row += 1
+            ends += [float(L)] * (row + 1 - len(ends))
+            ends[row] = b
+            anchor = " text-anchor='end'" if left else ""
+            out.append(
+                f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='{mc}' "
+                f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{(b if left else a):.1f}' "
+                f"y='{T + 11 + 11 * min(row, 12)}' fill='{mc}'{anchor}>{html.escape(label)}</text>"
+            )
+    if p.clipped:
+        out.append(
+            f"<text x='{L + 3}' y='{T + 11}' fill='{MARK_COLOR}' class='hvdnb-clipped'>"
+            f"&#8593; {clip_note}</text>"
+        )
+    for i, (label, color) in enumerate(keys):
+        out.append(
+            f"<text x='{L + pw - 4}' y='{T + 11 + 11 * i}' text-anchor='end' "
+            f"fill='{color}'>{html.escape(label)}</text>"
+        )
+    return out
+
+
 def line_chart(
     title: str,
-    series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+    series: Sequence[Series],
     *,
-    band: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]] | None = None,
-    marks: Sequence[tuple[float, str] | tuple[float, str, str]] = (),
+    band: SvgBand | None = None,
+    marks: Sequence[Mark] = (),
     log_y: bool = False,
     empty: str = "no data yet",
     width: int = W,
@@ -201,108 +323,18 @@ def line_chart(
             f"<text x='{width / 2}' y='{height / 2}' text-anchor='middle' "
             f"fill='#888'>{html.escape(empty)}</text></svg>"
         )
-    x0, x1, y0, y1, clipped = lim.x0, lim.x1, lim.y0, lim.y1, lim.clipped
-    pw, ph = width - L - R, height - T - B
-
-    def sx(x: float) -> float:
-        return L + (x - x0) / (x1 - x0) * pw
-
-    out = [head, f"<rect x='{L}' y='{T}' width='{pw}' height='{ph}' fill='none' stroke='#ccc'/>"]
-    yt = [(T + ph - (t - y0) / (y1 - y0) * ph, label) for t, label in nice_ticks(y0, y1, log=log_y)]
-    xt = [(sx(t), label) for t, label in nice_ticks(x0, x1, integer=True)]
-    out.append("<g stroke='#eee'>")
-    out.extend(f"<path d='M{L} {yy:.1f}h{pw}'/>" for yy, _ in yt)
-    out.append("</g><g class='hvdnb-ticks-y' text-anchor='end' fill='#555'>")
-    out.extend(f"<text x='{L - 3}' y='{yy + 3:.1f}'>{label}</text>" for yy, label in yt)
-    out.append("</g><g class='hvdnb-ticks-x' text-anchor='middle' fill='#555'>")
-    out.extend(f"<text x='{xx:.1f}' y='{height - 10}'>{label}</text>" for xx, label in xt)
-    out.append("</g>")
-
-    # curves in tenths of a pixel, as integers inside a scale(0.1) group: formatting
-    # them is one join over a numpy array (a float f-string per point was half a redraw)
-    def tenths(xs: Sequence[float], ys: Sequence[float]) -> Any:
-        x = np.asarray(xs, dtype=float)
-        y = np.asarray(ys, dtype=float)
-        ok = y == y
-        if log_y:
-            ok &= y > 0
-        x, y = x[ok], y[ok]
-        if log_y:
-            y = np.log10(y)
-        if clipped:
-            y = np.minimum(y, y1)  # spikes run along the top edge
-        px = np.rint(10 * (L + (x - x0) / (x1 - x0) * pw)).astype(np.int64)
-        py = np.rint(10 * (T + ph - (y - y0) / (y1 - y0) * ph)).astype(np.int64)
-        return np.column_stack((px, py))
-
-    def joined(xy: Any) -> str:
-        return " ".join(map(str, xy.ravel().tolist()))
-
-    out.append("<g transform='scale(0.1)'>")
-    if band is not None:
-        bx, lo, hi, med = band
-        upper, lower = tenths(bx, hi), tenths(bx, lo)
-        if len(upper) and len(lower):
-            poly = joined(np.concatenate((upper, lower[::-1])))
-            out.append(
-                f"<polygon points='{poly}' fill='{BAND}' fill-opacity='0.25' stroke='none'/>"
-            )
-        out.append(
-            f"<polyline points='{joined(tenths(bx, med))}' fill='none' stroke='{BAND}' "
-            "stroke-width='15'/>"
-        )
-    for i, (label, xs, ys) in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
-        out.append(
-            f"<polyline points='{joined(tenths(xs, ys))}' fill='none' stroke='{color}' "
-            f"stroke-width='12'><title>{html.escape(label)}</title></polyline>"
-        )
-    out.append("</g>")
+    p = _Plot(lim.x0, lim.x1, lim.y0, lim.y1, width - L - R, height - T - B, log_y, lim.clipped)
+    out = [head, *_grid(p, height), *_curves(p, series, band)]
     keys = [(label, PALETTE[i % len(PALETTE)]) for i, (label, _, _) in enumerate(series)]
     if band is not None:
-        keys = [("min-max band + median", BAND)]
-    keys = keys[:8] if legend else []
-    # a mark's label right of its line (left of it in the plot's last quarter), on the
-    # first row where it overlaps no other label, the clip note (top left) or the legend
-    # (top right)
-    note = f"&#8593; {lim.clip_note}" if clipped else ""
-    # per row: where its last label ends, and where the legend's label starts
-    ends = [L + 3 + 5.6 * len(lim.clip_note) + 12] if clipped else []
-    stops = [L + pw - 4 - 5.6 * len(label) for label, _ in keys]
-    for mark in sorted(marks, key=lambda m: m[0]):
-        x, label = mark[0], mark[1]
-        mc = mark[2] if len(mark) > 2 else "#d62728"
-        if x0 <= x <= x1:
-            xx = sx(x)
-            tw = 5.6 * len(label)
-            left = xx > L + 0.75 * pw and xx - 2 - tw >= L
-            a, b = (xx - 2 - tw, xx - 2) if left else (xx + 2, xx + 2 + tw)
-            row = 0
-            while (row < len(ends) and ends[row] >= a) or (row < len(stops) and b >= stops[row]):
-                row += 1
-            ends += [float(L)] * (row + 1 - len(ends))
-            ends[row] = b
-            anchor = " text-anchor='end'" if left else ""
-            out.append(
-                f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{T}' y2='{T + ph}' stroke='{mc}' "
-                f"stroke-dasharray='4,3' class='hvdnb-mark'/><text x='{(b if left else a):.1f}' "
-                f"y='{T + 11 + 11 * min(row, 12)}' fill='{mc}'{anchor}>{html.escape(label)}</text>"
-            )
-    if clipped:
-        out.append(
-            f"<text x='{L + 3}' y='{T + 11}' fill='#d62728' class='hvdnb-clipped'>{note}</text>"
-        )
-    for i, (label, color) in enumerate(keys):
-        out.append(
-            f"<text x='{L + pw - 4}' y='{T + 11 + 11 * i}' text-anchor='end' "
-            f"fill='{color}'>{html.escape(label)}</text>"
-        )
+        keys = [("min-max band + median", BAND_COLOR)]
+    out += _labels(p, marks, keys[:8] if legend else [], lim.clip_note if lim.clipped else "")
     if hover:  # last: the columns lie over everything else
         n = len(series) + (3 if band is not None else 0)
-        reads = readouts(series, band, x0, x1, _hover_columns(n))
+        reads = readouts(series, band, p.x0, p.x1, _hover_columns(n))
         if reads:
             out.append(HOVER_CSS + "<g class='hvdnb-hover'>")
-            out.extend(_hover(reads, sx, pw, ph, x_name))
+            out.extend(_hover(reads, p.sx, p.pw, p.ph, x_name))
             out.append("</g>")
     out.append("</svg>")
     return "".join(out)
@@ -374,9 +406,9 @@ def legend_html(labels: Sequence[str]) -> str:
     )
 
 
-def _line_svg(title: str, m: LineChart) -> str:
+def _line_svg(m: LineChart) -> str:
     return line_chart(
-        title,
+        m.title,
         m.lines,
         band=m.band,
         marks=[*m.marks, *((x, lab, ALARM_COLOR) for x, lab in m.alarms)],
@@ -388,9 +420,8 @@ def _line_svg(title: str, m: LineChart) -> str:
 
 def runs_svg(m: RunsChart) -> str:
     """The runs compared: the chart, its legend of knob values, and the runs without x."""
-    what = "samples seen (all ranks)" if m.x == "samples" else "step"
     svg = line_chart(
-        f"runs: mean loss vs {what}" + (" (log)" if m.log_y else ""),
+        m.title,
         m.lines,
         marks=[(x, lab, PALETTE[i % len(PALETTE)]) for x, lab, i in m.marks],
         log_y=m.log_y,
@@ -428,10 +459,10 @@ def charts_html(
     comm = allreduce_chart(store, points=LIVE_POINTS, window=window)
     bars = breakdown_chart(store)
     out = [
-        _line_svg("loss" + (" (log)" if log_y else "") + window_note(window), loss),
-        _line_svg(f"allreduce ms per step ({comm.backends}){window_note(window)}", comm),
+        _line_svg(loss),
+        _line_svg(comm),
         stacked_bars(
-            "step time (median of last 50 steps; comm = exposed)",
+            bars.title,
             list(zip(bars.labels(), [vals for _, vals in bars.rows])),
             PHASES,
             empty=bars.empty,
