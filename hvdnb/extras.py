@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Final
 
-__all__ = ["OPTIONAL", "OptionalModule", "hint", "hint_for_error", "install_command", "require"]
+__all__ = [
+    "KERAS3_FIT_HINT",
+    "OPTIONAL",
+    "OptionalModule",
+    "hint",
+    "hint_for_error",
+    "install_command",
+    "require",
+]
 
 
 @dataclass(frozen=True)
@@ -83,9 +91,26 @@ def hint(module: str) -> str | None:
     return f"hvdnb: {top} ({opt.what}) is optional; install it with: {opt.command}{gpu}"
 
 
+#: Keras 3's ``fit`` under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585): the
+#: per-worker batch reaches ``convert_to_tensor`` as a ``PerReplica`` value
+_KERAS3_PER_REPLICA = re.compile(r"PerReplica.*unsupported type|unsupported type.*PerReplica", re.S)
+
+#: the line added to that error: the fix, never applied silently (hvdnb does not change Keras)
+KERAS3_FIT_HINT = (
+    "hvdnb: Keras 3's model.fit does not run under MultiWorkerMirroredStrategy "
+    "(keras-team/keras#20585); use Keras 2: pip install 'hvdnb[tf]' (tf-keras), then put "
+    "os.environ['TF_USE_LEGACY_KERAS'] = '1' at the top of the cell, before `import "
+    "tensorflow`, and build the model with tf.keras, not `import keras` (if the ranks "
+    "imported TensorFlow already: %dist restart first)"
+)
+
+
 def hint_for_error(ename: str, evalue: str) -> str | None:
-    """``hint`` for an error shown as text (a rank's ``ename`` and ``evalue``): a
-    ModuleNotFoundError (or ImportError) naming a module of the table; else None."""
+    """The line to add to an error shown as text (a rank's ``ename`` and ``evalue``), or
+    None: a ModuleNotFoundError (or ImportError) naming a module of the table gets its
+    install command; Keras 3's ``PerReplica`` error in ``fit`` gets ``KERAS3_FIT_HINT``."""
+    if _KERAS3_PER_REPLICA.search(evalue or ""):
+        return KERAS3_FIT_HINT
     if ename not in ("ModuleNotFoundError", "ImportError"):
         return None
     m = _NO_MODULE.search(evalue or "")

@@ -33,14 +33,17 @@ _RESERVED = frozenset({"samples", "total_steps", "data_time", "compute_time", "c
 
 
 def _keras_callback_base() -> Any:
-    """``keras.callbacks.Callback``; tf_keras's under ``TF_USE_LEGACY_KERAS=1`` (Keras 2)."""
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
-        try:
-            import tf_keras
+    """A ``Callback`` base that both Keras 2 and Keras 3 ``fit`` accept: tf_keras's when it
+    is installed (Keras 3's ``CallbackList`` calls any object's hooks, while tf_keras's needs
+    its own base: ``_implements_train_batch_hooks``), else Keras 3's."""
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    try:
+        import tf_keras
 
-            return tf_keras.callbacks.Callback
-        except ImportError:
-            pass
+        return tf_keras.callbacks.Callback
+    except ImportError:
+        if legacy:  # tf.keras is tf_keras, which is missing: name its install command
+            extras.require("tf_keras", "hvdnb.keras_callback under TF_USE_LEGACY_KERAS=1")
     keras = extras.require("keras", "hvdnb.keras_callback")  # names the install command
     return keras.callbacks.Callback
 
@@ -104,7 +107,9 @@ def keras_callback(metrics: bool = True, samples: int | None = None) -> Any:
     ``total_steps`` (epochs x steps per epoch, when Keras knows them) for the progress
     bar. Keras' ``loss`` is the mean over the epoch so far, not the batch's own; under
     ``MultiWorkerMirroredStrategy`` it is reduced over the workers, so every rank logs the
-    same curve. Keras and TensorFlow are imported when this is called, not before.
+    same curve. Keras and TensorFlow are imported when this is called, not before. The
+    same callback works in a Keras 3 ``fit`` and in a tf-keras (Keras 2,
+    ``TF_USE_LEGACY_KERAS=1``) one.
 
     Parameters
     ----------

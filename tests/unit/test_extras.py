@@ -93,6 +93,7 @@ def test_keras_callback_without_keras_names_the_extra(monkeypatch):
     from hvdnb.rank import keras as hk
 
     monkeypatch.setitem(sys.modules, "keras", None)  # import keras raises, as when missing
+    monkeypatch.setitem(sys.modules, "tf_keras", None)  # else its Callback is the base
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     with pytest.raises(ModuleNotFoundError, match=r"keras_callback needs keras.*hvdnb\[tf\]"):
         hk._keras_callback_base()

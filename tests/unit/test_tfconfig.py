@@ -124,6 +124,7 @@ def fake_keras(monkeypatch):
     mod = types.ModuleType("keras")
     mod.callbacks = types.SimpleNamespace(Callback=Callback)
     monkeypatch.setitem(sys.modules, "keras", mod)
+    monkeypatch.setitem(sys.modules, "tf_keras", None)  # else its Callback is the base
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     hkeras._callback_class.cache_clear()
     calls = []
@@ -167,6 +168,7 @@ def test_keras_callback_with_steps_per_execution_and_unknown_sizes(fake_keras):
 
 def test_keras_callback_without_keras_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "keras", None)  # import keras raises ImportError
+    monkeypatch.setitem(sys.modules, "tf_keras", None)  # else its Callback is the base
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     hkeras._callback_class.cache_clear()
     try:
