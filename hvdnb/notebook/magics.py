@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from hvdnb.notebook import cells
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
-from hvdnb.notebook.output import format_ranks
+from hvdnb.notebook.metrics.knobreq import describe_change
 from hvdnb.protocol.remote import DEBUG_COMMAND
 from hvdnb.protocol.replies import DebugReply
 
@@ -479,7 +479,7 @@ class DistMagics(Magics):
             print(f"hvdnb: knobs {cur}")
             last = st.knob_status()
             if last:
-                print("last change: " + _describe_change(last))
+                print("last change: " + describe_change(last)[0])
             return
         try:
             values = parse(args.values)
@@ -500,7 +500,7 @@ class DistMagics(Magics):
         if args.after is not None:
             print(f"hvdnb: {_fmt_values(values)} will be sent to rank 0 in {args.after:g} s")
             return
-        print(f"hvdnb: {_fmt_values(values)}: {_describe_change(status)}")
+        print(f"hvdnb: {_fmt_values(values)}: {describe_change(status)[0]}")
 
     def _watch(self, args: Any) -> None:
         """Show the watchers' settings and this run's alarms, or change the settings."""
@@ -638,27 +638,6 @@ def _rank_arg(text: str, n: int) -> int:
 
 def _fmt_values(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:g}" for k, v in values.items())
-
-
-def _describe_change(status: dict[str, Any]) -> str:
-    """One line: planned step, the ranks that applied it and where."""
-    if status.get("error"):
-        return f"refused: {status['error']}"
-    plan = status.get("plan")
-    if plan is None:
-        return "sent; rank 0 has not answered yet"
-    if plan.get("error"):
-        return f"rank 0 refused it: {plan['error']}"
-    at = plan.get("apply_at")
-    applied = status.get("applied") or {}
-    if applied:
-        steps = sorted({a.get("step") for a in applied.values()})
-        return (
-            f"applied on ranks {format_ranks(sorted(applied))} at step {', '.join(map(str, steps))}"
-        )
-    if at is None:
-        return "applied now (no loop was running)"
-    return f"every rank applies it at step {at}"
 
 
 def _describe_cluster(c: Any) -> str:

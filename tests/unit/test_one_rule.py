@@ -92,3 +92,64 @@ def test_rank_0_plans_a_good_at_step_as_given():
     k.on_request({"id": "r2", "values": {"lr": 0.2}, "at_step": 40})
     (kind, plan) = ch.sent[-1]
     assert kind == kinds.KNOBS_PLAN and plan["apply_at"] == 40 and "error" not in plan
+
+
+# ------------------------------------------------------------------ the knob status
+def test_the_knob_status_is_worded_once_for_dist_knobs_and_the_panel(capsys):
+    """A request's fate, step by step, reads the same in ``%dist knobs`` and in the panel's
+    status line (both say ``describe_change``'s words)."""
+    from hvdnb.notebook.metrics.knobreq import describe_change
+    from hvdnb.notebook.panel import Panel
+
+    class Ch:
+        ranks = [0, 1, 2]
+
+        def __init__(self) -> None:
+            self.sent: list[tuple] = []
+
+        def send(self, rank, kind, **p) -> None:
+            self.sent.append((rank, kind, p))
+
+    st = MetricsStore()
+    st._channel = Ch()
+    st.on_spec({"spec": make_spec({"lr": 0.1})})
+    p = Panel(st)
+    p._idle.stop()
+    sent, _ = st.request_knobs(lr=0.2)
+    assert sent
+    rid = st._channel.sent[-1][2]["id"]
+    seen = []
+    for msg in [
+        None,  # rank 0 has not answered
+        ("plan", {"id": rid, "apply_at": 30, "values": {"lr": 0.2}}),
+        ("applied", {"id": rid, "rank": 0, "step": 30, "values": {"lr": 0.2}}),
+        ("applied", {"id": rid, "rank": 1, "step": 30, "values": {"lr": 0.2}}),
+        ("applied", {"id": rid, "rank": 2, "step": 31, "late": True, "values": {"lr": 0.2}}),
+    ]:
+        if msg is not None:
+            getattr(st, f"on_{'plan' if msg[0] == 'plan' else 'applied'}")(msg[1])
+        words, refused = describe_change(st.knob_status())
+        assert not refused
+        p.render(force=True)
+        assert words and words in p.knob_status.value
+        seen.append(words)
+    assert seen == [
+        "sent; rank 0 has not answered yet",
+        "every rank applies it at step 30",
+        "applied on ranks 0 at step 30",
+        "applied on ranks 0,1 at step 30",
+        "applied on ranks 0-2 at step 30, 31 (late on ranks 2)",
+    ]
+    # refused by the notebook, and by rank 0: red in the panel, the same words
+    assert describe_change({"error": "lr=-1 is out of range"}) == (
+        "refused: lr=-1 is out of range",
+        True,
+    )
+    st.request_knobs(lr=0.3)
+    rid = st._channel.sent[-1][2]["id"]
+    st.on_plan({"id": rid, "error": at_step_error(-1)})
+    words, refused = describe_change(st.knob_status())
+    assert refused and words == f"rank 0 refused it: {at_step_error(-1)}"
+    p.render(force=True)
+    assert "color:#c00" in p.knob_status.value
+    assert describe_change({}) == ("", False)

@@ -27,10 +27,11 @@ from typing import Any
 from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore
 from hvdnb.notebook.metrics.runs import Runs
+from hvdnb.notebook.output import format_ranks
 from hvdnb.protocol import kinds
 from hvdnb.protocol.knobs import at_step_error, validate
 
-__all__ = ["KnobRequests", "KnobSpec"]
+__all__ = ["KnobRequests", "KnobSpec", "describe_change"]
 
 
 def _strip(msg: dict[str, Any]) -> dict[str, Any]:
@@ -207,3 +208,28 @@ class KnobRequests:
 
     def clear(self) -> None:  # lock held
         self.events.clear()
+
+
+def describe_change(status: dict[str, Any]) -> tuple[str, bool]:
+    """A knob change's fate in words, and whether it was refused: the one wording, printed
+    by ``%dist knobs`` and shown in the panel's knob status line. ``status`` is
+    ``knob_status()``'s (empty: no request yet, "")."""
+    if status.get("error"):
+        return f"refused: {status['error']}", True
+    if not status:
+        return "", False
+    plan = status.get("plan")
+    if plan is None:
+        return "sent; rank 0 has not answered yet", False
+    if plan.get("error"):
+        return f"rank 0 refused it: {plan['error']}", True
+    applied = status.get("applied") or {}
+    if applied:
+        steps = ", ".join(map(str, sorted({a.get("step") for a in applied.values()})))
+        late = [r for r, a in applied.items() if a.get("late")]
+        text = f"applied on ranks {format_ranks(applied)} at step {steps}"
+        return text + (f" (late on ranks {format_ranks(late)})" if late else ""), False
+    at = plan.get("apply_at")
+    if at is None:
+        return "applied now (no loop was running)", False
+    return f"every rank applies it at step {at}", False

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hvdnb.notebook.metrics.knobreq import describe_change
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel import kernel as _kernel
 from hvdnb.notebook.panel.charts import WINDOWS
@@ -174,29 +175,13 @@ class Controls:
             return f"{NO_KNOBS} {note}"
         cur = ", ".join(f"{k}={v['value']:g}" for k, v in s.knob_spec.items())
         text = f"knobs: {html.escape(cur)}"
-        if st.get("error"):
-            return text + f" &middot; <span style='color:#c00'>{html.escape(st['error'])}</span>"
-        if st.get("id"):
-            plan, applied = st.get("plan"), st.get("applied") or {}
-            if plan is None:
-                text += " &middot; waiting for rank 0"
-            elif plan.get("error"):
-                text += (
-                    " &middot; <span style='color:#c00'>rank 0 refused: "
-                    f"{html.escape(plan['error'])}</span>"
-                )
-            else:
-                at = plan.get("apply_at")
-                text += f" &middot; rank 0 planned step {at if at is not None else 'now (idle)'}"
-                if applied:
-                    steps = sorted({a.get("step") for a in applied.values()})
-                    late = sorted(r for r, a in applied.items() if a.get("late"))
-                    text += (
-                        f"; applied on ranks {','.join(map(str, sorted(applied)))} at step "
-                        f"{','.join(map(str, steps))}"
-                    )
-                    if late:
-                        text += f" (late on ranks {','.join(map(str, late))})"
+        said, refused = describe_change(st)  # the same words as %dist knobs
+        if refused:
+            text += f" &middot; <span style='color:#c00'>{html.escape(said)}</span>"
+            if st.get("error"):  # refused here: the note says the same
+                return text
+        elif said:
+            text += f" &middot; {html.escape(said)}"
         if note and not st.get("id"):
             text += f" &middot; {note}"
         elif note.startswith("refused"):
