@@ -156,7 +156,7 @@ def import_runs(path: str | Path) -> list[str]:
                 "backend": backend,
                 "knobs": rec["knobs"],
                 "changes": rec["changes"],
-                "steps": max((r.step for r in rows), default=None),
+                "steps": max((r.step for r in rows if r.name == "loss"), default=None),
                 "last_loss": sum(finite) / len(finite) if finite else None,
                 "outcome": "done",
                 "points": len(rows),

@@ -221,9 +221,8 @@ class RunLog:
                 continue  # the ingest dropped it too
             out.extend(rows)
             meta["points"] += len(rows)
-            if rows:
+            if name == "loss" and rows:  # steps: the last step that logged a loss
                 meta["steps"] = max(meta["steps"] or 0, max(r[3] for r in rows))
-            if name == "loss" and rows:
                 self._last.setdefault(rid, {})[rank] = rows[-1][5]
 
     def _new_meta(self, rid: int) -> dict[str, Any]:
