@@ -87,7 +87,7 @@ print(json.dumps({"rows": rows, "messages": msgs, "steps": step, "late_ticks": l
 """
 
 
-def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
+def run(nranks: int, nhosts: int, seconds: float, hz: float, run_store: bool = False) -> dict:
     import psutil
 
     from hvdnb.notebook.channel import ClientChannel
@@ -99,7 +99,11 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     rss0 = me.memory_info().rss
     key = secrets.token_hex(16).encode()
     ch = ClientChannel(key=key)
-    store = MetricsStore()
+    if run_store:  # the notebook's store writes every point to a run store in a temp home
+        import tempfile
+
+        os.environ["HVDNB_HOME"] = tempfile.mkdtemp(prefix="hvdnb-bench-home-")
+    store = MetricsStore(keep_runs=run_store)
     store._channel = ch
     ch.on(kinds.METRICS, store.ingest)
     ch.on(kinds.RANK_INFO, store.on_rank_info)
@@ -141,6 +145,16 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
     while time.monotonic() < deadline and store.messages < sent["messages"]:
         time.sleep(0.05)
     logged = sum(1 for r in store.rows() if not r.name.startswith("mem/"))
+    on_disk, flush_s = None, None
+    if run_store:  # every point the store holds is on disk once the writer caught up
+        import sqlite3
+
+        t = time.perf_counter()
+        path = store.run_log.store().path
+        flush_s = time.perf_counter() - t
+        con = sqlite3.connect(path)
+        on_disk = con.execute("SELECT count(*) FROM points").fetchone()[0]
+        con.close()
     t = time.perf_counter()
     panel.render(force=True)
     final_ms = 1e3 * (time.perf_counter() - t)
@@ -175,6 +189,10 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float) -> dict:
         "hosts_seen": len(hosts),
         "band_drawn": "hvdnb-chart" in view and "hosts</b>" in view,
         "panel_html_kb": len(view) / 1024,
+        "run_store": run_store,
+        "points_in_store": store.points,
+        "points_on_disk": on_disk,
+        "run_store_catch_up_s": flush_s,
     }
 
 
@@ -185,11 +203,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--hz", type=float, default=2.0)
     ap.add_argument("--quick", action="store_true", help="128 ranks for 6 s (the test suite's)")
+    ap.add_argument(
+        "--run-store", action="store_true", help="also write every point to the run store"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.ranks, args.hosts, args.seconds = 128, 4, 6.0
-    res = run(args.ranks, args.hosts, args.seconds, args.hz)
+    res = run(args.ranks, args.hosts, args.seconds, args.hz, args.run_store)
     res["machine"] = f"{os.cpu_count()} cores, shared with other work"
     res["load_avg"] = os.getloadavg()
     r = res
@@ -217,6 +238,11 @@ def main(argv: list[str] | None = None) -> dict:
         ("panel renders", f"{r['panel_renders']}", ""),
         ("hosts grouped / band + host table drawn", f"{r['hosts_seen']}/{r['band_drawn']}", ""),
         ("panel HTML (KiB)", f"{r['panel_html_kb']:.0f}", ""),
+        (
+            "run store: points held / on disk",
+            f"{r['points_in_store']}/{r['points_on_disk']}",
+            "equal" if r["run_store"] else "off",
+        ),
     ]
     for name, val, target in rows:
         print(f"{name:<42} | {val:>16} | {target}")
