@@ -128,98 +128,112 @@ def _given_options(parser: Any, args: Any) -> dict[str, str]:
     return out
 
 
-@magics_class
-class DistMagics(Magics):
-    """The ``%dist`` line magic and the ``%%distributed`` cell magic."""
-
-    @line_magic
-    @magic_arguments()
-    @argument(
+#: %dist's options, in the order its help lists them: one parser for every action (each
+#: action takes the options ``_ACTIONS`` names; ``DistMagics.dist`` refuses the rest)
+_DIST_OPTIONS = [
+    argument(
         "action",
         nargs="?",
         default="status",
         help="start | stop | restart | status | panel | knobs | watch | export | where | debug | "
         "logs | runs | compare (default: status)",
-    )
-    @argument(
+    ),
+    argument(
         "values",
         nargs="*",
         help="knobs: name=value pairs, e.g. warmup_steps=200; watch: watcher=action "
         "(warn, stop, off) or threshold=value pairs, e.g. nan=stop spike_factor=5; "
         "export: the script's path, e.g. train.py; debug, logs: the rank",
-    )
-    @argument(
+    ),
+    argument(
         "--at-step",
         type=int,
         default=None,
         help="knobs: apply at this step (of the running loop, or of the next one)",
-    )
-    @argument(
+    ),
+    argument(
         "--after",
         type=float,
         default=None,
         help="knobs: send the change this many seconds from now (returns at once)",
-    )
-    @argument(
+    ),
+    argument(
         "-c",
         "--command",
         action="append",
         default=None,
         dest="commands",
         help="debug: run this pdb command and return (repeatable), instead of a prompt",
-    )
-    @argument("--delete", action="store_true", help="runs: delete the runs named (their ids)")
-    @argument("--cells", default="ok", help="export: ok (default: leave failed cells out) or all")
-    @argument(
+    ),
+    argument("--delete", action="store_true", help="runs: delete the runs named (their ids)"),
+    argument("--cells", default="ok", help="export: ok (default: leave failed cells out) or all"),
+    argument(
         "--inline",
         action="store_true",
         help="panel: show it in this cell's output (classic Notebook, VS Code) "
         "instead of beside the notebook",
-    )
-    @argument(
+    ),
+    argument(
         "-n",
         type=int,
         default=None,
         help="start, restart: ranks to start (default: GPUs, else 2); logs: lines per rank (20)",
-    )
-    @argument(
+    ),
+    argument(
         "--backend",
         default=None,
         help="start, restart: torch.distributed backend: gloo, nccl, mpi or auto (default: nccl "
         "with GPUs, else gloo)",
-    )
-    @argument(
+    ),
+    argument(
         "--launcher",
         default=None,
         help="start: ipyparallel engine launcher, mpi (default), or slurm, ssh, ... for other "
         "hosts; export: mpiexec, torchrun or slurm (default: how the cluster was started)",
-    )
-    @argument(
+    ),
+    argument(
         "--timeout", type=float, default=None, help="start, restart: seconds to wait for the ranks"
-    )
-    @argument(
+    ),
+    argument(
         "--oversubscribe",
         action="store_true",
         help="start, restart: allow more ranks than this host has cores (or GPUs)",
-    )
-    @argument(
+    ),
+    argument(
         "--hosts",
         default=None,
         metavar="HOSTFILE",
         help="MPI hostfile (host[:slots] per line): one MPI job across those hosts",
-    )
-    @argument(
+    ),
+    argument(
         "--ip",
         default=None,
         help="address the controller listens on when ranks run on other hosts "
         "(default: this host's address on the route to them; loopback for one host)",
-    )
-    @argument("--partition", default=None, help="Slurm partition (--launcher slurm)")
-    @argument("--time", default=None, help="Slurm time limit, e.g. 1:00:00 (--launcher slurm)")
-    @argument(
+    ),
+    argument("--partition", default=None, help="Slurm partition (--launcher slurm)"),
+    argument("--time", default=None, help="Slurm time limit, e.g. 1:00:00 (--launcher slurm)"),
+    argument(
         "--gpus-per-node", type=int, default=None, help="Slurm GPUs per node (--launcher slurm)"
-    )
-    @argument("--account", default=None, help="Slurm account (--launcher slurm)")
+    ),
+    argument("--account", default=None, help="Slurm account (--launcher slurm)"),
+]
+
+
+def _dist_options(func: Any) -> Any:
+    """``func`` with ``_DIST_OPTIONS`` as IPython's ``@magic_arguments() @argument(...)``
+    stack would give it (the decorators apply bottom-up)."""
+    for option in reversed(_DIST_OPTIONS):
+        func = option(func)
+    return magic_arguments()(func)
+
+
+@magics_class
+class DistMagics(Magics):
+    """The ``%dist`` line magic and the ``%%distributed`` cell magic."""
+
+    @line_magic
+    @_dist_options
     def dist(self, line: str) -> Any:
         """Start, stop, restart or inspect the cluster of ranks.
 
