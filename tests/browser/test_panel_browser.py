@@ -21,31 +21,16 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
 import re
-import secrets
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.browser._lab import ARGS, ARTIFACTS, CHROMIUM, write_notebook
+
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 TRAIN = """%%distributed
 import time, torch, hvdnb
@@ -88,127 +73,28 @@ for step in range(60):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _notebook(path: Path) -> None:
     filler = "\n\n".join(
         f"Paragraph {i}: text a real lesson has between the start and the "
         "training cell, long enough to push that cell below the fold."
         for i in range(14)
     )
-    cells = [
-        ("code", "%load_ext hvdnb\n%dist start -n 2"),
-        ("markdown", filler),
-        ("code", TRAIN),
-        ("code", "print('after the training cell')"),
-        ("code", RUN2),
-    ]
-    nb = {
-        "cells": [
-            {
-                "cell_type": kind,
-                "id": f"c{i}",
-                "metadata": {},
-                "source": src,
-                **({"execution_count": None, "outputs": []} if kind == "code" else {}),
-            }
-            for i, (kind, src) in enumerate(cells)
+    write_notebook(
+        path,
+        [
+            ("code", "%load_ext hvdnb\n%dist start -n 2"),
+            ("markdown", filler),
+            ("code", TRAIN),
+            ("code", "print('after the training cell')"),
+            ("code", RUN2),
         ],
-        "metadata": {
-            "kernelspec": {
-                "name": "hvdnb",
-                "display_name": "Python 3 (hvdnb)",
-                "language": "python",
-            }
-        },
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-    path.write_text(json.dumps(nb))
+    )
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} not found: apt-get install chromium to run the browser tests")
-    pytest.importorskip(
-        "playwright.sync_api",
-        reason="pip install playwright (never "
-        "`playwright install`: the tests use Debian's chromium)",
-    )
-    from kernels_ext.kernelspec import get_kernel_dict
-
-    root = tmp_path_factory.mktemp("lab")
-    data = root / "jupyter-data"
-    (data / "kernels" / "hvdnb").mkdir(parents=True)
-    (data / "kernels" / "hvdnb" / "kernel.json").write_text(json.dumps(get_kernel_dict()))
-    work = root / "work"
-    work.mkdir()
-    _notebook(work / "panel.ipynb")
-    token = secrets.token_hex(16)
-    port = _free_port()
-    env = dict(os.environ)
-    bindir = str(Path(sys.executable).parent)
-    env.update(
-        PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}",
-        JUPYTER_PATH=str(data),
-        JUPYTER_RUNTIME_DIR=str(root / "runtime"),
-        JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-    )
-    log = (root / "lab.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyter",
-            "lab",
-            "--no-browser",
-            f"--port={port}",
-            "--ServerApp.ip=127.0.0.1",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={work}",
-            "--LabApp.news_url=None",
-            "--allow-root",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"jupyter lab did not start:\n{(root / 'lab.log').read_text()[-3000:]}")
-            time.sleep(0.3)
-    yield {"url": url, "token": token, "root": root}
-    # shut the kernels down through the server so their clusters are stopped
-    try:
-        req = urllib.request.Request(f"{url}/api/kernels?token={token}")
-        for k in json.loads(urllib.request.urlopen(req, timeout=5).read()):
-            urllib.request.urlopen(
-                urllib.request.Request(
-                    f"{url}/api/kernels/{k['id']}?token={token}", method="DELETE"
-                ),
-                timeout=10,
-            )
-    except Exception:
-        pass
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+def lab(lab_server):
+    _notebook(lab_server["work"] / "panel.ipynb")
+    return lab_server
 
 
 def _shot(page, name: str) -> None:
