@@ -131,7 +131,7 @@ def _guard(dist: Any, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 me, size = dist.get_rank(), dist.get_world_size(group)
             else:  # numbered globally, whatever the group
                 me, size = dist.get_rank(), dist.get_world_size()
-            device = tensor.device.type
+            cuda = bool(tensor.is_cuda)
         except Exception:  # no group yet, or not a tensor: torch says what is wrong
             return fn(tensor, *args, **kwargs)
         check(
@@ -139,8 +139,8 @@ def _guard(dist: Any, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             me=me,
             size=size,
             peer=peer,
-            tensor_device=device,
-            cuda_backend=_cuda_backend(dist, group) if device == "cuda" else None,
+            tensor_device="cuda" if cuda else "cpu",
+            cuda_backend=_cuda_backend(dist, group) if cuda else None,
         )
         return fn(tensor, *args, **kwargs)
 
