@@ -11,12 +11,15 @@ fails.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
+from IPython.core import magic as _ipy_magic
+from IPython.core import magic_arguments as _ipy_args
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic import Magics, magics_class
+from IPython.core.magic_arguments import parse_argstring
 
 from hvdnb.notebook import cells
 from hvdnb.notebook.cluster import health
@@ -26,6 +29,20 @@ from hvdnb.protocol.remote import DEBUG_COMMAND
 from hvdnb.protocol.replies import DebugReply
 
 __all__ = ["DistMagics"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _Decorator(Protocol):
+    def __call__(self, func: _F, /) -> _F: ...
+
+
+# IPython's magic and option decorators carry no (or loose) annotations: typed here once
+# (each returns the function it decorates, marked as a magic or with its parser attached)
+argument = cast(Callable[..., _Decorator], _ipy_args.argument)
+magic_arguments = cast(Callable[[], _Decorator], _ipy_args.magic_arguments)
+line_magic = cast(_Decorator, _ipy_magic.line_magic)
+cell_magic = cast(_Decorator, _ipy_magic.cell_magic)
 
 
 @dataclass(frozen=True)
@@ -220,7 +237,7 @@ _DIST_OPTIONS = [
 ]
 
 
-def _dist_options(func: Any) -> Any:
+def _dist_options(func: _F) -> _F:
     """``func`` with ``_DIST_OPTIONS`` as IPython's ``@magic_arguments() @argument(...)``
     stack would give it (the decorators apply bottom-up)."""
     for option in reversed(_DIST_OPTIONS):
@@ -276,7 +293,7 @@ class DistMagics(Magics):
             raise _refused(
                 args.action, f"%dist {args.action} takes no values ({' '.join(args.values)!r})"
             )
-        given = _given_options(self.dist.parser, args)  # type: ignore[union-attr]
+        given = _given_options(self.dist.parser, args)  # type: ignore[attr-defined]  # set by magic_arguments()
         extra = [name for dest, name in given.items() if dest not in action.options]
         if extra:
             why = ""

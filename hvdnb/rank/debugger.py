@@ -136,7 +136,8 @@ def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
     global _PDB_LINES
     ch = channel.get()
     if ch is None:
-        return sys.__breakpointhook__(*args, **kwargs)
+        sys.__breakpointhook__(*args, **kwargs)
+        return None
     if _PDB_LINES is None:
         _PDB_LINES = queue.Queue()
         ch.on(kinds.PDB_CMD, lambda msg: _PDB_LINES.put(msg.get("line", "c")))

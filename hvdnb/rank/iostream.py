@@ -47,7 +47,7 @@ class OutStream(_OutStream):
         self._fd_lock = threading.Lock()
         self._fd_taken = 0  # bytes the reader took out of the pipe
         self._fd_done = 0  # ... and has put into the buffer
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # ipykernel: unannotated
 
     def _watch_pipe_fd(self) -> None:
         """ipykernel's pipe reader, counting what it took out of the pipe (under a lock
@@ -93,4 +93,4 @@ class OutStream(_OutStream):
                 empty = not any(buf.tell() for buf in self._buffers.values())
             if empty:
                 return
-        super().flush()
+        super().flush()  # type: ignore[no-untyped-call]  # ipykernel: unannotated

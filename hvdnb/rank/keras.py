@@ -59,7 +59,7 @@ def _float(v: Any) -> float | None:
 def _callback_class() -> type:
     base: Any = _keras_callback_base()
 
-    class PanelCallback(base):
+    class PanelCallback(base):  # type: ignore[misc]  # Keras's Callback: untyped (Any)
         """Logs each training batch's ``loss`` (and other metrics) with ``hvdnb.log``."""
 
         def __init__(self, metrics: bool = True, samples: int | None = None) -> None:

@@ -51,7 +51,7 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
 def from_torch(t: torch.Tensor, like: np.dtype | None = None) -> np.ndarray:
     """The numpy view of a CPU torch tensor (``like``: the dtype a raw view came from)."""
     if t.dtype == torch.bfloat16:
-        out = t.view(torch.int16).numpy().view(tf.bfloat16.as_numpy_dtype)
+        out: np.ndarray = t.view(torch.int16).numpy().view(tf.bfloat16.as_numpy_dtype)
     else:
         out = t.numpy()
     return out if like is None or out.dtype == like else out.view(like)
@@ -69,9 +69,13 @@ def raw_view(a: np.ndarray) -> np.ndarray:
 def translate(exc: BaseException) -> BaseException:
     """The TensorFlow error Horovod's op would raise for ``exc`` (or ``exc`` itself)."""
     if isinstance(exc, CollectiveMismatchError):
-        return tf.errors.FailedPreconditionError(None, None, str(exc))
+        mismatch: BaseException = tf.errors.FailedPreconditionError(None, None, str(exc))
+        return mismatch
     if isinstance(exc, (ValueError, TypeError)):
-        return tf.errors.InvalidArgumentError(None, None, f"{type(exc).__name__}: {exc}")
+        bad: BaseException = tf.errors.InvalidArgumentError(
+            None, None, f"{type(exc).__name__}: {exc}"
+        )
+        return bad
     return exc
 
 

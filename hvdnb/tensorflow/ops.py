@@ -80,7 +80,7 @@ def _differentiable(
     if not any(_float(x) for x in xs):
         return forward(*xs)
 
-    @tf.custom_gradient
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow: unannotated
     def f(*ts: tf.Tensor) -> Any:
         return forward(*ts), backward
 

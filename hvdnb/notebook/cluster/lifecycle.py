@@ -423,7 +423,7 @@ class Cluster:
 
     async def _connection_info(self) -> dict[str, Any]:
         info = await self._ipp.controller.get_connection_info()
-        return info["client"]
+        return dict(info["client"])
 
     def engine_launchers(self) -> list[Any]:
         """ipyparallel's launcher of each engine set (empty when stopped)."""
@@ -508,7 +508,7 @@ class Cluster:
 
         def gone(pid: int) -> bool:
             try:
-                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
             except psutil.NoSuchProcess:
                 return True
 

@@ -68,8 +68,9 @@ def control_subshell(timeout: float = 5.0) -> str | None:
             return None
     except Exception:
         return None
-    _SUBSHELL[id(k)] = box["id"]
-    return box["id"]
+    sid = str(box["id"])
+    _SUBSHELL[id(k)] = sid
+    return sid
 
 
 def route_comms(widgets: list[Any], subshell_id: str | None) -> int:

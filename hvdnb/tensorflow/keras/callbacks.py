@@ -36,7 +36,7 @@ def _optimizer_variables(opt: Any) -> list[Any]:
     return list(v() if callable(v) else v)
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):  # type: ignore[misc]  # untyped Keras
     """Make every rank start from ``root_rank``'s weights (and optimizer state).
 
     The model's variables are broadcast when training begins, and again with the
@@ -66,7 +66,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]  # untyped Keras
     """Average every metric of an epoch's logs over the ranks, at the epoch's end (put it
     before callbacks that read them: ReduceLROnPlateau, checkpoints, TensorBoard)."""
 
@@ -91,7 +91,7 @@ def _set_lr(opt: Any, lr: float) -> None:
     keras.backend.set_value(opt.lr, lr)
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(keras.callbacks.Callback):  # type: ignore[misc]  # untyped Keras
     """Between ``start_epoch`` and ``end_epoch`` set the learning rate to ``initial_lr *
     multiplier`` (a number, or a function of the epoch; with ``staircase=False`` of the
     fractional epoch, at every batch)."""
