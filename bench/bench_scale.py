@@ -153,7 +153,7 @@ def run(nranks: int, nhosts: int, seconds: float, hz: float, run_store: bool = F
         path = store.run_log.store().path
         flush_s = time.perf_counter() - t
         con = sqlite3.connect(path)
-        on_disk = con.execute("SELECT count(*) FROM points").fetchone()[0]
+        on_disk = con.execute("SELECT sum(n) FROM points").fetchone()[0]
         con.close()
     t = time.perf_counter()
     panel.render(force=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdnb.notebook.metrics.files import load_store
-from hvdnb.notebook.metrics.runstore import RUN_FIELDS
+from hvdnb.notebook.metrics.runstore import RUN_FIELDS, Batch
 from hvdnb.notebook.metrics.store import get_store
 
 __all__ = ["compare", "delete", "import_runs", "runs", "runs_text"]
@@ -136,12 +136,13 @@ def import_runs(path: str | Path) -> list[str]:
     backends = {v.get("backend") for v in info.values() if v.get("backend")}
     backend = next(iter(backends)) if len(backends) == 1 else None
     records: list[dict[str, Any]] = []
-    points: list[tuple[str, int, str, int, float, float]] = []
+    points = Batch()
     ids: list[str] = []
     for rec in batch.runs:
         rid = f"{tag}-{rec['id']}"
         rows = batch.rows(run=rec["id"])
-        points.extend((rid, r.rank, r.name, r.step, r.time, r.value) for r in rows)
+        for r in rows:
+            points.add(rid, r.rank, r.name, (r.step,), (r.time,), (r.value,))
         losses: dict[int, float] = {r.rank: r.value for r in rows if r.name == "loss"}
         finite = [v for v in losses.values() if v == v]
         records.append(

@@ -31,7 +31,7 @@ from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore, thin_indices
 from hvdnb.notebook.metrics.rows import MetricRow, MetricRows
 from hvdnb.notebook.metrics.runs import Runs
-from hvdnb.notebook.metrics.runstore import Point, RunStore, StoreUnavailable
+from hvdnb.notebook.metrics.runstore import Batch, RunStore, StoreUnavailable
 
 __all__ = ["INTERVAL", "RunLog", "outcome_of", "pin_label", "stored_rows"]
 
@@ -96,7 +96,7 @@ class RunLog:
         self._con: sqlite3.Connection | None = None
         self._meta: dict[int, dict[str, Any]] = {}  # run -> its record as last written
         self._last: dict[int, dict[int, float]] = {}  # run -> rank -> last loss
-        self._retry: tuple[list[Point], set[int]] | None = None  # a batch a busy file refused
+        self._retry: tuple[Batch, set[int]] | None = None  # a batch a busy file refused
         self._pinned: dict[str, dict[str, Any]] = {}
         self._wlock = threading.Lock()  # one commit at a time (the thread, then atexit)
         self.warned = False
@@ -186,7 +186,7 @@ class RunLog:
             self._write_batch()
 
     def _write_batch(self) -> None:
-        points, touched = self._retry or ([], set())
+        points, touched = self._retry or (Batch(), set())
         self._retry = None
         flushes: list[threading.Event] = []
         ended: list[tuple[int, str, float]] = []
@@ -205,25 +205,22 @@ class RunLog:
         for ev in flushes:
             ev.set()
 
-    def _take(self, rid: int, rank: int, cols: dict[str, Any], out: list[Point]) -> None:
+    def _take(self, rid: int, rank: int, cols: dict[str, Any], out: Batch) -> None:
         key = self.key(rid)
         meta = self._meta.get(rid)
         if meta is None:
             meta = self._meta[rid] = self._new_meta(rid)
         for name, col in cols.items():
             try:
-                steps, times, values = col
-                rows = [
-                    (key, rank, name, int(s), float(t), math.nan if v is None else float(v))
-                    for s, t, v in zip(steps, times, values, strict=True)
-                ]
+                n = out.add(key, rank, name, *col)
             except (TypeError, ValueError, OverflowError):
                 continue  # the ingest dropped it too
-            out.extend(rows)
-            meta["points"] += len(rows)
-            if name == "loss" and rows:  # steps: the last step that logged a loss
-                meta["steps"] = max(meta["steps"] or 0, max(r[3] for r in rows))
-                self._last.setdefault(rid, {})[rank] = rows[-1][5]
+            meta["points"] += n
+            if name == "loss" and n:  # steps: the last step that logged a loss
+                steps, values = col[0], col[2]
+                meta["steps"] = max(meta["steps"] or 0, int(max(steps)))
+                last = values[-1]
+                self._last.setdefault(rid, {})[rank] = math.nan if last is None else last
 
     def _new_meta(self, rid: int) -> dict[str, Any]:
         info = dict(self._link.info)
@@ -241,7 +238,7 @@ class RunLog:
         }
 
     def _commit(
-        self, points: list[Point], touched: set[int], ended: list[tuple[int, str, float]]
+        self, points: Batch, touched: set[int], ended: list[tuple[int, str, float]]
     ) -> None:
         with self._points.lock:  # a copy of the records, no more
             found = {rid: self._runs.record(rid) for rid in touched}
