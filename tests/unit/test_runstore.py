@@ -238,3 +238,28 @@ def test_no_store_for_stores_that_do_not_keep_runs(home):
     with pytest.raises(StoreUnavailable):
         st.run_log.store()
     assert not Path(home).exists()
+
+
+def test_a_locked_file_is_left_and_a_fresh_one_used(home):
+    """Another program holds runs.sqlite locked (a rollback-journal database in an
+    exclusive transaction): past the 5 s busy timeout this session writes beside it."""
+    home.mkdir()
+    other = sqlite3.connect(home / "runs.sqlite", isolation_level=None)
+    other.execute("CREATE TABLE mine (x)")
+    other.execute("BEGIN EXCLUSIVE")
+    other.execute("INSERT INTO mine VALUES (1)")
+    try:
+        st = MetricsStore(keep_runs=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _log_run(st, cell=1, steps=20)
+            store = st.run_log.store()
+        assert store.path == home / "runs-2.sqlite"
+        assert any("locked" in str(w.message) and "left in place" in str(w.message) for w in caught)
+        assert [r["points"] for r in store.runs()] == [80]
+    finally:
+        other.execute("COMMIT")
+        other.close()
+    con = sqlite3.connect(home / "runs.sqlite")
+    assert con.execute("SELECT x FROM mine").fetchall() == [(1,)]  # untouched
+    con.close()
