@@ -108,8 +108,8 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``, and name the install
     command under a cell's "No module named ..." for hvdnb's optional dependencies."""
-    from hvdnb.notebook import importhint
-    from hvdnb.notebook.magics import DistMagics
+    from hvdnb.notebook import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook.magics import DistMagics  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
     ipython.register_magics(DistMagics)
     importhint.install(ipython)
@@ -117,8 +117,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext hvdnb``: stop the running cluster so nothing is left behind."""
-    from hvdnb.notebook import importhint
-    from hvdnb.notebook.cluster.lifecycle import current
+    from hvdnb.notebook import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook.cluster.lifecycle import current  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
     importhint.uninstall(ipython)
     c = current()

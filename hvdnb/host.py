@@ -33,7 +33,7 @@ def gpu_count() -> int:
     limits what CUDA, and so each rank, can see: the smaller of the two counts.
     """
     try:
-        import pynvml  # from nvidia-ml-py, the [gpu] extra
+        import pynvml  # from nvidia-ml-py, the [gpu] extra  # noqa: PLC0415  pynvml is optional (the gpu extra)
 
         pynvml.nvmlInit()
         try:
@@ -93,7 +93,7 @@ def reachable_addr(peers: Iterable[str | None] = ()) -> str:
 def ifname_of(addr: str) -> str | None:
     """The network interface that owns ``addr`` (None when none does)."""
     try:
-        import psutil
+        import psutil  # noqa: PLC0415  optional: its ImportError is handled here
     except ImportError:  # pragma: no cover - psutil is a dependency
         return None
     for name, addrs in psutil.net_if_addrs().items():

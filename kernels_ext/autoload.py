@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hvdnb.notebook.magics import DistMagics
+
 
 def load_ipython_extension(ipython: Any) -> None:
-    from hvdnb.notebook.magics import DistMagics
 
     ipython.register_magics(DistMagics)

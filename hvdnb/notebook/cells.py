@@ -15,16 +15,19 @@ per rank.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hvdnb.config import get_config
+from hvdnb.extras import hint_for_error
 from hvdnb.notebook.cellwait import (
     ESCALATE_AFTER,
     Action,
@@ -38,7 +41,9 @@ from hvdnb.notebook.cellwait import (
     Redraw,
 )
 from hvdnb.notebook.cluster import health
+from hvdnb.notebook.export import ExportCell
 from hvdnb.notebook.metrics.runlog import outcome_of
+from hvdnb.notebook.metrics.store import get_store
 from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.stall import StallWatch
 from hvdnb.notebook.streaming import Streamer
@@ -146,7 +151,6 @@ class DistributedCellError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of a client-side traceback (which would be noise).
         A ModuleNotFoundError for an optional dependency gets the line that installs it."""
-        from hvdnb.extras import hint_for_error
 
         lines: list[str] = []
         groups = _group_errors(self.result.errors)
@@ -257,7 +261,7 @@ def _engine_runner() -> Any:
     """
     global _RUNNER
     if _RUNNER is None:
-        from ipyparallel.serialize import PrePickled
+        from ipyparallel.serialize import PrePickled  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
         _RUNNER = PrePickled(RUN_CELL)
     return _RUNNER
@@ -271,7 +275,6 @@ class _PdbPrompt:
     _RESUME = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
 
     def __init__(self, cluster: Any) -> None:
-        import queue
 
         self.channel = getattr(cluster, "channel", None)
         self.waiting: Any = queue.Queue()
@@ -367,7 +370,6 @@ def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     cluster.cell_no += 1
     cell_no = cluster.cell_no
     view = cluster.client[ranks] if not everyone else cluster.view
-    from hvdnb.notebook.metrics.store import get_store
 
     store = get_store()
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
@@ -517,7 +519,6 @@ class _CellRun:
             state = "error" if r in result.errors else "ok"
             self.cluster.last_cell[r] = {"cell": sent.cell_no, "state": state}
         # what %dist export turns into a script: every cell, in the order it ran
-        from hvdnb.notebook.export import ExportCell
 
         self.cluster.history.append(
             ExportCell(
@@ -620,7 +621,6 @@ class _SigintLatch:
     """
 
     def __init__(self) -> None:
-        import threading
 
         self.seen = False
         self._prev: Any = None

@@ -14,6 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+from hvdnb.notebook.cells import DistributedCellError, run_cell
+from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError
+from hvdnb.notebook.export import ExportError, export, from_notebook
+from hvdnb.notebook.kernelspec import DISPLAY_NAME, install
+from hvdnb.notebook.runner import NotebookRunError, run_notebook
+
 __all__ = ["main"]
 
 _DEMO_CELL = r"""
@@ -55,8 +61,6 @@ print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step "
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from hvdnb.notebook.cells import DistributedCellError, run_cell
-    from hvdnb.notebook.cluster.lifecycle import Cluster
 
     t0 = time.perf_counter()
     with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:
@@ -71,7 +75,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _install_kernel(args: argparse.Namespace) -> int:
-    from hvdnb.notebook.kernelspec import DISPLAY_NAME, install
 
     where = install(user=args.user, prefix=args.prefix)
     print(f"installed kernelspec {DISPLAY_NAME!r} in {where}")
@@ -79,7 +82,6 @@ def _install_kernel(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hvdnb.notebook.runner import NotebookRunError, run_notebook
 
     try:
         out = run_notebook(
@@ -100,7 +102,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hvdnb.notebook.export import ExportError, export, from_notebook
 
     try:
         cells, knobs, n_nb = from_notebook(args.notebook, cells=args.cells)
@@ -200,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         print("hvdnb: interrupted; cluster stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # a clear one-line error, not a traceback
-        from hvdnb.notebook.cluster.lifecycle import ClusterError
-
         if isinstance(exc, ClusterError):
             print(f"hvdnb: {exc}", file=sys.stderr)
             return 1

@@ -77,7 +77,7 @@ def from_notebook(
     Order: by execution count where the notebook was run, else the cells' order. A cell
     "failed" when its saved outputs hold an error.
     """
-    import nbformat
+    import nbformat  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and export
 
     p = Path(path)
     if not p.exists():
@@ -157,7 +157,7 @@ def _select(history: Sequence[ExportCell], cells: str) -> list[ExportCell]:
 # ---------------------------------------------------------------------- checking
 def check(cells: Sequence[ExportCell]) -> None:
     """Refuse what a script cannot run: IPython syntax, syntax errors, undefined names."""
-    from IPython.core.inputtransformer2 import TransformerManager
+    from IPython.core.inputtransformer2 import TransformerManager  # noqa: PLC0415  IPython: only inside a kernel
 
     tm = TransformerManager()
     defined = set(dir(builtins)) | {"__name__", "__file__", "__doc__", "hvdnb"}

@@ -50,7 +50,7 @@ def install(user: bool = False, prefix: str | None = None) -> str:
     user : install for this user (``~/.local/share/jupyter``) instead of this environment
     prefix : install under this prefix (default: ``sys.prefix`` unless ``user``)
     """
-    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and the kernelspec
 
     if not user and prefix is None:
         prefix = sys.prefix

@@ -22,9 +22,16 @@ from IPython.core.magic import Magics, magics_class
 from IPython.core.magic_arguments import parse_argstring
 
 from hvdnb.notebook import cells
+from hvdnb.notebook import export as _export
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
+from hvdnb.notebook.metrics import history
+from hvdnb.notebook.metrics import store as _store
 from hvdnb.notebook.metrics.knobreq import describe_change
+from hvdnb.notebook.metrics.watchers import parse_settings
+from hvdnb.notebook.ranklogs import format_logs
+from hvdnb.notebook.where import format_stacks, rank_stacks
+from hvdnb.protocol.knobs import KnobTextError, parse
 from hvdnb.protocol.remote import DEBUG_COMMAND
 from hvdnb.protocol.replies import DebugReply
 
@@ -340,14 +347,12 @@ class DistMagics(Magics):
 
     def _panel(self, args: Any) -> None:
         """Show the live panel (loss, allreduce, step time, memory, knobs) again."""
-        from hvdnb.notebook.panel import show_panel
+        from hvdnb.notebook.panel import show_panel  # noqa: PLC0415  the panel loads ipywidgets: only when it is shown
 
         show_panel(_cluster.current(), inline=args.inline)
 
     def _export(self, args: Any) -> None:
         """Write the %%distributed cells of this session as a script (and an sbatch file)."""
-        from hvdnb.notebook import export as _export
-        from hvdnb.notebook.metrics import store as _store
 
         if len(args.values) != 1:
             raise UsageError(
@@ -382,7 +387,6 @@ class DistMagics(Magics):
 
     def _where(self, args: Any) -> None:
         """Every rank's live stack (py-spy where it can attach), identical ones merged."""
-        from hvdnb.notebook.where import format_stacks, rank_stacks
 
         c = _cluster.current()
         if c is None or not c.running:
@@ -391,7 +395,6 @@ class DistMagics(Magics):
 
     def _logs(self, args: Any) -> None:
         """Each rank's own log (stderr outside cells, fatal-signal stacks) and how it ended."""
-        from hvdnb.notebook.ranklogs import format_logs
 
         c = _cluster.current()
         if c is None:
@@ -406,7 +409,6 @@ class DistMagics(Magics):
 
     def _runs(self, args: Any) -> None:
         """The run store's runs (``hvdnb.runs()``), or delete some."""
-        from hvdnb.notebook.metrics import history
 
         try:
             if args.delete:
@@ -422,7 +424,6 @@ class DistMagics(Magics):
 
     def _compare(self, args: Any) -> None:
         """Pin runs of the run store to the panel's runs chart (none: unpin)."""
-        from hvdnb.notebook.metrics import history
 
         try:
             print(history.compare(list(args.values)))
@@ -491,8 +492,6 @@ class DistMagics(Magics):
 
     def _knobs(self, args: Any) -> None:
         """Show the knobs, or change them: the same validated request as the panel's."""
-        from hvdnb.notebook.metrics import store as _store
-        from hvdnb.protocol.knobs import KnobTextError, parse
 
         st = _store.attach(_cluster.current())
         # knobs made by the cell just run announce themselves on the side channel, which
@@ -535,8 +534,6 @@ class DistMagics(Magics):
 
     def _watch(self, args: Any) -> None:
         """Show the watchers' settings and this run's alarms, or change the settings."""
-        from hvdnb.notebook.metrics import store as _store
-        from hvdnb.notebook.metrics.watchers import parse_settings
 
         st = _store.attach(_cluster.current())
         if args.values:
@@ -557,7 +554,7 @@ class DistMagics(Magics):
             print("hvdnb: no cluster is running")
             return
         c.stop()
-        from hvdnb.notebook.panel import get_panel
+        from hvdnb.notebook.panel import get_panel  # noqa: PLC0415  the panel loads ipywidgets: only when it is shown
 
         panel = get_panel(create=False)
         if panel is not None:  # the last cell of a notebook leaves a current picture
@@ -679,7 +676,7 @@ def _describe_cluster(c: Any) -> str:
 def _show_panel(c: Any) -> None:
     """Feed the metrics store from the new cluster; show the panel where widgets render."""
     try:
-        from hvdnb.notebook.panel import show_panel
+        from hvdnb.notebook.panel import show_panel  # noqa: PLC0415  the panel loads ipywidgets: only when it is shown
 
         show_panel(c, only_with_frontend=True)
     except Exception as exc:  # the cluster is up: a panel problem must not hide that

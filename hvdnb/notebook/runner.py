@@ -10,14 +10,22 @@ Never: modify the input notebook in place unless asked to (``output`` = the same
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import queue
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from hvdnb.config import get_config
+from hvdnb.notebook.kernelspec import KERNEL_NAME, get_kernel_dict
 
 __all__ = ["Kernel", "NotebookRunError", "run_notebook"]
 
@@ -64,10 +72,8 @@ def run_notebook(
         a cell raised (``exit_code`` 1), timed out (124), or a signal stopped the run
         (128 + the signal: 143 for SIGTERM, 130 for SIGINT).
     """
-    import nbformat
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
-
-    from hvdnb.config import get_config
+    import nbformat  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and export
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run
 
     path = Path(path)
     if not path.exists():
@@ -120,10 +126,9 @@ def _client(nb: Any, km: Any, timeout: float, path: Path, tree: _ProcessTree) ->
     """An nbclient ``NotebookClient`` that stops the kernel's whole process tree (the
     cluster's controller, mpiexec and engines live in sessions of their own) when a cell
     times out or a signal comes, and can write a note under the running cell."""
-    import asyncio
 
-    import nbformat
-    from nbclient import NotebookClient
+    import nbformat  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and export
+    from nbclient import NotebookClient  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run
 
     class Client(NotebookClient):
         stopped_by: int | None = None
@@ -193,7 +198,6 @@ class _ProcessTree:
     engine whose mpiexec died no longer descends from the kernel."""
 
     def __init__(self) -> None:
-        import threading
 
         self.procs: dict[int, Any] = {}
         self.root: int | None = None
@@ -210,7 +214,6 @@ class _ProcessTree:
             self.sample()
 
     def sample(self) -> None:
-        import psutil
 
         if self.root is None:
             return
@@ -225,7 +228,6 @@ class _ProcessTree:
     def reap(self, wait: float = 1.5) -> None:
         """End what is still running: SIGTERM, SIGKILL after ``wait`` s. The cluster's
         watchdog goes last (it removes the cluster's files once the rest is gone)."""
-        import psutil
 
         def running(p: Any) -> bool:
             try:
@@ -269,10 +271,8 @@ def _kernel_manager(td: str, env: dict[str, str], run: bool = False) -> Any:
     Python, with ``env`` added to the kernel's environment. ``run``: the asyncio one that
     nbclient needs (with the blocking one, nbclient's waits block its event loop, and its
     per-cell timeout never fires while a cell hangs)."""
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager, KernelManager
-
-    from hvdnb.notebook.kernelspec import KERNEL_NAME, get_kernel_dict
+    from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and the kernelspec
+    from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and the kernelspec
 
     kdir = Path(td, "kernels", KERNEL_NAME)
     kdir.mkdir(parents=True)
@@ -320,7 +320,6 @@ class Kernel:
 
     def run(self, code: str, timeout: float = 300.0) -> CellRun:
         """Execute ``code`` and wait for the kernel's idle status for it."""
-        import queue
 
         t0 = time.perf_counter()
         msg_id = self.kc.execute(code)

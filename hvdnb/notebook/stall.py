@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Any
 
+from hvdnb.notebook.where import format_stacks, from_replies
 from hvdnb.protocol import kinds
 
 __all__ = ["StallWatch", "alone_note", "describe", "waits_alone"]
@@ -163,8 +164,6 @@ class StallWatch:
             return None
         self.reported.add(key)
         try:  # the same stacks %dist where shows (py-spy where it can attach)
-            from hvdnb.notebook.where import format_stacks, from_replies
-
             stacks = format_stacks(from_replies(self.replies, running))
             self.cluster.last_stall["stacks"] = stacks
             text_out = f"{text}\n{stacks}"

@@ -107,7 +107,7 @@ class Streamer:
         sys.stderr.flush()
 
     def _display(self, rank: int, content: dict[str, Any]) -> None:
-        from IPython.display import publish_display_data
+        from IPython.display import publish_display_data  # noqa: PLC0415  IPython: only inside a kernel
 
         self.collapser.flush()
         sys.stdout.write(f"[{rank}] output:\n")

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hvdnb.notebook.metrics.store import get_store
+from hvdnb.notebook.output import format_ranks
 from hvdnb.protocol import kinds
 
 __all__ = ["format_stacks", "from_replies", "pyspy_stack", "rank_stacks"]
@@ -114,7 +116,6 @@ def from_replies(
     replies: dict[int, dict[str, Any]], ranks: list[int], pyspy: bool = True
 ) -> dict[int, dict[str, Any]]:
     """``rank_stacks`` from "where" answers already received (the stall detector's)."""
-    from hvdnb.notebook.metrics.store import get_store
 
     info = get_store().rank_info
     here = socket.gethostname()
@@ -144,7 +145,6 @@ def from_replies(
 
 def format_stacks(stacks: dict[int, dict[str, Any]]) -> str:
     """Ranks with identical stacks merged: ``ranks 0,2 (py-spy):`` then the frames."""
-    from hvdnb.notebook.output import format_ranks
 
     groups: dict[tuple[Any, ...], list[int]] = {}
     for r, s in sorted(stacks.items()):

@@ -36,7 +36,7 @@ def _session_key() -> bytes:
     if key:
         return key.encode()
     try:
-        from IPython import get_ipython
+        from IPython import get_ipython  # noqa: PLC0415  IPython: only inside a kernel
 
         ip = get_ipython()
         return bytes(ip.kernel.session.key)

@@ -11,12 +11,15 @@ process's stdin, or import the notebook side.
 
 from __future__ import annotations
 
+import io
+import queue
 import sys
 import traceback
 from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import DebugReply
+from hvdnb.rank import channel
 
 __all__ = ["breakpoint_hook", "debug_command", "forget", "keep"]
 
@@ -31,8 +34,7 @@ class _PostMortem:
     notebook (``%dist debug``): output goes to a buffer, nothing reads this process's stdin."""
 
     def __init__(self, exc: BaseException) -> None:
-        import io
-        import pdb
+        import pdb  # noqa: PLC0415  pdb: only when debugging
 
         self.buf = io.StringIO()
         self.pdb = pdb.Pdb(stdout=self.buf, nosigint=True)
@@ -128,10 +130,7 @@ def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
     """``breakpoint()`` in a %%distributed cell: pdb on this rank, prompted in the notebook
     (the notebook shows ``(Pdb rank N)``); ``continue`` resumes the cell. Without a notebook
     to ask (a script), Python's own hook runs."""
-    import pdb
-    import queue
-
-    from hvdnb.rank import channel
+    import pdb  # noqa: PLC0415  pdb: only when debugging
 
     global _PDB_LINES
     ch = channel.get()

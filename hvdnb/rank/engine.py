@@ -22,18 +22,23 @@ import anything from the notebook side (hvdnb.notebook.magics, widgets).
 from __future__ import annotations
 
 import ast
+import faulthandler
 import linecache
 import os
 import pickle
+import re
+import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import CellReply, EngineInfo
-from hvdnb.rank import debugger, hooks
-from hvdnb.rank.metrics import recorder
+from hvdnb.rank import channel, debugger, hooks, rendezvous, tfconfig
+from hvdnb.rank import nvtx as _nvtx
+from hvdnb.rank.metrics import fingerprint, recorder, stop
 
 __all__ = [
     "bootstrap",
@@ -50,13 +55,12 @@ _STATE: dict[str, Any] = {"backend": None, "last_cell": None, "device": "cpu"}
 def bootstrap(backend: str | None = None) -> None:
     """Rendezvous and initialise torch.distributed on this rank, then set TensorFlow's
     ``TF_CONFIG`` (collective)."""
-    from hvdnb.rank import rendezvous, tfconfig
 
     w = rendezvous.discover()
-    import torch  # noqa: F401  (the import is the slow part; do it before registering)
+    import torch  # noqa: F401, PLC0415   (the import is the slow part; do it before registering)  torch is heavy: loaded when first used
 
     rendezvous.init_process_group(backend or None)
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     _STATE["backend"] = dist.get_backend()
     _STATE["device"] = rendezvous.setup_device(w)
@@ -119,9 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception:
             pass
         os._exit(3)
-    from ipyparallel.engine.app import IPEngine
-
-    from hvdnb.rank import rendezvous
+    from ipyparallel.engine.app import IPEngine  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
     _use_engine_kernel()
     # ipykernel does not capture fd 1/2 (C-level output) under pytest; an engine is never
@@ -158,9 +160,6 @@ def _start_rank_log(rank: int) -> None:
     there as well as to the launcher (a tee of fd 2), and a fatal signal (SIGSEGV, SIGABRT,
     ...) dumps every thread's Python stack into it (faulthandler), so a rank that died
     without a traceback leaves one here. Output during a cell goes to the cell, as before."""
-    import faulthandler
-    import socket
-    import threading
 
     d = os.environ.get("HVDNB_STATE_DIR")
     if not d:
@@ -212,7 +211,7 @@ def _use_engine_kernel() -> None:
     The engine app looks the kernel class up as a module global when it registers; if a
     future ipyparallel renames it, engines keep the stock kernel.
     """
-    from ipyparallel.engine import app
+    from ipyparallel.engine import app  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
     base = getattr(app, "Kernel", None)
     if base is None or not hasattr(base, "_publish_status"):
@@ -229,9 +228,8 @@ def _use_engine_kernel() -> None:
 
 def engine_info() -> EngineInfo:
     """What ``%dist status`` shows for this rank."""
-    import socket
 
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return EngineInfo(
         rank=int(os.environ.get("RANK", -1)),
@@ -278,7 +276,6 @@ def where() -> dict[str, Any]:
     """Where this rank's main thread is now: the user's cell line and, if it is inside a
     collective, which one. Called from the side channel's thread (the main thread may be
     blocked in that very collective)."""
-    import threading
 
     main_id = threading.main_thread().ident
     frame = sys._current_frames().get(main_id) if main_id is not None else None
@@ -329,7 +326,6 @@ def where() -> dict[str, Any]:
 def _peer(frame: Any, code: str) -> int | None:
     """The peer rank of a point-to-point call (torch's ``src``/``dst`` argument, mpi4py's
     ``source=``/``dest=`` in the line), for the stall report; None when it has none."""
-    import re
 
     loc = getattr(frame, "f_locals", None) or {}
     for key in ("src", "dst", "group_src", "group_dst"):
@@ -362,7 +358,7 @@ def _progress() -> list[Any]:
     negotiated calls, and the last step given to hvdnb.log."""
     out: list[Any] = [None, None, None]
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if dist.is_initialized():
             group = dist.distributed_c10d._get_default_group()
@@ -380,12 +376,10 @@ def connect_channel() -> None:
     if _STATE.get("channel_ready"):
         return
     _STATE["channel_ready"] = True
-    from hvdnb.rank import channel
 
     ch = channel.get()
     if ch is not None:
         ch.on(kinds.WHERE_ASK, lambda msg: ch.send(kinds.WHERE, ask=msg.get("ask"), **where()))
-        from hvdnb.rank.metrics import fingerprint, stop
 
         stop.listen(ch)  # a watcher may stop the loop (hvdnb.watch(nan="stop"))
         fingerprint.install()  # replica-drift fingerprints, once hvdnb.torch is loaded
@@ -394,7 +388,6 @@ def connect_channel() -> None:
 
 def _announce(ch: Any) -> None:
     """Tell the notebook which host this rank is on (the panel groups ranks by host)."""
-    import socket
 
     ch.send(
         kinds.RANK_INFO,
@@ -406,7 +399,6 @@ def _announce(ch: Any) -> None:
 
 def rebuild_group(generation: int) -> None:
     """Rebuild the default group when the client asks for a newer generation (collective)."""
-    from hvdnb.rank import rendezvous
 
     if generation > rendezvous.generation():
         rendezvous.reinit_process_group(generation, _STATE["backend"])
@@ -415,7 +407,7 @@ def rebuild_group(generation: int) -> None:
 def _release_peers() -> None:
     """After an error, close this rank's connections so peers blocked in gloo fail fast."""
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.destroy_process_group()
@@ -444,7 +436,7 @@ def _compile_cell(code: str, filename: str) -> tuple[Any, Any]:
 
 def _shell() -> Any:
     try:
-        from IPython import get_ipython
+        from IPython import get_ipython  # noqa: PLC0415  IPython: only inside a kernel
 
         return get_ipython()
     except ImportError:  # pragma: no cover
@@ -481,7 +473,6 @@ def _cell_ended_metrics(ok: bool) -> None:
     (``fingerprint.at_cell_end``), queued for the cell's last message (``_flush_metrics``,
     sent before the reply): drift in a loop shorter than the sampling grid is still named
     by the cell's end."""
-    from hvdnb.rank.metrics import fingerprint
 
     try:
         fingerprint.at_cell_end(take=ok)
@@ -530,7 +521,6 @@ def run_cell(code: str, cell_no: int) -> CellReply:
 
 def _execute(code: str, cell_no: int, ns: dict[str, Any]) -> Any:
     """Compile and run the cell in ``ns``; the trailing expression's value (or None)."""
-    from hvdnb.rank import nvtx as _nvtx
 
     body, tail = _compile_cell(code, f"<cell {cell_no}>")
     opened = _nvtx.push(f"cell {cell_no}")  # Nsight Systems: one range per cell (CUDA only)

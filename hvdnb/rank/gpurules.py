@@ -153,8 +153,8 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415  torch is heavy: loaded when first used
 
     for op in _P2P:
         fn = getattr(c10d, op)

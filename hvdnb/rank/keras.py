@@ -38,7 +38,7 @@ def _keras_callback_base() -> Any:
     its own base: ``_implements_train_batch_hooks``), else Keras 3's."""
     legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
     try:
-        import tf_keras
+        import tf_keras  # noqa: PLC0415 (optional, and seconds to import)
 
         return tf_keras.callbacks.Callback
     except ImportError:

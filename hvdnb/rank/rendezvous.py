@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from hvdnb.config import get_config
 from hvdnb.host import cores, ifname_of, is_loopback, reachable_addr, route_addr
 from hvdnb.protocol import kinds
 from hvdnb.rank import gpurules
@@ -57,7 +61,7 @@ class World:
         """mpi4py's COMM_WORLD (None when the job was not started by mpiexec)."""
         if self.source != "mpi":
             return None
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         return MPI.COMM_WORLD
 
@@ -112,7 +116,7 @@ def discover() -> World:
         # numbered the sets
         local_rank, local_size = 0, 1
         if _under_mpiexec():
-            from mpi4py import MPI
+            from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
             local_rank, local_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
         _WORLD = World(
@@ -140,7 +144,7 @@ def discover() -> World:
             source="slurm",
         )
     elif _under_mpiexec():
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         comm = MPI.COMM_WORLD
         launched = _launched_size()
@@ -255,7 +259,7 @@ def export_env(w: World, master_addr: str, master_port: int) -> None:
 
 def shares_gpus(w: World) -> bool:
     """Do this host's ranks outnumber the GPUs they can see (``--oversubscribe``)?"""
-    import torch
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return torch.cuda.is_available() and w.local_size > torch.cuda.device_count()
 
@@ -267,7 +271,7 @@ def default_backend(w: World | None = None) -> str:
     ranks of one communicator on one device. Gloo reduces CUDA tensors too, through host
     memory, so the same training code runs, slower.
     """
-    import torch
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     if not torch.cuda.is_available():
         return "gloo"
@@ -280,7 +284,7 @@ def setup_device(w: World) -> str:
     With more ranks than GPUs on the host they share them round-robin (rank ``i`` on GPU
     ``i % count``).
     """
-    import torch
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     torch.set_num_threads(threads_per_rank(w))
     if torch.cuda.is_available():
@@ -307,9 +311,7 @@ def init_process_group(
     ip : address rank 0's store listens on (default: ``Config.ip``)
     """
     global _STORE
-    import torch.distributed as dist
-
-    from hvdnb.config import get_config
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     cfg = get_config()
     w = discover()
@@ -318,7 +320,7 @@ def init_process_group(
     timeout_s = cfg.collective_timeout if timeout is None else timeout
     backend = backend or default_backend(w)
     if backend == "nccl":
-        import torch
+        import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if not torch.cuda.is_available():  # every rank checks before the rendezvous
             raise RuntimeError(
@@ -367,13 +369,13 @@ def _bind_group_defaults_before_init() -> None:
     exit -6, after a run that succeeded). Imported first, the defaults are None (the
     default group, whichever it is when called). Called only when no group exists yet.
     """
-    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.nn.functional  # noqa: F401, PLC0415  torch is heavy: loaded when first used
 
 
 def _shutdown() -> None:
     """Tear down in order at exit: the group, then the store it rendezvoused through."""
     global _STORE
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     try:
         if dist.is_initialized():
@@ -387,7 +389,7 @@ def _shutdown() -> None:
 
 
 def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # noqa: PLC0415  torch is heavy: loaded when first used
 
     if w.size == 1:
         addr = _master_addr(w, ip)
@@ -427,8 +429,6 @@ def _route_or(peer: str) -> str:
 def _engine_key(wait: float) -> bytes:
     """The ipyparallel session key, read from the engine connection file (0600) that the
     engine itself is about to read: the side channel is signed with it."""
-    import json
-    import time
 
     key = os.environ.get("HVDNB_CHANNEL_KEY")
     if key:
@@ -452,12 +452,10 @@ def _engine_key(wait: float) -> bytes:
 def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
     """Rank 0 opens the store and tells the notebook; the others ask the notebook. Each
     message is repeated until answered (the notebook may not hold the key yet)."""
-    import threading
-    import time
 
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # noqa: PLC0415  torch is heavy: loaded when first used
 
-    from hvdnb.rank import channel as kch
+    from hvdnb.rank import channel as kch  # noqa: PLC0415  the side channel (zmq) on an engine only: exported scripts never import zmq
 
     if not os.environ.get("HVDNB_CHANNEL"):
         raise RuntimeError(
@@ -508,7 +506,7 @@ def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, i
 def _listen_store(addr: str, size: int, wait: float) -> tuple[Any, int]:
     """A master TCPStore listening on ``addr`` only (TCPStore alone binds every interface):
     we bind the socket ourselves on a free port and hand TCPStore its descriptor."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # noqa: PLC0415  torch is heavy: loaded when first used
 
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -529,12 +527,12 @@ def _listen_store(addr: str, size: int, wait: float) -> tuple[Any, int]:
 
 
 def _init_from_store(backend: str, w: World, timeout_s: float) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     prefix = dist.PrefixStore(f"hvdnb/{_GENERATION}", _STORE)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
-        import torch
+        import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
@@ -554,9 +552,7 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
     after a failed collective left the group broken. Takes ~0.15 s with gloo.
     """
     global _GENERATION
-    import torch.distributed as dist
-
-    from hvdnb.config import get_config
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     w = discover()
     if _STORE is None:

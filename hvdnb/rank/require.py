@@ -26,7 +26,7 @@ NotEnoughRanks.__module__ = "hvdnb"  # shown as hvdnb.NotEnoughRanks, where user
 
 def _world_size() -> int:
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if dist.is_available() and dist.is_initialized():
             return int(dist.get_world_size())

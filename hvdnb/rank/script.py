@@ -25,6 +25,9 @@ from typing import Any
 
 from hvdnb.protocol.jsonl import dumps_line
 from hvdnb.protocol.kinds import Kind, outgoing
+from hvdnb.rank import rendezvous, tfconfig
+from hvdnb.rank.metrics import knobs as knobset
+from hvdnb.rank.metrics import recorder
 
 __all__ = ["JsonlChannel", "init", "rank", "size"]
 
@@ -71,9 +74,6 @@ def init(backend: str | None = None, knobs: dict[str, Any] | None = None) -> Any
     hvdnb.rank.rendezvous.World
     """
     global _WORLD
-    from hvdnb.rank import rendezvous, tfconfig
-    from hvdnb.rank.metrics import knobs as knobset
-    from hvdnb.rank.metrics import recorder
 
     _WORLD = rendezvous.init_process_group(backend)
     tfconfig.setup(_WORLD)

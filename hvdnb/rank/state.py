@@ -91,7 +91,7 @@ class State:
 
     def commit(self) -> None:
         """Snapshot every object and field to this rank's file (atomic)."""
-        import torch
+        import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         snap = {
@@ -107,7 +107,7 @@ class State:
 
     def restore(self) -> bool:
         """Load the last commit into the objects and fields; False when there is none."""
-        import torch
+        import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if not self.path.exists():
             return False

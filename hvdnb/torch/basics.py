@@ -12,6 +12,8 @@ import atexit
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 import hvdnb.torch.handles as handles
 from hvdnb.config import get_config
 from hvdnb.host import cores
@@ -83,7 +85,7 @@ def init(
     if STATE.initialized:
         return
     if comm is not None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         n = len(comm) if isinstance(comm, (list, tuple)) else comm.Get_size()
         if n != MPI.COMM_WORLD.Get_size():
@@ -91,7 +93,7 @@ def init(
                 "hvd.init(comm=...) with part of the job is not supported; run the job on "
                 "those ranks only, or use hvd.add_process_set(ranks)"
             )
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     w = rendezvous.discover()
     if not dist.is_initialized():
@@ -105,8 +107,7 @@ def init(
         # one value on every rank: ranks that picked different limits (hosts with other
         # core counts, or other HVDNB_* settings) would take different paths for one call
         # (a wasted fallback round each time) or overrun a peer's receive buffer
-        import numpy as np
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         limits = np.array([STATE.inline_bytes, STATE.butterfly_bytes], np.int64)
         STATE.comm.Allreduce(MPI.IN_PLACE, limits, op=MPI.MIN)
@@ -205,7 +206,7 @@ def mpi_enabled() -> bool:
 def mpi_built() -> bool:
     """Whether this process can use MPI (mpi4py and an MPI library import)."""
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         return bool(MPI.Get_version()[0] >= 1)
     except Exception:
@@ -216,22 +217,22 @@ def gloo_enabled() -> bool:
     """Whether CPU collectives go over torch.distributed's gloo (no mpiexec)."""
     if not STATE.initialized or STATE.comm is not None:
         return False
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return bool(dist.is_initialized() and dist.get_backend() == "gloo")
 
 
 def gloo_built() -> bool:
     """Whether torch.distributed has gloo in this build of torch."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return bool(dist.is_available() and dist.is_gloo_available())
 
 
 def nccl_built() -> int:
     """NCCL's version as Horovod reports it (e.g. 21803), or 0 without NCCL."""
-    import torch
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
         return 0
@@ -256,14 +257,14 @@ def ccl_built() -> bool:
 
 def cuda_built() -> bool:
     """Whether this torch was built with CUDA."""
-    import torch
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return torch.version.cuda is not None
 
 
 def rocm_built() -> bool:
     """Whether this torch was built with ROCm."""
-    import torch
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return getattr(torch.version, "hip", None) is not None
 
@@ -273,6 +274,6 @@ def mpi_threads_supported() -> bool:
     _w()
     if STATE.comm is None:
         return False
-    from mpi4py import MPI
+    from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
     return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)

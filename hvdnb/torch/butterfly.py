@@ -243,7 +243,7 @@ class Butterfly:
 def free_all(reqs: list[Any]) -> None:
     """Free persistent requests (none once MPI is finalized: they went with it)."""
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         if MPI.Is_finalized():
             return

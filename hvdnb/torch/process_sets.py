@@ -96,7 +96,7 @@ def check_registered(ps: ProcessSet) -> None:
 
 def build_transports(ps: ProcessSet, ranks: list[int]) -> None:
     """Create the transports of ``ps``; collective on every rank of the job."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
     w = STATE.world
     ps.ranks = ranks
@@ -105,7 +105,7 @@ def build_transports(ps: ProcessSet, ranks: list[int]) -> None:
         if len(ranks) == w.size:
             sub = STATE.comm.Dup()
         else:
-            from mpi4py import MPI
+            from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
             sub = STATE.comm.Split(color=0 if member else MPI.UNDEFINED, key=w.rank)
             if sub == MPI.COMM_NULL:

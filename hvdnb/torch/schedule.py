@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from hvdnb.torch.basics import is_initialized, size
+from hvdnb.torch.basics import size as _size
+
 __all__ = ["LARS", "LinearWarmup", "scale_lr", "warmup_lr"]
 
 
@@ -31,8 +34,6 @@ def scale_lr(base_lr: float, size: int | None = None) -> float:
     0.4
     """
     if size is None:
-        from hvdnb.torch.basics import size as _size
-
         size = _size()
     return base_lr * size
 
@@ -68,8 +69,6 @@ class LinearWarmup(LambdaLR):
         last_epoch: int = -1,
     ) -> None:
         if start_factor is None:
-            from hvdnb.torch.basics import is_initialized, size
-
             start_factor = 1.0 / size() if is_initialized() else 1.0
         sf = float(start_factor)
 

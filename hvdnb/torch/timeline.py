@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from hvdnb.config import get_config
+from hvdnb.torch.basics import rank, size
+from hvdnb.torch.collectives import barrier
 from hvdnb.torch.listeners import add_comm_listener, remove_comm_listener
 
 __all__ = ["TimelineWriter", "merge_timelines", "start_timeline", "stop_timeline"]
@@ -205,7 +207,6 @@ def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False)
     pathlib.Path
         This rank's file.
     """
-    from hvdnb.torch.basics import rank
 
     stop_timeline(merge=False)
     path = Path(file_path)
@@ -236,8 +237,6 @@ def stop_timeline(merge: bool = True) -> Path | None:
     path: Path = _ACTIVE.pop("path")
     if not merge:
         return None
-    from hvdnb.torch.basics import rank, size
-    from hvdnb.torch.collectives import barrier
 
     barrier()
     if rank() != 0:

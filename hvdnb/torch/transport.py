@@ -96,7 +96,7 @@ class MPITransport:
     backend = "mpi"
 
     def __init__(self, comm: Any, inline_bytes: int) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
         self.MPI = MPI
         self.comm = comm
@@ -258,7 +258,7 @@ class TorchTransport:
     """
 
     def __init__(self, group: Any, ranks: list[int], ctrl: Any, mpi: MPITransport | None) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
         self.dist = dist
         self.group = group

@@ -98,7 +98,7 @@ def make_ipp(
     """An ``ipyparallel.Cluster`` configured for ``spec`` (a cluster's checked options) under
     ``cluster_id``, not started; its ranks connect their side channel to
     ``channel_endpoint`` and keep ``hvdnb.State`` commits in ``state_dir``."""
-    import ipyparallel as ipp
+    import ipyparallel as ipp  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
     cfg = get_config()
     local = not spec.multi_host

@@ -30,6 +30,7 @@ import atexit
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ import uuid
 import weakref
 from collections.abc import Coroutine
 from typing import Any
+
+import psutil
 
 from hvdnb.host import cores, gpu_count
 from hvdnb.notebook.cluster import health, launch, registry, spec
@@ -337,7 +340,7 @@ class Cluster:
         await ctrl
 
     def _connect(self) -> None:
-        from ipyparallel import Client
+        from ipyparallel import Client  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
         info = self._loop.run(self._connection_info(), timeout=self.timeout)  # type: ignore[union-attr]
         hub = self._hub
@@ -497,7 +500,6 @@ class Cluster:
         can exit before its reply leaves the socket (one stop in ~8 waited the full
         ``wait`` for replies that were never sent).
         """
-        import psutil
 
         def ask() -> None:
             try:
@@ -522,7 +524,6 @@ class Cluster:
 
     def pids(self) -> list[int]:
         """Every process of this cluster: controller, mpiexec, engines, and their children."""
-        import psutil
 
         found: set[int] = set()
         for pid in self._root_pids():
@@ -536,7 +537,6 @@ class Cluster:
 
     def _rank_pids(self) -> list[int]:
         """The engine processes themselves (children of each mpiexec)."""
-        import psutil
 
         pids: list[int] = []
         for es in self.engine_launchers():
@@ -548,7 +548,6 @@ class Cluster:
         return pids
 
     async def _stop_async(self) -> None:
-        import psutil
 
         c = self._ipp
         # wait for the ranks (not mpiexec: gforker lingers ~2 s after its children exit),
@@ -574,7 +573,6 @@ class Cluster:
         c.remove_cluster_file()
 
     def _kill_all(self) -> None:
-        import signal
 
         for launcher in [*self.engine_launchers(), getattr(self._ipp, "controller", None)]:
             if launcher is None:
@@ -644,7 +642,6 @@ class Cluster:
 def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:
     """SIGKILL what a polite stop left behind: an engine busy in a loop that ignores
     signals never reaches ipyparallel's own shutdown code."""
-    import psutil
 
     procs = []
     for pid in pids:

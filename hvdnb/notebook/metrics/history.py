@@ -47,7 +47,7 @@ def runs() -> Any:
     >>> df = hvdnb.runs()                                          # doctest: +SKIP
     >>> df[df.outcome == "done"].sort_values("last_loss").head()   # doctest: +SKIP
     """
-    import pandas as pd
+    import pandas as pd  # noqa: PLC0415  pandas is optional
 
     recs = get_store().run_log.store().runs()
     df = pd.DataFrame(recs, columns=list(RUN_FIELDS))

@@ -59,7 +59,7 @@ class MetricRows(list):  # type: ignore[type-arg]
         """A DataFrame with one column per field, the knobs spread over ``knob.<name>``
         columns (NaN where a knob did not exist)."""
         try:
-            import pandas as pd
+            import pandas as pd  # noqa: PLC0415  pandas is optional
         except ImportError:  # pragma: no cover - pandas is a dependency of hvdnb
             raise ImportError("to_pandas() needs pandas: pip install pandas") from None
 

@@ -34,8 +34,8 @@ class RunRows(MetricRows):
 
 def write_tensorboard(rows: MetricRows, path: Path) -> Path:
     try:
-        from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import hparams
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  torch is heavy: loaded when first used
+        from torch.utils.tensorboard.summary import hparams  # noqa: PLC0415  torch is heavy: loaded when first used
     except ImportError as exc:
         raise ImportError(
             f"to_tensorboard() needs torch and tensorboard ({exc}): pip install tensorboard"

@@ -52,7 +52,7 @@ class Controls:
         lock: threading.RLock,
         changed: Callable[[], None],
     ) -> None:
-        import ipywidgets as w
+        import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
 
         self.store = store
         self.note = ""  # set by the handlers (any thread), drawn by the panel
@@ -223,14 +223,14 @@ _SLIDER_STYLE = {"description_width": "initial"}
 
 
 def _SLIDER_LAYOUT() -> Any:  # a layout per widget (widgets cannot share one)
-    import ipywidgets as w
+    import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
 
     return w.Layout(width="100%", min_width="200px", max_width="560px")
 
 
 def _slider(name: str, s: dict[str, Any]) -> Any:
     """A slider for one knob: linear for an int, log for a float (two decades either side)."""
-    import ipywidgets as w
+    import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
 
     v = s["value"]
     if s["kind"] == "int":

@@ -32,7 +32,7 @@ _SUBSHELL: dict[int, str] = {}
 def kernel() -> Any:
     """The ipykernel kernel of this process, or None (plain IPython, scripts, tests)."""
     try:
-        from IPython import get_ipython
+        from IPython import get_ipython  # noqa: PLC0415  IPython: only inside a kernel
 
         ip = get_ipython()
         return getattr(ip, "kernel", None)
@@ -105,7 +105,7 @@ class IdleTimer:
         loop = getattr(k, "io_loop", None)
         if loop is None:
             return
-        from tornado.ioloop import PeriodicCallback
+        from tornado.ioloop import PeriodicCallback  # noqa: PLC0415  tornado: only inside a kernel
 
         def safe() -> None:
             try:

@@ -67,7 +67,7 @@ class Panel:
     """
 
     def __init__(self, store: MetricsStore | None = None, render_interval: float = 0.2) -> None:
-        import ipywidgets as w
+        import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
 
         self.store = store or get_store()
         self.render_interval = render_interval
@@ -147,7 +147,7 @@ class Panel:
     def show(self, inline: bool = True) -> None:
         """Display the panel in the current cell's output (``inline``), or beside the
         notebook with a stand-in (button + picture) in the current cell's output."""
-        from IPython.display import display
+        from IPython.display import display  # noqa: PLC0415  IPython: only inside a kernel
 
         obj: Any = self
         if not inline:
@@ -161,7 +161,7 @@ class Panel:
 
     def open_side(self) -> None:
         """Open the panel beside the notebook (again: a closed tab comes back)."""
-        from sidecar import Sidecar
+        from sidecar import Sidecar  # noqa: PLC0415  sidecar is optional: only when the panel is shown beside the notebook
 
         old, self._sidecar = self._sidecar, None
         if old is not None:
@@ -354,7 +354,7 @@ class _Stub:
     that brings the panel back, and the panel's last picture for saved notebooks."""
 
     def __init__(self, panel: Panel) -> None:
-        import ipywidgets as w
+        import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
 
         self.panel = panel
         self.button = w.Button(

@@ -61,7 +61,7 @@ class LiveLine:
         self._version, self._last = st.version, now
         out = _Line(self.text(run, final))
         if self._handle is None:
-            from IPython.display import display
+            from IPython.display import display  # noqa: PLC0415  IPython: only inside a kernel
 
             self._handle = display(out, display_id=True)
         elif self._handle is not None:

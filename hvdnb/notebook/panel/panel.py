@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from hvdnb.config import get_config
+from hvdnb.notebook import cells
+from hvdnb.notebook.metrics.store import attach
 from hvdnb.notebook.panel import kernel as _kernel
 from hvdnb.notebook.panel.layout import Panel
+from hvdnb.notebook.panel.liveline import LiveLine
 
 __all__ = ["Panel", "get_panel", "show_panel"]
 
@@ -34,9 +38,6 @@ def get_panel(create: bool = True) -> Panel | None:
     """The notebook's panel (created on first use, registered as a cell wait hook)."""
     global _PANEL
     if _PANEL is None and create:
-        from hvdnb.notebook import cells
-        from hvdnb.notebook.panel.liveline import LiveLine
-
         _PANEL = Panel()
         cells.add_wait_hook(_PANEL.tick)
         if _kernel.kernel() is not None:  # a terminal would print every update
@@ -57,8 +58,6 @@ def show_panel(
         as configured (``HVDNB_PANEL``: side, inline or off; default side)
     only_with_frontend : do nothing visible outside a Jupyter kernel (plain IPython, tests)
     """
-    from hvdnb.config import get_config
-    from hvdnb.notebook.metrics.store import attach
 
     attach(cluster)
     if only_with_frontend and _kernel.kernel() is None:
@@ -73,7 +72,7 @@ def show_panel(
     side = not inline if inline is not None else mode == "side"
     if side:
         try:
-            import sidecar  # noqa: F401
+            import sidecar  # noqa: F401, PLC0415  sidecar is optional: only when the panel is shown beside the notebook
         except ImportError:
             print(
                 "hvdnb: jupyterlab-sidecar is not installed (pip install sidecar); "

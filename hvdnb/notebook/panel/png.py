@@ -39,8 +39,8 @@ class _Figure:
     """A reusable figure (creating one costs more than drawing it)."""
 
     def __init__(self, width: float = 10.0, height: float = 6.2, dpi: int = 72) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415  matplotlib is heavy: only for the saved picture
+        from matplotlib.figure import Figure  # noqa: PLC0415  matplotlib is heavy: only for the saved picture
 
         self.fig = Figure(figsize=(width, height), dpi=dpi)
         self.canvas = FigureCanvasAgg(self.fig)

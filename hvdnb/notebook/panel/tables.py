@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.panel.charts import MAX_LINES, backend_name, backends_text, memory_chart
 
 __all__ = ["fmt_bytes", "header_html", "tables_html"]
@@ -151,7 +152,6 @@ def host_table(store: MetricsStore) -> str:
     hs = store.host_summary()
     if len(hs) < 2:
         return ""
-    from hvdnb.notebook.output import format_ranks
 
     def num(v: Any, fmt: str = ".4g") -> str:
         return "n/a" if v is None else format(v, fmt)

@@ -62,8 +62,8 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
     -------
     the model, with the hook registered
     """
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415  torch is heavy: loaded when first used
 
     rec = get_recorder()
     backend = str(dist.get_backend(state) if state is not None else dist.get_backend())

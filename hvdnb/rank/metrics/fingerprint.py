@@ -210,7 +210,7 @@ def at_cell_end(take: bool = True) -> int:
 def _fingerprint(m: _Model, params: list[Any]) -> tuple[Any, Any, bool]:
     """(sums, scales, on a device) of ``params``: lists on CPU; tensors, read later, on a
     device."""
-    import torch
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     with torch.no_grad():
         ps = [p.detach() for p in params]

@@ -28,7 +28,7 @@ class MemorySampler:
         self._nvml: Any = None
         self._nvml_tried = False
         try:
-            import psutil
+            import psutil  # noqa: PLC0415  optional: its ImportError is handled here
 
             self._proc = psutil.Process()
         except Exception:
@@ -67,7 +67,7 @@ class MemorySampler:
         if not self._nvml_tried:
             self._nvml_tried = True
             try:
-                import pynvml
+                import pynvml  # noqa: PLC0415  pynvml is optional (the gpu extra)
 
                 pynvml.nvmlInit()
                 self._nvml = pynvml

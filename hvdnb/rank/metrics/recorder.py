@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hvdnb.config import get_config
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.metrics.core import LEAD_SECONDS, MAX_LEAD, MIN_LEAD, Recorder, on_step_start
 
@@ -85,12 +86,10 @@ def get_recorder() -> Recorder:
         return _RECORDER
     with _RLOCK:
         if _RECORDER is None:
-            from hvdnb.config import get_config
-
             channel = None
             if os.environ.get("HVDNB_CHANNEL"):  # an engine: scripts never import zmq
                 try:
-                    from hvdnb.rank.channel import get
+                    from hvdnb.rank.channel import get  # noqa: PLC0415  the side channel (zmq) on an engine only: scripts never import zmq
 
                     channel = get()
                 except Exception:

@@ -30,7 +30,7 @@ def numpy() -> Any:
     """numpy, imported on first use (a loop that never drains many rows never pays for it)."""
     global _NP
     if _NP is None:
-        import numpy as np
+        import numpy as np  # noqa: PLC0415  numpy on first use: a loop that never drains many rows never pays for it
 
         _NP = np
     return _NP

@@ -45,6 +45,7 @@ from hvdnb.tensorflow import (  # noqa: E402
     size,
 )
 from hvdnb.tensorflow import ops as _ops  # noqa: E402
+from hvdnb.tensorflow.functions import broadcast_global_variables as bgv  # noqa: E402
 from hvdnb.tensorflow.keras import aggregate, callbacks  # noqa: E402
 from hvdnb.tensorflow.tape import make_allreduce_grads_fn  # noqa: E402
 from hvdnb.torch.process_sets import ProcessSet  # noqa: E402
@@ -257,7 +258,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
             "broadcast_global_variables needs a v1 graph; in TensorFlow 2 pass "
             "hvd.callbacks.BroadcastGlobalVariablesCallback(0) to model.fit"
         )
-    from hvdnb.tensorflow.functions import broadcast_global_variables as bgv
 
     return bgv(root_rank)
 
