@@ -75,6 +75,7 @@ _START_OPTIONS = frozenset(
         "time",
         "gpus_per_node",
         "account",
+        "tf_ps",
     }
 )
 #: a restart re-makes the ranks where they ran: a new launcher, hostfile, address or Slurm
@@ -88,7 +89,7 @@ _ACTIONS: dict[str, _Action] = {
         False,
         "%dist start [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
         "[--launcher mpi|slurm|...] [--hosts HOSTFILE] [--ip ADDRESS] [--partition P] "
-        "[--time T] [--gpus-per-node G] [--account A]",
+        "[--time T] [--gpus-per-node G] [--account A] [--tf-ps K]",
     ),
     "stop": _Action(frozenset(), False, "%dist stop"),
     "restart": _Action(
@@ -189,7 +190,7 @@ _DIST_OPTIONS = [
         dest="commands",
         help="debug: run this pdb command and return (repeatable), instead of a prompt",
     ),
-    argument("--delete", action="store_true", help="runs: delete the runs named (their ids)"),
+    argument("--delete", nargs="+", default=None, metavar="ID", help="runs: delete these runs"),
     argument("--cells", default="ok", help="export: ok (default: leave failed cells out) or all"),
     argument(
         "--inline",
@@ -217,6 +218,13 @@ _DIST_OPTIONS = [
     ),
     argument(
         "--timeout", type=float, default=None, help="start, restart: seconds to wait for the ranks"
+    ),
+    argument(
+        "--tf-ps",
+        type=int,
+        default=None,
+        help="start: this many ranks serve as TensorFlow parameter servers, the rest as "
+        "workers; the notebook coordinates (hvdnb.tf_cluster_resolver())",
     ),
     argument(
         "--oversubscribe",
@@ -332,6 +340,7 @@ class DistMagics(Magics):
                 time_limit=args.time,
                 gpus_per_node=args.gpus_per_node,
                 account=args.account,
+                tf_ps=args.tf_ps,
             )
             c.start()
         except (_cluster.ClusterError, ValueError) as exc:
@@ -412,9 +421,7 @@ class DistMagics(Magics):
 
         try:
             if args.delete:
-                if not args.values:
-                    raise _refused("runs", "%dist runs --delete needs the ids to delete")
-                print(history.delete(list(args.values)))
+                print(history.delete([*args.delete, *args.values]))
             elif args.values:
                 raise _refused("runs", "%dist runs takes ids only with --delete")
             else:

@@ -15,12 +15,21 @@ free port on its own address (bind port 0, read it, close it); the list travels 
 127.0.0.1 when the whole job is on one host; across hosts it is this rank's address on
 its route to rank 0 (``MASTER_ADDR``, which rendezvous chose reachable from every host).
 
-Also sets ``TF_NUM_INTRAOP_THREADS`` / ``TF_NUM_INTEROP_THREADS`` (unless set) to this
-rank's share of the host's cores, as rendezvous sets torch's thread count: ranks that each
-start a thread per core oversubscribe the host.
+Also sets ``TF_NUM_INTRAOP_THREADS`` / ``TF_NUM_INTEROP_THREADS`` (unless set; in a ps
+cluster only the first) to this rank's share of the host's cores, as rendezvous sets
+torch's thread count: ranks that each start a thread per core oversubscribe the host.
 
-Owns: the worker address, the port probe, the exchange and the JSON. Never: import
-tensorflow (optional, and seconds to import: a rank that never uses it pays nothing),
+ParameterServerStrategy (``%dist start -n N --tf-ps K``: ``HVDNB_TF_PS`` and the notebook's
+``HVDNB_TF_CHIEF`` address in the engine's environment): ranks ``0..K-1`` are ``ps`` tasks,
+the others ``worker`` tasks, the notebook kernel the ``chief`` (the coordinator); each rank
+then serves ``tf.distribute.Server`` on its port from its bootstrap until it stops::
+
+    {"cluster": {"ps": [A0], "worker": [A1, A2], "chief": [NOTEBOOK]},
+     "task": {"type": "worker", "index": 0}}                      # rank 1
+
+Owns: the worker address, the port probe, the exchange, the JSON and a ps cluster's
+server. Never: import tensorflow unless the cluster is a ps cluster (optional, and seconds
+to import: a rank that never uses it pays nothing),
 override a ``TF_CONFIG`` the user set (if any rank has one, no rank gets ours), or keep a
 port open (TensorFlow's gRPC server binds it when the strategy is built, on every interface:
 TensorFlow's choice; until then another process could take it).
@@ -38,7 +47,15 @@ from typing import Any
 from hvdnb.host import reachable_addr
 from hvdnb.rank.rendezvous import World, threads_per_rank
 
-__all__ = ["free_port", "resolve", "setup", "tf_config", "worker_addr"]
+__all__ = [
+    "free_port",
+    "ps_config",
+    "resolve",
+    "server",
+    "setup",
+    "tf_config",
+    "worker_addr",
+]
 
 
 def tf_config(workers: Sequence[str], index: int) -> str:
@@ -50,6 +67,21 @@ def tf_config(workers: Sequence[str], index: int) -> str:
     return json.dumps(
         {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}}
     )
+
+
+def ps_config(addrs: Sequence[str], rank: int, n_ps: int, chief: str) -> str:
+    """The ``TF_CONFIG`` JSON of ``rank`` in a ParameterServerStrategy cluster: the first
+    ``n_ps`` of ``addrs`` (rank order) are ``ps`` tasks, the rest ``worker`` tasks, and
+    ``chief`` (the notebook kernel's ``host:port``) is the coordinator."""
+    if not 0 < n_ps < len(addrs):
+        raise ValueError(f"{n_ps} parameter servers among {len(addrs)} ranks leave no worker")
+    if not 0 <= rank < len(addrs):
+        raise ValueError(f"rank {rank} outside a cluster of {len(addrs)}")
+    if len({*addrs, chief}) != len(addrs) + 1:
+        raise ValueError(f"two tasks share an address: {[*addrs, chief]}")
+    role, index = ("ps", rank) if rank < n_ps else ("worker", rank - n_ps)
+    cluster = {"ps": list(addrs[:n_ps]), "worker": list(addrs[n_ps:]), "chief": [chief]}
+    return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
 
 
 def resolve(entries: Sequence[str | None], index: int) -> str | None:
@@ -98,16 +130,77 @@ def _exchange(w: World, entry: str | None) -> list[str | None] | None:
     return out
 
 
-def _set_threads(w: World) -> None:
+def _set_threads(w: World, inter_op: bool = True) -> None:
+    """This rank's share of the cores for TensorFlow's op threads. Not the inter-op pool of
+    a ps cluster's server (``inter_op=False``): a remote function waiting for a variable
+    from a parameter server holds an inter-op thread, and with one thread the coordinator's
+    first step never ended (TF 2.21, 1 ps + 2 workers, ``TF_NUM_INTEROP_THREADS=1``)."""
     n = str(threads_per_rank(w))
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", n)
-    os.environ.setdefault("TF_NUM_INTEROP_THREADS", n)
+    if inter_op:
+        os.environ.setdefault("TF_NUM_INTEROP_THREADS", n)
+
+
+_SERVER: list[Any] = []  # this rank's tf.distribute.Server in a ps cluster (kept serving)
+
+
+def server() -> Any:
+    """This rank's ``tf.distribute.Server`` in a ParameterServerStrategy cluster, or None."""
+    return _SERVER[0] if _SERVER else None
+
+
+def _serve(value: str) -> Any:
+    """Start this rank's ``tf.distribute.Server`` for ``TF_CONFIG`` ``value`` (ps cluster)."""
+    cfg = json.loads(value)
+    role, index = cfg["task"]["type"], cfg["task"]["index"]
+    addr = cfg["cluster"][role][index]
+    import tensorflow as tf  # noqa: PLC0415 (optional, and seconds to import)
+
+    try:
+        srv = tf.distribute.Server(
+            tf.train.ClusterSpec(cfg["cluster"]),
+            job_name=role,
+            task_index=index,
+            protocol="grpc",
+            start=True,
+        )
+    except Exception as exc:  # the port was taken since the probe, most often
+        raise RuntimeError(
+            f"TensorFlow's server ({role} {index}) could not listen on {addr}: "
+            f"{type(exc).__name__}: {exc}. Is the port taken? `%dist restart` picks new ports"
+        ) from None
+    _SERVER[:] = [srv]
+    return srv
+
+
+def _setup_ps(w: World, n_ps: int, chief: str) -> str:
+    """``setup`` of a ParameterServerStrategy cluster: every rank gets a role and serves."""
+    if os.environ.get("TF_CONFIG"):
+        raise RuntimeError(
+            "TF_CONFIG is set in the engines' environment, and --tf-ps makes its own: "
+            "unset TF_CONFIG before %dist start, or leave --tf-ps out"
+        )
+    if not 0 < n_ps < w.size:
+        raise RuntimeError(f"--tf-ps {n_ps} among {w.size} ranks leaves no worker")
+    addr = worker_addr(w, os.environ.get("MASTER_ADDR"))
+    port = free_port(addr)
+    entries = _exchange(w, None if port is None else _host_port(addr, port))
+    if entries is None or any(e is None for e in entries):
+        raise RuntimeError(f"a rank found no free port for TensorFlow's server: {entries}")
+    value = ps_config([str(e) for e in entries], w.rank, n_ps, chief)
+    os.environ["TF_CONFIG"] = value
+    _serve(value)
+    return value
 
 
 def setup(w: World) -> str | None:
     """Set ``TF_CONFIG`` on this rank (collective: every rank calls it, after the torch
-    rendezvous). Returns the value set, or None when it was left alone."""
-    _set_threads(w)
+    rendezvous). Returns the value set, or None when it was left alone. In a ps cluster
+    (``HVDNB_TF_PS``) also starts this rank's TensorFlow server, or raises saying why not."""
+    n_ps = int(os.environ.get("HVDNB_TF_PS") or 0)
+    _set_threads(w, inter_op=not n_ps)
+    if n_ps:
+        return _setup_ps(w, n_ps, os.environ.get("HVDNB_TF_CHIEF", ""))
     user = bool(os.environ.get("TF_CONFIG"))
     entry = None
     if not user:

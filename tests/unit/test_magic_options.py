@@ -33,6 +33,7 @@ VALID = {
     "time": "--time 1:00:00",
     "gpus_per_node": "--gpus-per-node 4",
     "account": "--account a1",
+    "tf_ps": "--tf-ps 1",
     "delete": "--delete",
 }
 #: every option whose value is typed, with a value of the wrong type

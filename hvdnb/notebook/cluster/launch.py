@@ -5,8 +5,8 @@ Owns: probes without side effects (no torch import, no CUDA initialisation, no p
 started), and turning a checked ``StartSpec`` (``spec.py``) into an ``ipyparallel.Cluster``
 that is configured but not started: controller flags (heartbeat), the engine command
 (``python -m kernels_ext.engine``) and its flags, the engines' environment (loopback
-transports on one host, the side channel, the state directory), ``mpiexec`` or Slurm's
-sbatch script.
+transports on one host, the side channel, the state directory, a ps cluster's roles and
+chief address), ``mpiexec`` or Slurm's sbatch script.
 
 Never: start or stop processes (``lifecycle.py`` does), choose fixed ports, import torch,
 or know the ``Cluster`` object (it is given the spec and the few run-time facts it needs).
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "hostfile_slots",
     "make_ipp",
     "sbatch_template",
+    "tf_ps_env",
     "transient_mpi_init_failure",
     "warn_cuda_in_kernel",
 ]
@@ -92,6 +94,20 @@ def transient_mpi_init_failure(exc: BaseException, multi_host: bool) -> bool:
     return not multi_host and isinstance(exc, ClusterError) and "internal_Init_thread" in str(exc)
 
 
+def tf_ps_env(spec: StartSpec) -> dict[str, str]:
+    """What the ranks of a ParameterServerStrategy cluster (``--tf-ps K``) need in their
+    environment: ``K``, and the notebook kernel's address as TensorFlow's chief (a port free
+    now, on the address the ranks reach this kernel on); empty for other clusters."""
+    if not spec.tf_ps:
+        return {}
+    host = spec.ip if spec.multi_host else "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = int(s.getsockname()[1])
+    chief = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return {"HVDNB_TF_PS": str(spec.tf_ps), "HVDNB_TF_CHIEF": chief}
+
+
 def make_ipp(
     spec: StartSpec, cluster_id: str, channel_endpoint: str | None, state_dir: str | None
 ) -> Any:
@@ -102,7 +118,7 @@ def make_ipp(
 
     cfg = get_config()
     local = not spec.multi_host
-    env = {"HVDNB_BACKEND": spec.backend or "", **spec.engine_env}
+    env = {"HVDNB_BACKEND": spec.backend or "", **spec.engine_env, **tf_ps_env(spec)}
     if channel_endpoint is not None:
         env["HVDNB_CHANNEL"] = channel_endpoint
     if state_dir is not None:

@@ -119,6 +119,8 @@ class Cluster:
     partition, time_limit, gpus_per_node, account, sbatch_args : Slurm job options
         (``launcher="slurm"``): ``#SBATCH --partition/--time/--gpus-per-node/--account``
         lines, plus any further ``sbatch`` arguments
+    tf_ps : ranks 0..tf_ps-1 serve as TensorFlow parameter servers, the others as workers,
+        and this kernel coordinates them (``hvdnb.tf_cluster_resolver``; needs TensorFlow)
 
     Examples
     --------
@@ -144,25 +146,11 @@ class Cluster:
         gpus_per_node: int | None = None,
         account: str | None = None,
         sbatch_args: list[str] | None = None,
+        tf_ps: int | None = None,
     ) -> None:
-        #: the start options as given (a restart changes some and checks them all again)
-        self._options: dict[str, Any] = dict(
-            n=n,
-            backend=backend,
-            launcher=launcher,
-            timeout=timeout,
-            oversubscribe=oversubscribe,
-            engine_env=engine_env,
-            launcher_config=launcher_config,
-            hosts=hosts,
-            engine_sets=engine_sets,
-            ip=ip,
-            partition=partition,
-            time_limit=time_limit,
-            gpus_per_node=gpus_per_node,
-            account=account,
-            sbatch_args=sbatch_args,
-        )
+        #: the start options as given, every argument above (a restart changes some and
+        #: checks them all again)
+        self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
         #: the checked start options (``n``, ``launcher``, ``backend``... read through them)
         self.spec: StartSpec = spec.check(**self._options)
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"

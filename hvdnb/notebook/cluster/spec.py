@@ -1,10 +1,10 @@
 """What a cluster is started with: ``Cluster``'s arguments, checked once, as a ``StartSpec``.
 
 Owns: every input check of a start (rank count against this host's cores or GPUs, backend,
-launcher, timeout, hostfile, engine sets, Slurm options), reading MPI hostfiles, choosing
-the address the controller and the side channel listen on (loopback for one host; across
-hosts one reachable address, never every interface), and ``ClusterError``, the one
-exception a start, a stop or a dead cluster raises.
+launcher, timeout, hostfile, engine sets, Slurm options, TensorFlow parameter servers),
+reading MPI hostfiles, choosing the address the controller and the side channel listen on
+(loopback for one host; across hosts one reachable address, never every interface), and
+``ClusterError``, the one exception a start, a stop or a dead cluster raises.
 
 Never: start, stop or signal a process, open a socket, or import torch: a refused start
 leaves nothing behind because nothing was started.
@@ -12,6 +12,7 @@ leaves nothing behind because nothing was started.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,9 @@ class StartSpec:
     #: ``#SBATCH --<key>=<value>`` lines (None: left out)
     slurm: dict[str, Any]
     sbatch_args: list[str]
+    #: ranks ``0..tf_ps-1`` serve as TensorFlow parameter servers, the rest as workers, and
+    #: the notebook kernel is the chief (``hvdnb.notebook.tfps``); 0: no ParameterServerStrategy
+    tf_ps: int = 0
 
 
 def check(
@@ -73,6 +77,7 @@ def check(
     gpus_per_node: int | None = None,
     account: str | None = None,
     sbatch_args: list[str] | None = None,
+    tf_ps: int | None = None,
 ) -> StartSpec:
     """``Cluster``'s arguments as a ``StartSpec``; raises ClusterError, saying what to
     change, for the first one that cannot work."""
@@ -120,6 +125,7 @@ def check(
         )
     if timeout is not None and not timeout > 0:
         raise ClusterError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    ps = _check_tf_ps(tf_ps, n)
     return StartSpec(
         n=n,
         launcher=launcher,
@@ -133,6 +139,7 @@ def check(
         launcher_config=dict(launcher_config or {}),
         slurm=slurm,
         sbatch_args=sbatch,
+        tf_ps=ps,
     )
 
 
@@ -151,6 +158,29 @@ def _check_n(n: Any, oversubscribe: bool, gpus: int) -> int:
             f"slower. Use `-n {limit}`, or add `--oversubscribe` if you mean it{share}."
         )
     return n
+
+
+def _check_tf_ps(k: Any, n: int) -> int:
+    """``--tf-ps K``: parameter servers among ``n`` ranks (None: none, no ps cluster)."""
+    if k is None:
+        return 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ClusterError(
+            f"--tf-ps must be the number of parameter servers, 1 or more, not {k!r}: "
+            "`%dist start -n 3 --tf-ps 1` (leave --tf-ps out for MultiWorkerMirroredStrategy)"
+        )
+    if k >= n:
+        raise ClusterError(
+            f"--tf-ps {k} leaves no worker among {n} rank{'s' if n > 1 else ''}: "
+            f"ParameterServerStrategy needs a worker besides its parameter servers; use "
+            f"`-n {k + 1}` or more (add --oversubscribe beyond this host's cores)"
+        )
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ClusterError(
+            "--tf-ps needs TensorFlow, in this kernel (the coordinator) and on the ranks: "
+            "pip install 'hvdnb[tf]'"
+        )
+    return k
 
 
 def _check_hostfile(path: str) -> str:
