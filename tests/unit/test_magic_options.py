@@ -34,7 +34,7 @@ VALID = {
     "gpus_per_node": "--gpus-per-node 4",
     "account": "--account a1",
     "tf_ps": "--tf-ps 1",
-    "delete": "--delete",
+    "delete": "--delete a1b2c3-1",
 }
 #: every option whose value is typed, with a value of the wrong type
 ILL_TYPED = ["-n abc", "--at-step x", "--after soon", "--timeout x", "--gpus-per-node many"]

@@ -64,6 +64,9 @@ def test_a_run_is_on_disk_with_its_knobs_and_points(home):
     store = st.run_log.store()  # flushes the writer thread's queue first
     assert store.path == home / "runs.sqlite"
     assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o600
+    for side in ("-wal", "-shm"):  # SQLite gives its side files the database's mode
+        f = Path(f"{store.path}{side}")
+        assert not f.exists() or stat.S_IMODE(os.stat(f).st_mode) == 0o600
     con = sqlite3.connect(store.path)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     con.close()
@@ -263,3 +266,53 @@ def test_a_locked_file_is_left_and_a_fresh_one_used(home):
     con = sqlite3.connect(home / "runs.sqlite")
     assert con.execute("SELECT x FROM mine").fetchall() == [(1,)]  # untouched
     con.close()
+
+
+def _crasher(home: str) -> None:  # a kernel killed mid-run (an out-of-memory kill)
+    import signal
+    import time
+
+    os.environ["HVDNB_HOME"] = home
+    st = MetricsStore(keep_runs=True)
+    st.knob_spec = {k: dict(v) for k, v in KNOBS.items()}
+    st.begin_cell(1)
+    for s in range(5):
+        st.ingest({"rank": 0, "seq": s + 1, "pid": 7, "cols": {"loss": [[s], [1.0 * s], [0.5]]}})
+    time.sleep(4 * 0.5)  # a few commits of the writer thread; the cell never ends
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_what_was_written_survives_a_kill(home):
+    p = multiprocessing.get_context("spawn").Process(target=_crasher, args=(str(home),))
+    p.start()
+    p.join(50)
+    assert p.exitcode == -9
+    (run,) = RunStore().runs()
+    assert (run["points"], run["steps"], run["outcome"], run["ended"]) == (5, 4, None, None)
+    assert run["knobs"] == {"lr": 0.1, "batch_size": 32}
+    assert [r.step for r in stored_rows(RunStore(), run["id"])] == [0, 1, 2, 3, 4]
+
+
+def test_dist_runs_delete_and_compare(shell, home, capsys):
+    from IPython.core.error import UsageError
+
+    from hvdnb.notebook.metrics.store import get_store
+
+    st = get_store()
+    _log_run(st, cell=901, steps=20)
+    rid = st.run_log.key(st.run_id)
+    shell.run_line_magic("dist", "runs")
+    assert rid in capsys.readouterr().out
+    shell.run_line_magic("dist", f"compare {rid}")
+    assert f"pinned to the runs chart: {rid}" in capsys.readouterr().out
+    assert [c["id"] for c in st.pinned_curves()] == [rid]
+    shell.run_line_magic("dist", "compare")
+    assert st.pinned_curves() == []
+    with pytest.raises(UsageError, match="no run 'nope-1'"):
+        shell.run_line_magic("dist", "compare nope-1")
+    with pytest.raises(UsageError, match="expected at least one"):
+        shell.run_line_magic("dist", "runs --delete")
+    shell.run_line_magic("dist", f"runs --delete {rid}")
+    assert f"deleted 1 run: {rid}" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="no run nope-2"):
+        shell.run_line_magic("dist", "runs --delete nope-2")
