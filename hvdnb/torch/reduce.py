@@ -94,30 +94,14 @@ def allreduce_op(
     wd = wire_dtype(dtype, tr.backend, x.is_cuda)
     wire = x if wd == dtype else x.to(wd)
     if op == Adasum:
-        if not wire.is_floating_point():
-            raise ValueError(f"Adasum needs a floating point tensor, not {dtype}")
-        if tr.size & (tr.size - 1):
-            raise NotImplementedError(
-                f"Adasum needs a power-of-two number of ranks (this process set has "
-                f"{tr.size}): its pairwise combination tree, like Horovod's, has no rule "
-                "for an unpaired rank"
-            )
+        _check_adasum(wire, dtype, tr.size)
     if pre != 1.0:
         wire = _scale(wire, pre, inplace=wire is not tensor)
     nbytes = x.numel() * x.element_size()
-    hdr = allreduce_header(
-        name,
-        dcode,
-        op,
-        hash(x.shape) if shape_key is None else shape_key,
-        x.numel(),
-        pre,
-        post,
-        nbytes,
-    )
-    n = tr.size
+    key = hash(x.shape) if shape_key is None else shape_key
+    hdr = allreduce_header(name, dcode, op, key, x.numel(), pre, post, nbytes)
+    n, backend = tr.size, tr.backend
     direct = inplace and wire is tensor
-    backend = tr.backend
 
     def finish(r: torch.Tensor) -> torch.Tensor:
         post_eff = post
@@ -140,9 +124,7 @@ def allreduce_op(
 
     def start(hdrs: list[bytes]) -> Handle:
         if op == Adasum:
-            parts = torch.empty((n, wire.numel()), dtype=wire.dtype)
-            tr.allgatherv(wire, parts, [wire.numel() * wire.element_size()] * n)
-            res = adasum_tree(parts).view(wire.shape)
+            res = _adasum(tr, wire, n)
             return Handle(None, None, finish(res), _meta(name, nbytes, backend))
         res = wire if direct else torch.empty_like(wire)
         meta = _meta(name, nbytes, backend)
@@ -154,12 +136,8 @@ def allreduce_op(
             h.gloo = tr.clock.attach(work)
         return h
 
-    o = Op(
-        name,
-        hdr,
-        describe(Kind.ALLREDUCE, name, tensor, op=OPNAMES[op], prescale=pre, postscale=post),
-        start,
-    )
+    desc = describe(Kind.ALLREDUCE, name, tensor, op=OPNAMES[op], prescale=pre, postscale=post)
+    o = Op(name, hdr, desc, start)
     nbw = wire.numel() * wire.element_size()
 
     def inline() -> Any:
@@ -187,6 +165,25 @@ def allreduce_op(
     if type(tr) is MPITransport and nbw <= tr.inline and tr.inline and op != Adasum:
         o.inline = inline
     return tr, o
+
+
+def _check_adasum(wire: torch.Tensor, dtype: torch.dtype, size: int) -> None:
+    """Adasum's preconditions (checked once per call, before any round)."""
+    if not wire.is_floating_point():
+        raise ValueError(f"Adasum needs a floating point tensor, not {dtype}")
+    if size & (size - 1):
+        raise NotImplementedError(
+            f"Adasum needs a power-of-two number of ranks (this process set has "
+            f"{size}): its pairwise combination tree, like Horovod's, has no rule "
+            "for an unpaired rank"
+        )
+
+
+def _adasum(tr: Any, wire: torch.Tensor, n: int) -> torch.Tensor:
+    """Adasum of ``wire`` over the ``n`` ranks: every rank's tensor, then the pairwise tree."""
+    parts = torch.empty((n, wire.numel()), dtype=wire.dtype)
+    tr.allgatherv(wire, parts, [wire.numel() * wire.element_size()] * n)
+    return adasum_tree(parts).view(wire.shape)
 
 
 def _nccl_timed(
