@@ -293,7 +293,12 @@ class RunLog:
                     a = acc.setdefault(st, [0.0, 0.0])
                     a[0] += v
                     a[1] += 1.0
-            self._pinned[rid] = {"label": pin_label(rec), "sums": acc, "samples": samples}
+            self._pinned[rid] = {
+                "label": pin_label(rec),
+                "sums": acc,
+                "samples": samples,
+                "steps": sorted(acc),  # once: a stored run does not grow between redraws
+            }
         with self._points.lock:
             self._points.changed()
         return list(self._pinned)
@@ -307,7 +312,7 @@ class RunLog:
         """The pinned runs as ``Runs.curves`` gives the current ones (``earlier``: True)."""
         out = []
         for rid, p in list(self._pinned.items()):
-            steps = sorted(p["sums"])
+            steps = p["steps"]
             idx = thin_indices(len(steps), points)[0] if points else None
             shown = steps if idx is None else [steps[i] for i in idx]
             ys = [p["sums"][s][0] / p["sums"][s][1] for s in shown]
