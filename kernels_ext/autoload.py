@@ -13,5 +13,4 @@ from hvdnb.notebook.magics import DistMagics
 
 
 def load_ipython_extension(ipython: Any) -> None:
-
     ipython.register_magics(DistMagics)

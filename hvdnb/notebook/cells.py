@@ -275,7 +275,6 @@ class _PdbPrompt:
     _RESUME = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
 
     def __init__(self, cluster: Any) -> None:
-
         self.channel = getattr(cluster, "channel", None)
         self.waiting: Any = queue.Queue()
         self.paused = False  # a prompt is being answered now (the stall watch holds off)
@@ -621,7 +620,6 @@ class _SigintLatch:
     """
 
     def __init__(self) -> None:
-
         self.seen = False
         self._prev: Any = None
         if threading.current_thread() is not threading.main_thread():

@@ -61,7 +61,6 @@ print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step "
 
 
 def _demo(args: argparse.Namespace) -> int:
-
     t0 = time.perf_counter()
     with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:
         print(f"hvdnb demo: {c.n} ranks ready in {c.start_seconds:.1f} s")
@@ -75,14 +74,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _install_kernel(args: argparse.Namespace) -> int:
-
     where = install(user=args.user, prefix=args.prefix)
     print(f"installed kernelspec {DISPLAY_NAME!r} in {where}")
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-
     try:
         out = run_notebook(
             args.notebook,
@@ -102,7 +99,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-
     try:
         cells, knobs, n_nb = from_notebook(args.notebook, cells=args.cells)
         n = args.n or n_nb or 2

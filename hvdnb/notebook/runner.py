@@ -198,7 +198,6 @@ class _ProcessTree:
     engine whose mpiexec died no longer descends from the kernel."""
 
     def __init__(self) -> None:
-
         self.procs: dict[int, Any] = {}
         self.root: int | None = None
         self._done = threading.Event()
@@ -214,7 +213,6 @@ class _ProcessTree:
             self.sample()
 
     def sample(self) -> None:
-
         if self.root is None:
             return
         try:

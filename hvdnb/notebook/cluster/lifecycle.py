@@ -536,7 +536,6 @@ class Cluster:
         return pids
 
     async def _stop_async(self) -> None:
-
         c = self._ipp
         # wait for the ranks (not mpiexec: gforker lingers ~2 s after its children exit),
         # then stop_engines signals whatever launcher is left
@@ -561,7 +560,6 @@ class Cluster:
         c.remove_cluster_file()
 
     def _kill_all(self) -> None:
-
         for launcher in [*self.engine_launchers(), getattr(self._ipp, "controller", None)]:
             if launcher is None:
                 continue
