@@ -45,9 +45,9 @@ def tf_cluster_resolver(cluster: Cluster | None = None) -> Any:
     """The cluster resolver of a ParameterServerStrategy cluster, with this kernel as chief.
 
     Pass it to ``tf.distribute.ParameterServerStrategy`` in an ordinary (not
-    ``%%distributed``) cell; build the strategy once per ``%dist start`` (TensorFlow keeps
-    one cluster per process: after ``%dist restart``, restart the kernel to coordinate
-    the new servers).
+    ``%%distributed``) cell; build the strategy once per ``%dist start`` or ``restart``
+    (each start gives the servers and this kernel's chief new ports; a second strategy on
+    the same ports fails: the first one's chief server holds its port).
 
     Returns
     -------
@@ -57,7 +57,7 @@ def tf_cluster_resolver(cluster: Cluster | None = None) -> Any:
     Raises
     ------
     ClusterError : no cluster runs, it was started without ``--tf-ps``, or the chief's port
-        was taken since the start
+        is taken (a strategy was built on this cluster already, or another process took it)
     """
     c = cluster or current()
     if c is None or not c.running:
@@ -75,8 +75,9 @@ def tf_cluster_resolver(cluster: Cluster | None = None) -> Any:
     spec = cfg["cluster"]
     if not _port_free(spec["chief"][0]):
         raise ClusterError(
-            f"the coordinator's port {spec['chief'][0]} is taken (by this kernel's earlier "
-            "strategy, or another process): restart the kernel, or `%dist restart` for new ports"
+            f"the coordinator's port {spec['chief'][0]} is taken (by a strategy this kernel "
+            "built on this cluster already, or another process): reuse that strategy, or "
+            "`%dist restart` for new ports"
         )
     import tensorflow as tf  # noqa: PLC0415 (optional, and seconds to import)
 

@@ -192,3 +192,17 @@ def test_a_parameter_server_killed_mid_run_is_named_like_a_rank_death(ps_cluster
     assert note is not None and "died" in note and "%dist restart" in note, note
     rows = {row["rank"]: row for row in health.status_rows(ps_cluster)}
     assert "dead" in str(rows[0]), rows[0]
+
+
+@needs_tf_keras
+def test_restart_brings_the_servers_back_and_a_new_strategy_trains(shell, ps_cluster):
+    shell.run_line_magic("dist", "restart")  # after the kill above: every rank anew, new ports
+    cluster = hvdnb.current()
+    assert cluster is not None and cluster.running and cluster.dead_ranks() == []
+    cfg = json.loads(cluster.client[0].apply_sync(os.getenv, "TF_CONFIG"))
+    assert cfg["task"] == {"type": "ps", "index": 0}
+    coordinator, step, batches = _coordinate(cluster)  # a second strategy in this process
+    results = [coordinator.schedule(step, args=(batches,)) for _ in range(50)]
+    coordinator.join()
+    losses = [float(r.fetch()[0]) for r in results]
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]), losses
