@@ -60,6 +60,7 @@ OPTIONAL: Final[dict[str, OptionalModule]] = {
     "tf_keras": OptionalModule("tf", "tf-keras", what="Keras 2 for TF_USE_LEGACY_KERAS=1"),
     "pynvml": OptionalModule("gpu", "nvidia-ml-py", what="NVML: GPU memory and utilisation"),
     "sklearn": OptionalModule("test", "scikit-learn", what="scikit-learn"),
+    "tensorboard": OptionalModule("test", "tensorboard", what="TensorBoard's event files"),
     "playwright": OptionalModule("test", "playwright", what="browser tests"),
     "pytest": OptionalModule("test", "pytest", what="the test suite"),
     "pytest_timeout": OptionalModule("test", "pytest-timeout", what="the test suite"),
