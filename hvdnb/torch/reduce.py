@@ -75,8 +75,13 @@ def allreduce_op(
     ps: ProcessSet,
     shape_key: int | None = None,
     tr: Any = None,
+    divide: bool = True,
 ) -> tuple[Any, Op]:
     """Build one allreduce: (transport, Op).
+
+    ``divide=False`` (DistributedOptimizer's CPU buckets): an Average of floats with no
+    scaling leaves the sum undivided; the caller divides by the set's size as it copies the
+    result out (one pass over the data instead of two). The header still says Average.
 
     Small tensors over MPI: the Op gets an ``inline`` attempt that sends the data with its
     check in one round (two ranks: header and data in one message; more: the butterfly
@@ -108,7 +113,7 @@ def allreduce_op(
         if op == Average:
             if r.is_floating_point():
                 if post == 1.0:
-                    if n > 1:  # x / 1 is x: one rank launches no kernel
+                    if n > 1 and divide:  # x / 1 is x: one rank launches no kernel
                         r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
                 else:
                     post_eff = post / n
@@ -210,7 +215,8 @@ def allreduce_launch(
     post: float,
     ps: ProcessSet,
     shape_key: int | None = None,
+    divide: bool = True,
 ) -> Handle:
     """Negotiate now and start the data phase (the caller waits on the Handle)."""
-    tr, o = allreduce_op(tensor, inplace, name, op, pre, post, ps, shape_key)
+    tr, o = allreduce_op(tensor, inplace, name, op, pre, post, ps, shape_key, divide=divide)
     return blocking(tr, o)
