@@ -2,10 +2,11 @@
 Horovod's optimizers share to allreduce a list of gradients.
 
 Owns: ``make_allreduce_grads_fn`` (sparse-as-dense, compression, predivide factor, local
-variables left alone and scaled by 1/size, one fused call per dtype), and
+variables left alone and scaled by 1/size, one fused call per dtype),
 ``DistributedGradientTape`` / ``PartialDistributedGradientTape`` (the user's tape with
-``gradient`` allreducing what it returns). Never: reduce a ``None`` gradient, or change
-the order of the gradients.
+``gradient`` allreducing what it returns) and ``local_layer_weights`` (the Partial
+wrappers' ``local_layers``, shared with the Keras optimizer). Never: reduce a ``None``
+gradient, or change the order of the gradients.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hvdnb.torch.process_sets import ProcessSet, global_process_set
 __all__ = [
     "DistributedGradientTape",
     "PartialDistributedGradientTape",
+    "local_layer_weights",
     "make_allreduce_grads_fn",
 ]
 
@@ -112,6 +114,15 @@ def _register_local_source(self: Any, source: Any) -> None:
     self._hvd_local.add(source.ref())
 
 
+def local_layer_weights(local_layers: Iterable[Any] | None) -> list[Any]:
+    """The trainable weights of ``local_layers`` (one layer or an iterable of them; None:
+    none): what the Partial tape and optimizer keep local."""
+    layers: Any = local_layers
+    if layers is not None and hasattr(layers, "trainable_weights"):
+        layers = [layers]
+    return [w for layer in layers or () for w in layer.trainable_weights]
+
+
 def DistributedGradientTape(
     gradtape: tf.GradientTape,
     device_dense: str = "",
@@ -192,10 +203,6 @@ def PartialDistributedGradientTape(
         process_set,
         scale_local_gradients,
     )
-    layers: Any = local_layers
-    if layers is not None and hasattr(layers, "trainable_weights"):
-        layers = [layers]
-    for layer in layers or ():
-        for w in layer.trainable_weights:
-            tape.register_local_source(w)
+    for w in local_layer_weights(local_layers):
+        tape.register_local_source(w)
     return tape

@@ -47,7 +47,7 @@ from hvdnb.tensorflow import (  # noqa: E402
 from hvdnb.tensorflow import ops as _ops  # noqa: E402
 from hvdnb.tensorflow.functions import broadcast_global_variables as bgv  # noqa: E402
 from hvdnb.tensorflow.keras import aggregate, callbacks  # noqa: E402
-from hvdnb.tensorflow.tape import make_allreduce_grads_fn  # noqa: E402
+from hvdnb.tensorflow.tape import local_layer_weights, make_allreduce_grads_fn  # noqa: E402
 from hvdnb.torch.process_sets import ProcessSet  # noqa: E402
 
 __all__ = [
@@ -241,12 +241,8 @@ def PartialDistributedOptimizer(
         process_set=process_set,
         scale_local_gradients=scale_local_gradients,
     )
-    layers: Any = local_layers
-    if layers is not None and hasattr(layers, "trainable_weights"):
-        layers = [layers]
-    for layer in layers or ():
-        for w in layer.trainable_weights:
-            opt.register_local_var(w)
+    for w in local_layer_weights(local_layers):
+        opt.register_local_var(w)
     return opt
 
 
