@@ -285,18 +285,9 @@ def test_store_views_breakdown_hint_comm_memory(tmp_path):
     assert len(lines) == len(rows)
 
 
-def test_store_forwards_rank0_plan_to_every_rank():
-    class ClientCh:
-        ranks = [0, 1, 2]
-
-        def __init__(self) -> None:
-            self.sent: list[tuple] = []
-
-        def send(self, rank, kind, **p) -> None:
-            self.sent.append((rank, kind, p))
-
+def test_store_forwards_rank0_plan_to_every_rank(recording_channel):
     st = MetricsStore()
-    st._channel = ClientCh()
+    st._channel = recording_channel([0, 1, 2])
     st.begin_cell(1)
     st.on_spec({"spec": kn.make_spec({"lr": 0.1})})
     ok, _ = st.request_knobs(lr=0.2)

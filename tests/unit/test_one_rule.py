@@ -95,23 +95,14 @@ def test_rank_0_plans_a_good_at_step_as_given():
 
 
 # ------------------------------------------------------------------ the knob status
-def test_the_knob_status_is_worded_once_for_dist_knobs_and_the_panel(capsys):
+def test_the_knob_status_is_worded_once_for_dist_knobs_and_the_panel(capsys, recording_channel):
     """A request's fate, step by step, reads the same in ``%dist knobs`` and in the panel's
     status line (both say ``describe_change``'s words)."""
     from hvdnb.notebook.metrics.knobreq import describe_change
     from hvdnb.notebook.panel import Panel
 
-    class Ch:
-        ranks = [0, 1, 2]
-
-        def __init__(self) -> None:
-            self.sent: list[tuple] = []
-
-        def send(self, rank, kind, **p) -> None:
-            self.sent.append((rank, kind, p))
-
     st = MetricsStore()
-    st._channel = Ch()
+    st._channel = recording_channel([0, 1, 2])
     st.on_spec({"spec": make_spec({"lr": 0.1})})
     p = Panel(st)
     p._idle.stop()

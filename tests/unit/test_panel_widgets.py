@@ -163,22 +163,13 @@ def test_many_ranks_draw_a_band_not_64_lines(sent):
     assert "min-max band" in loss_svg and loss_svg.count("<polyline") == 1
 
 
-def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent):
+def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent, recording_channel):
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel import Panel
     from hvdnb.rank.metrics import knobs as kn
 
-    class Ch:
-        ranks = [0, 1]
-
-        def __init__(self) -> None:
-            self.sent: list[tuple] = []
-
-        def send(self, rank, kind, **p) -> None:
-            self.sent.append((rank, kind, p))
-
     st = MetricsStore()
-    st._channel = Ch()
+    st._channel = recording_channel([0, 1])
     st.on_spec({"spec": kn.make_spec({"batch_size": 64, "warmup_steps": 100, "lr": 0.1})})
     p = Panel(st)
     p._idle.stop()
