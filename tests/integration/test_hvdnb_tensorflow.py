@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.spmd.test_spmd import HANG_S, MPIEXEC, _env, _report
+from tests.spmd.test_spmd import HANG_S, MPIEXEC, _env, _report, mpiexec
 
-SPMD = Path(__file__).resolve().parents[1] / "spmd"
 INSTALL = "pip install 'hvdnb[tf]'"
 
 
@@ -26,16 +25,7 @@ def _need(module: str) -> None:
 
 
 def _run(script: str, np: int) -> None:
-    if not MPIEXEC.exists():
-        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", str(np), sys.executable, str(SPMD / f"{script}.py")],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S + 60,
-        env=_env(),
-        cwd=SPMD,
-    )
+    proc = mpiexec(f"{script}.py", np, timeout=HANG_S + 60)
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count(f"OK {script} (rank") == np, _report(proc)
 

@@ -44,19 +44,27 @@ def _report(proc: subprocess.CompletedProcess[str]) -> str:
     )
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
-def test_spmd_under_mpiexec(script: Path) -> None:
+def mpiexec(
+    script: str | Path, np: int, *args: str, timeout: float = HANG_S + 30
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (a path, or a name in this folder) on ``np`` ranks from this folder;
+    skips when mpiexec is missing, returns the finished process."""
     if not MPIEXEC.exists():
         pytest.skip(f"{MPIEXEC} not found: pip install mpich")
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", str(NP), sys.executable, str(script)],
+    return subprocess.run(
+        [str(MPIEXEC), "-n", str(np), sys.executable, str(script), *args],
         capture_output=True,
         text=True,
-        timeout=HANG_S + 30,
+        timeout=timeout,
         env=_env(),
         cwd=HERE,
     )
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_spmd_under_mpiexec(script: Path) -> None:
+    proc = mpiexec(script, NP)
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count(f"OK {script.stem}") == NP, _report(proc)
 
@@ -78,16 +86,7 @@ def test_spmd_under_mpiexec(script: Path) -> None:
 def test_spmd_more_ranks(script: str, np: int) -> None:
     """More than two ranks (oversubscribed where cores are few): every round is a butterfly
     of point-to-point messages; 3 folds one rank into a partner, 4 is recursive doubling."""
-    if not MPIEXEC.exists():
-        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", str(np), sys.executable, f"{script}.py"],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S + 30,
-        env=_env(),
-        cwd=HERE,
-    )
+    proc = mpiexec(f"{script}.py", np)
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count(f"OK {script}") == np, _report(proc)
 
@@ -97,16 +96,7 @@ def test_spmd_more_ranks(script: str, np: int) -> None:
 def test_spmd_adasum_ranks(ranks: int) -> None:
     """Adasum's DistributedOptimizer on four ranks (a two-level tree; oversubscribed is fine)
     and Horovod's error on every rank of three (not a power of two)."""
-    if not MPIEXEC.exists():
-        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, "spmd_adasum.py"],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S + 30,
-        env=_env(),
-        cwd=HERE,
-    )
+    proc = mpiexec("spmd_adasum.py", ranks)
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count("OK spmd_adasum") == ranks, _report(proc)
 
@@ -179,18 +169,9 @@ def test_torchrun_style_gloo(script: str) -> None:
 def test_example_pytorch_mnist_adasum() -> None:
     """Horovod's MNIST example (on scikit-learn's digits) trains with ``--use-adasum``."""
     pytest.importorskip("sklearn")
-    if not MPIEXEC.exists():
-        pytest.skip(f"{MPIEXEC} not found: pip install mpich")
     example = HERE.parents[1] / "examples" / "pytorch_mnist_adasum.py"
     args = ["--use-adasum", "--epochs", "3", "--lr", "0.05", "--batch-size", "32"]
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", str(NP), sys.executable, str(example), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-        cwd=HERE,
-    )
+    proc = mpiexec(example, NP, *args, timeout=120)
     assert proc.returncode == 0, _report(proc)
     accs = re.findall(r"Accuracy: ([0-9.]+)%", proc.stdout)
     assert len(accs) == 3, _report(proc)  # one line per epoch, rank 0 only
