@@ -14,6 +14,7 @@ Adasum (its combination is per tensor).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,6 @@ import tensorflow as tf
 import hvdnb.torch as ht
 from hvdnb.tensorflow.bridge import call, from_torch, raw_view, to_torch
 from hvdnb.tensorflow.compression import Compression
-from hvdnb.torch.ops import _op as _resolve_op  # Horovod's average=/op= rule, one copy
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.reduce import allreduce_launch
 from hvdnb.torch.spec import Adasum, Average, Max, Min, Product, Sum
@@ -47,6 +47,21 @@ __all__ = [
     "join",
     "reducescatter",
 ]
+
+
+def _resolve_op(op: int | None, average: bool | None) -> int:
+    if average is not None:
+        if op is not None:
+            raise ValueError(
+                "The op parameter supersedes average. Please provide only one of them."
+            )
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return Average if average else Sum
+    return Average if op is None else int(op)
 
 
 def _float(x: tf.Tensor) -> bool:
