@@ -47,17 +47,25 @@ def test_tf_keras_fit_at_three_ranks() -> None:
     _run("spmd_tf_keras", 3)
 
 
-@pytest.mark.timeout(60)
-def test_missing_tensorflow_names_the_install_command() -> None:
-    """With TensorFlow hidden, importing hvdnb.tensorflow fails with the command to run."""
+def _import_without(hidden: str, module: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Import ``module`` in a fresh interpreter with ``hidden`` made unimportable; prints
+    ``ERR <message>`` for the ModuleNotFoundError it raises."""
     code = (
-        "import sys; sys.modules['tensorflow'] = None\n"
+        f"import sys; sys.modules[{hidden!r}] = None\n"
         "try:\n"
-        "    import hvdnb.tensorflow\n"
+        f"    import {module}\n"
         "except ModuleNotFoundError as e:\n"
         "    print('ERR', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.timeout(60)
+def test_missing_tensorflow_names_the_install_command() -> None:
+    """With TensorFlow hidden, importing hvdnb.tensorflow fails with the command to run."""
+    out = _import_without("tensorflow", "hvdnb.tensorflow", timeout=60)
     assert "ERR hvdnb.tensorflow needs tensorflow" in out.stdout, out.stdout + out.stderr
     assert INSTALL in out.stdout, out.stdout
 
@@ -65,14 +73,7 @@ def test_missing_tensorflow_names_the_install_command() -> None:
 @pytest.mark.timeout(120)
 def test_missing_tf_keras_names_the_install_command() -> None:
     _need("tensorflow")
-    code = (
-        "import sys; sys.modules['tf_keras'] = None\n"
-        "try:\n"
-        "    import hvdnb.tensorflow.keras\n"
-        "except ModuleNotFoundError as e:\n"
-        "    print('ERR', e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _import_without("tf_keras", "hvdnb.tensorflow.keras", timeout=120)
     assert "ERR hvdnb.tensorflow.keras needs tf_keras" in out.stdout, out.stdout + out.stderr
     assert "hvdnb[tf]" in out.stdout, out.stdout
 
