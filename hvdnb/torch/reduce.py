@@ -156,20 +156,25 @@ def allreduce_op(
             peer = tr.rbuf[:HDR_BYTES].tobytes()
             return [hdr, peer] if tr.rank == 0 else [peer, hdr]
         peer_t = tr.peer_view(wire.dtype, wire.shape)
-        out = wire if direct else None
-        if op <= Sum:
-            res = torch.add(wire, peer_t, out=out)
-        elif op == Min:
-            res = torch.minimum(wire, peer_t, out=out)
-        elif op == Max:
-            res = torch.maximum(wire, peer_t, out=out)
-        else:
-            res = torch.mul(wire, peer_t, out=out)
+        res = _combine(op, wire, peer_t, wire if direct else None)
         return Handle(None, None, finish(res), _meta(name, nbytes, backend))
 
     if type(tr) is MPITransport and nbw <= tr.inline and tr.inline and op != Adasum:
         o.inline = inline
     return tr, o
+
+
+def _combine(
+    op: int, mine: torch.Tensor, peer: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Two ranks' tensors reduced by ``op`` (the 2-rank inline path), into ``out`` if given."""
+    if op <= Sum:
+        return torch.add(mine, peer, out=out)
+    if op == Min:
+        return torch.minimum(mine, peer, out=out)
+    if op == Max:
+        return torch.maximum(mine, peer, out=out)
+    return torch.mul(mine, peer, out=out)
 
 
 def _check_adasum(wire: torch.Tensor, dtype: torch.dtype, size: int) -> None:
