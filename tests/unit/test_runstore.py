@@ -228,9 +228,14 @@ def test_import_a_batch_run(home, tmp_path):
                 f.write(jsonl.dumps_line(msg) + "\n")
     ids = history.import_runs(d)
     assert len(ids) == 1 and ids == history.import_runs(d)  # again: replaced, not copied
-    store = RunStore()
-    (run,) = store.runs()
-    assert run["id"] == ids[0] and run["source"] == f"batch {d.resolve()}"
+    # the session's run store, where import_runs wrote: it was opened when the session's
+    # store first kept a run, so in a whole suite under the session's HVDNB_HOME, not this
+    # test's (other tests' runs may be there too)
+    from hvdnb.notebook.metrics.store import get_store
+
+    store = get_store().run_log.store()
+    (run,) = [r for r in store.runs() if r["source"] == f"batch {d.resolve()}"]
+    assert run["id"] == ids[0]
     assert (run["ranks"], run["steps"], run["points"]) == (2, 39, 80)
     assert len(stored_rows(store, ids[0], "loss")) == 80
 
