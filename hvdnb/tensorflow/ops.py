@@ -14,7 +14,6 @@ Adasum (its combination is per tensor).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ import tensorflow as tf
 import hvdnb.torch as ht
 from hvdnb.tensorflow.bridge import call, from_torch, raw_view, to_torch
 from hvdnb.tensorflow.compression import Compression
+from hvdnb.torch.ops import resolve_op
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
 from hvdnb.torch.reduce import allreduce_launch
 from hvdnb.torch.spec import Adasum, Average, Max, Min, Product, Sum
@@ -47,21 +47,6 @@ __all__ = [
     "join",
     "reducescatter",
 ]
-
-
-def _resolve_op(op: int | None, average: bool | None) -> int:
-    if average is not None:
-        if op is not None:
-            raise ValueError(
-                "The op parameter supersedes average. Please provide only one of them."
-            )
-        warnings.warn(
-            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return Average if average else Sum
-    return Average if op is None else int(op)
 
 
 def _float(x: tf.Tensor) -> bool:
@@ -202,7 +187,7 @@ def allreduce(
     -------
     tf.Tensor (tf.IndexedSlices for IndexedSlices input), same shape and dtype
     """
-    rop = _resolve_op(op, average)
+    rop = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, name, rop, prescale_factor, postscale_factor, process_set)
     x = _tensor(tensor)
@@ -228,7 +213,7 @@ def grouped_allreduce(
     buffer. Same SPMD contract as ``allreduce``, for the whole list (count, order, shapes,
     dtypes). Differentiable; ``tf.IndexedSlices`` members are gathered as in ``allreduce``.
     """
-    rop = _resolve_op(op, average)
+    rop = resolve_op(op, average)
     tensors = list(tensors)
     if any(isinstance(t, tf.IndexedSlices) for t in tensors) and rop not in (Average, Sum):
         raise NotImplementedError(

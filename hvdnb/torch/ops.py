@@ -64,7 +64,7 @@ class HostsUpdatedInterrupt(RuntimeError):
     """Horovod elastic's signal that hosts changed; hvdnb never raises it (no elastic)."""
 
 
-def _op(op: int | None, average: bool | None) -> int:
+def resolve_op(op: int | None, average: bool | None) -> int:
     """Horovod's ``average=`` (deprecated) and ``op=``: one of them, Average by default."""
     if average is not None:
         if isinstance(average, str):
@@ -139,7 +139,7 @@ def allreduce(
     torch.Tensor
         A new tensor with the reduced values, same shape and dtype.
     """
-    op = _op(op, average)
+    op = resolve_op(op, average)
     if compression is not None:
         comp, ctx = compression.compress(tensor)
         if comp is not tensor:
@@ -178,7 +178,7 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place ``allreduce``: ``tensor`` holds the result. Same SPMD contract."""
-    op = _op(op, average)
+    op = resolve_op(op, average)
     r = planned_allreduce(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
     if r is not None:
         return r
@@ -198,7 +198,7 @@ def _allreduce_async(
     post: float,
     ps: ProcessSet,
 ) -> int:
-    tr, o = allreduce_op(tensor, inplace, name, _op(op, average), pre, post, ps)
+    tr, o = allreduce_op(tensor, inplace, name, resolve_op(op, average), pre, post, ps)
     return submit(tr, o)
 
 
@@ -251,7 +251,7 @@ def _grouped(
     ps: ProcessSet,
     is_async: bool,
 ) -> Any:
-    op = _op(op, average)
+    op = resolve_op(op, average)
     tensors = list(tensors)
     if len({t.device for t in tensors}) > 1:
         raise RuntimeError(  # Horovod raises RuntimeError here (a fatal op error)
