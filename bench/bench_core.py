@@ -16,7 +16,7 @@
 
 Prints a table and writes ``bench/results/core.json``.
 Usage: ``python bench/bench_core.py [--starts 3] [--cells 200] [--kernel-cells 40]
-[--steps 20000] [--lines 20000]`` (``--kernel-cells 0`` skips the real kernel)
+[--steps 20000] [--lines 20000] [--floods 5]`` (``--kernel-cells 0`` skips the real kernel)
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--kernel-cells", type=int, default=40, help="0: skip the real kernel")
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--lines", type=int, default=20000)
+    ap.add_argument("--floods", type=int, default=5, help="flood cells per side (medians)")
     args = ap.parse_args()
     # raw ipyparallel finds mpiexec on PATH (hvdnb uses the environment's own): give the
     # baseline the same one, as an activated venv would
@@ -151,7 +152,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import bench_kernel
 
-        real_kernel = bench_kernel.run(args.kernel_cells, args.steps, args.lines)
+        real_kernel = bench_kernel.run(args.kernel_cells, args.steps, args.lines, args.floods)
 
     med = statistics.median
 
