@@ -321,3 +321,78 @@ def test_dist_runs_delete_and_compare(shell, home, capsys):
     assert f"deleted 1 run: {rid}" in capsys.readouterr().out
     with pytest.raises(UsageError, match="no run nope-2"):
         shell.run_line_magic("dist", "runs --delete nope-2")
+
+
+def test_to_trackio_writes_trackios_schema(home, tmp_path):
+    """The export read back with sqlite3 against trackio 0.43.0's schema (version 2,
+    ``sqlite_storage.py``): one metrics row per step holding every rank's values, the
+    knobs as the run's config; a second export replaces the run, other runs stay."""
+    import json
+    from datetime import datetime
+
+    from hvdnb.notebook.metrics.tboard import RunRows
+
+    st = MetricsStore(keep_runs=True)
+    _log_run(st, cell=1, steps=30)
+    _log_run(st, cell=2, steps=10)
+    rid, rid2 = st.run_log.key(1), st.run_log.key(2)
+    rows = RunRows(st.stored_rows(rid))
+    assert rows.record is not None and rows.record["id"] == rid
+    db = rows.to_trackio("my.tuning", dir=tmp_path / "tk")
+    assert db == tmp_path / "tk" / "mytuning.db"  # trackio's canonical project name
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+    rows.to_trackio("my.tuning", dir=tmp_path / "tk")  # again: replaces, no copies
+    RunRows(st.stored_rows(rid2)).to_trackio("my.tuning", dir=tmp_path / "tk")
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == 2
+    got = con.execute(
+        "SELECT run_id, run_name, step, timestamp, metrics FROM metrics WHERE run_name = ? "
+        "ORDER BY timestamp, id",
+        (rid,),
+    ).fetchall()
+    assert [g[2] for g in got] == list(range(30))
+    assert {g[0] for g in got} == {f"hvdnb-{rid}"}
+    for step, ts, m in ((g[2], g[3], json.loads(g[4])) for g in got):
+        assert datetime.fromisoformat(ts).timestamp() == pytest.approx(1000.0 + step)
+        assert sorted(m) == ["loss/rank0", "loss/rank1", "samples/rank0", "samples/rank1"]
+        assert m["loss/rank1"] == pytest.approx(1.0 / (step + 1))
+    names = [r[0] for r in con.execute("SELECT run_name FROM configs ORDER BY id")]
+    assert names == [rid, rid2]
+    (cfg,) = con.execute("SELECT config FROM configs WHERE run_name = ?", (rid,)).fetchone()
+    cfg = json.loads(cfg)
+    assert (cfg["lr"], cfg["batch_size"], cfg["hvdnb/ranks"]) == (0.1, 32, 2)
+    assert cfg["hvdnb/knob_changes"][0][:2] == [20, {"batch_size": 64}]
+    assert cfg["_Group"] == st.run_log.session
+    assert con.execute("SELECT count(*) FROM metrics WHERE run_name = ?", (rid2,)).fetchone() == (
+        10,
+    )
+    con.close()
+
+
+def test_to_trackio_nan_names_and_empty_rows(tmp_path, monkeypatch):
+    """NaN as trackio writes it ("NaN": its orjson reader refuses a bare NaN), this
+    session's rows named run<N>, TRACKIO_DIR as the default place, bad names refused."""
+    import json
+    import math
+
+    from hvdnb.notebook.metrics.rows import MetricRow
+    from hvdnb.notebook.metrics.tboard import RunRows
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "td"))
+    rows = RunRows(
+        [
+            MetricRow(0, 0, "loss", math.nan, 5.0, 3, 0, {"lr": 0.5}),
+            MetricRow(0, 1, "loss", math.inf, 6.0, 3, 0, {"lr": 0.5}),
+        ]
+    )
+    db = rows.to_trackio("p")
+    assert db == tmp_path / "td" / "p.db"
+    con = sqlite3.connect(db)
+    got = con.execute("SELECT run_name, metrics FROM metrics ORDER BY step").fetchall()
+    assert got == [("run3", '{"loss/rank0": "NaN"}'), ("run3", '{"loss/rank0": "Infinity"}')]
+    assert json.loads(con.execute("SELECT config FROM configs").fetchone()[0])["lr"] == 0.5
+    con.close()
+    with pytest.raises(ValueError, match="reserves the project name"):
+        rows.to_trackio("registry-x")
+    with pytest.raises(ValueError, match="no points to export"):
+        RunRows().to_trackio("p")

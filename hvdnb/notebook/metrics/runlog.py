@@ -29,9 +29,10 @@ from typing import Any
 
 from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore, thin_indices
-from hvdnb.notebook.metrics.rows import MetricRow, MetricRows
+from hvdnb.notebook.metrics.rows import MetricRow
 from hvdnb.notebook.metrics.runs import Runs
 from hvdnb.notebook.metrics.runstore import Batch, RunStore, StoreUnavailable
+from hvdnb.notebook.metrics.tboard import RunRows
 
 __all__ = ["INTERVAL", "RunLog", "outcome_of", "pin_label", "stored_rows"]
 
@@ -60,11 +61,12 @@ def pin_label(r: dict[str, Any]) -> str:
 
 def stored_rows(
     store: RunStore, rid: str, name: str | None = None, rank: int | None = None
-) -> MetricRows:
-    """A stored run's points as ``hvdnb.metrics()`` rows, with their knob segments."""
+) -> RunRows:
+    """A stored run's points as ``hvdnb.metrics()`` rows, with their knob segments (and
+    the run's record: ``RunRows.record``)."""
     rec = store.run(rid)
     knobs0, changes = rec["knobs"], rec["changes"]
-    out = MetricRows()
+    out = RunRows(record=rec)
     mine: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for r, n, st, t, v in store.points(rid, name, rank):
         if r not in mine:

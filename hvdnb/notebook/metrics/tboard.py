@@ -1,7 +1,8 @@
 """``hvdnb.metrics(...).to_tensorboard(DIR)``: rows as TensorBoard event files.
 
 Owns: ``RunRows`` (the rows ``hvdnb.metrics()`` returns: ``MetricRows`` plus
-``to_tensorboard``) and the export: one event file per run and rank
+``to_tensorboard`` and ``to_trackio``, which ``trackio_export`` writes) and the TensorBoard
+export: one event file per run and rank
 (``DIR/run<N>/rank<R>``), every series a scalar tag with its step and wall time, and each
 run's starting knob values as TensorBoard hyperparameters (the HPARAMS tab), written with
 torch's ``SummaryWriter`` (which needs the ``tensorboard`` package).
@@ -16,12 +17,44 @@ from pathlib import Path
 from typing import Any
 
 from hvdnb.notebook.metrics.rows import MetricRows
+from hvdnb.notebook.metrics.trackio_export import write_trackio
 
 __all__ = ["RunRows", "write_tensorboard"]
 
 
 class RunRows(MetricRows):
-    """``MetricRows`` with ``to_tensorboard``."""
+    """``MetricRows`` with ``to_tensorboard`` and ``to_trackio``.
+
+    ``record``: the run store's record when the rows are one stored run
+    (``hvdnb.metrics(run=ID)``), else None; copied from ``rows`` when it has one.
+    """
+
+    def __init__(self, rows: Any = (), record: dict[str, Any] | None = None) -> None:
+        super().__init__(rows)
+        self.record: dict[str, Any] | None = (
+            record if record is not None else getattr(rows, "record", None)
+        )
+
+    def to_trackio(self, project: str, dir: str | Path | None = None) -> Path:
+        """Write the rows into trackio project ``project``; returns its database file.
+
+        Parameters
+        ----------
+        project : the trackio project (``trackio show --project PROJECT``)
+        dir : trackio's directory; default ``$TRACKIO_DIR``, else
+            ``~/.cache/huggingface/trackio`` (under ``$HF_HOME`` when set)
+
+        Each run becomes a trackio run (named by its run store id, or ``run<N>`` for this
+        session's rows), every series per rank a metric (``loss/rank0``), its knobs at
+        the start its config. Exporting a run again replaces it; other runs of the
+        project are left alone.
+
+        Examples
+        --------
+        >>> hvdnb.metrics(run="a3f9c1-2").to_trackio("tuning")   # doctest: +SKIP
+        PosixPath('/home/me/.cache/huggingface/trackio/tuning.db')
+        """
+        return write_trackio(self, project, dir, self.record)
 
     def to_tensorboard(self, path: str | Path) -> Path:
         """Write the rows as TensorBoard event files under ``path``; returns it.
