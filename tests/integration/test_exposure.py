@@ -51,7 +51,7 @@ def test_killed_kernel_leaves_nothing_running_or_on_disk():
         """
         import os, signal, hvdnb
         c = hvdnb.Cluster(n=2, timeout=120).start()
-        print(c._ipp.profile_dir, c.cluster_id, flush=True)
+        print(c._ipp.profile_dir, c.cluster_id, c.state_dir, flush=True)
         print(*c.pids(), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit runs: the watchdog must clean up
         """
@@ -61,12 +61,14 @@ def test_killed_kernel_leaves_nothing_running_or_on_disk():
     )
     assert proc.returncode == -signal.SIGKILL
     head, tail = proc.stdout.splitlines()
-    profile, cluster_id = head.split()
+    profile, cluster_id, state_dir = head.split()
+    assert Path(state_dir).is_dir() and Path(state_dir).name.startswith("hvdnb-state-")
     pids = [int(p) for p in tail.split()]
     assert len(pids) >= 4
     assert alive(pids, within=8.0) == []
-    # connection files (with the session key), cluster file, logs: gone too
+    # connection files (with the session key), cluster file, logs, state dir: gone too
     left = [p for sub in ("security", "log") for p in (Path(profile) / sub).glob(f"*{cluster_id}*")]
+    left.append(Path(state_dir))  # and the state directory (hvdnb.State's commits)
     deadline = time.monotonic() + 5
     while left and time.monotonic() < deadline:
         time.sleep(0.2)

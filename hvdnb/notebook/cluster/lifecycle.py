@@ -393,8 +393,11 @@ class Cluster:
             job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
             if job and delete:
                 cancel += ["--cancel", *map(str, delete), str(job)]
-        # and, as a stop would, the cluster's files
+        # and, as a stop would, the cluster's files and its state directory (a killed
+        # `hvdnb run` or kernel left hvdnb-state-* behind in the temp directory)
         files = ["--files", *_cluster_files(self._ipp.profile_dir, self.cluster_id)]
+        if self.state_dir:
+            files.append(self.state_dir)
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "hvdnb.notebook.cluster.watchdog", str(os.getpid())]
             + [str(pid) for pid in self._root_pids()]

@@ -7,7 +7,8 @@ these tiny processes (stdlib only, in its own session): it polls the kernel twic
 and, once the kernel is gone, terminates the process groups it was given (SIGTERM, then
 SIGKILL after 2 s), runs the given cancel commands (``scancel JOBID`` for a Slurm
 cluster, whose ranks run on other machines) and removes the files the cluster would have
-removed on a clean stop (its connection files, cluster file and logs: ``--files``).
+removed on a clean stop (its connection files, cluster file and logs, and its state
+directory: ``--files``; a directory is removed with what it holds).
 It exits by itself when the cluster stops first.
 
 Never: touch processes or files it was not given, or outlive both the kernel and the cluster.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,9 +73,13 @@ def _parse(argv: list[str]) -> tuple[int, list[int], list[list[str]], list[str]]
 
 
 def remove_files(patterns: list[str]) -> None:
-    """Remove the files matching ``patterns``; a file already gone is fine."""
+    """Remove the files matching ``patterns`` (a directory with what it holds); one
+    already gone is fine."""
     for pattern in patterns:
         for path in glob.glob(pattern):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                continue
             try:
                 os.unlink(path)
             except OSError:
