@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from hvdnb.notebook.cluster.spec import ClusterError
     from hvdnb.notebook.metrics.history import import_runs, runs
     from hvdnb.notebook.metrics.store import set_knobs, watch
+    from hvdnb.notebook.tfcoord import ClusterCoordinator
     from hvdnb.notebook.tfps import tf_cluster_resolver
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CellResult",
     "Cluster",
+    "ClusterCoordinator",
     "ClusterError",
     "Config",
     "DistributedCellError",
@@ -89,6 +91,7 @@ _LAZY = {
     "import_runs": "hvdnb.notebook.metrics.history",
     "watch": "hvdnb.notebook.metrics.store",
     "tf_cluster_resolver": "hvdnb.notebook.tfps",
+    "ClusterCoordinator": "hvdnb.notebook.tfcoord",
 }
 
 

@@ -8,7 +8,7 @@ own ParameterServerStrategy tutorial. An ordinary cell builds the strategy::
 
     import tensorflow as tf, hvdnb
     strategy = tf.distribute.ParameterServerStrategy(hvdnb.tf_cluster_resolver())
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    coordinator = hvdnb.ClusterCoordinator(strategy)  # TF's, with the panel (``tfcoord``)
 
 Owns: the resolver (the chief's address is chosen at start, in
 ``hvdnb.notebook.cluster.launch``, and passed to the ranks in their environment). Never:
@@ -26,7 +26,7 @@ from typing import Any
 from hvdnb.notebook.cluster.lifecycle import Cluster, current
 from hvdnb.notebook.cluster.spec import ClusterError
 
-__all__ = ["tf_cluster_resolver"]
+__all__ = ["ps_cluster", "tf_cluster_resolver"]
 
 
 def _port_free(addr: str) -> bool:
@@ -39,6 +39,23 @@ def _port_free(addr: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def ps_cluster(cluster: Cluster | None = None) -> Cluster:
+    """``cluster`` (default: the current one) if it runs with parameter servers, else a
+    ``ClusterError`` saying how to start one."""
+    c = cluster or current()
+    if c is None or not c.running:
+        raise ClusterError(
+            "no cluster is running: `%dist start -n 3 --tf-ps 1` starts 1 parameter server "
+            "and 2 workers"
+        )
+    if not c.spec.tf_ps:
+        raise ClusterError(
+            f"this cluster of {c.n} ranks has no parameter servers: `%dist stop`, then "
+            f"`%dist start -n {max(c.n, 2)} --tf-ps 1`"
+        )
+    return c
 
 
 def tf_cluster_resolver(cluster: Cluster | None = None) -> Any:
@@ -59,17 +76,7 @@ def tf_cluster_resolver(cluster: Cluster | None = None) -> Any:
     ClusterError : no cluster runs, it was started without ``--tf-ps``, or the chief's port
         is taken (a strategy was built on this cluster already, or another process took it)
     """
-    c = cluster or current()
-    if c is None or not c.running:
-        raise ClusterError(
-            "no cluster is running: `%dist start -n 3 --tf-ps 1` starts 1 parameter server "
-            "and 2 workers"
-        )
-    if not c.spec.tf_ps:
-        raise ClusterError(
-            f"this cluster of {c.n} ranks has no parameter servers: `%dist stop`, then "
-            f"`%dist start -n {max(c.n, 2)} --tf-ps 1`"
-        )
+    c = ps_cluster(cluster)
     raw = c.client[0].apply_sync(os.getenv, "TF_CONFIG")  # rank 0 is ps 0: it knows them all
     cfg = json.loads(raw)
     spec = cfg["cluster"]

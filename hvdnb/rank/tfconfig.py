@@ -27,6 +27,10 @@ then serves ``tf.distribute.Server`` on its port from its bootstrap until it sto
     {"cluster": {"ps": [A0], "worker": [A1, A2], "chief": [NOTEBOOK]},
      "task": {"type": "worker", "index": 0}}                      # rank 1
 
+The panel of a ps cluster (``hvdnb.ClusterCoordinator``, notebook side) calls ``report_role``
+on every rank: each rank's messages then say its role, and a parameter server, which never
+runs a cell, starts its recorder's heartbeat so that its memory (RSS) reaches the panel.
+
 Owns: the worker address, the port probe, the exchange, the JSON and a ps cluster's
 server. Never: import tensorflow unless the cluster is a ps cluster (optional, and seconds
 to import: a rank that never uses it pays nothing),
@@ -45,11 +49,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from hvdnb.host import reachable_addr
+from hvdnb.rank.metrics import recorder
 from hvdnb.rank.rendezvous import World, threads_per_rank
 
 __all__ = [
     "free_port",
     "ps_config",
+    "report_role",
     "resolve",
     "server",
     "setup",
@@ -221,3 +227,21 @@ def setup(w: World) -> str | None:
         return None
     os.environ["TF_CONFIG"] = value
     return value
+
+
+def report_role() -> tuple[str, int] | None:
+    """Say this rank's role in a ps cluster with its metrics messages (``tf_role``,
+    ``tf_index`` in each message's ``meta``) and, on a parameter server, start the
+    recorder's flusher thread: its heartbeat (every 4 flush intervals) carries the RSS.
+    Workers get no heartbeat: the coordinator speaks for their steps (a heartbeat's step
+    would read 0 over the coordinator's count). Returns (role, index), or None outside a
+    ps cluster; idempotent."""
+    if not _SERVER or not os.environ.get("TF_CONFIG"):
+        return None
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    role, index = str(task["type"]), int(task["index"])
+    rec = recorder.get_recorder()
+    rec.meta.update(tf_role=role, tf_index=index)
+    if role == "ps":
+        rec.flusher.start()  # no-op once running, or without a side channel
+    return role, index

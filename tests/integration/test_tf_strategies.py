@@ -22,6 +22,8 @@ import hvdnb
 from hvdnb.extras import KERAS3_FIT_HINT
 from hvdnb.notebook.cells import DistributedCellError
 from hvdnb.notebook.cluster import health
+from hvdnb.notebook.metrics.store import get_store
+from hvdnb.notebook.panel.tables import tables_html
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.mpi, pytest.mark.slow]
 
@@ -169,6 +171,44 @@ def test_parameter_server_strategy_from_the_notebook_trains_on_both_workers(
     pids = ps_cluster.client[:].apply_sync(os.getpid)  # rank order
     steps = {rank: sum(1 for _, pid in out if pid == pids[rank]) for rank in (1, 2)}
     assert steps[1] > 0 and steps[2] > 0 and sum(steps.values()) == 200, (steps, pids)
+
+
+@needs_tf_keras
+def test_the_panel_shows_each_workers_steps_and_loss_and_the_servers_memory(
+    ps_cluster, coordinated
+):
+    """hvdnb.ClusterCoordinator against an independent count: the pid each step returned
+    itself (the test's step reads it); the store holds, per worker rank, exactly the steps
+    that worker ran, with their losses, and the ps rank's heartbeat brings its RSS."""
+    tf_coordinator, step, batches = coordinated
+    coordinator = hvdnb.ClusterCoordinator(tf_coordinator.strategy, ps_cluster)
+    assert coordinator.coordinator is tf_coordinator  # TensorFlow keeps one per strategy
+    results = [coordinator.schedule(step, args=(batches,)) for _ in range(120)]
+    coordinator.join()
+    pids = ps_cluster.client[:].apply_sync(os.getpid)  # rank order
+    ran = [(r.step, float(loss), int(pid)) for r, (loss, pid) in ((r, r.fetch()) for r in results)]
+    assert [s for s, _, _ in ran] == list(range(120))
+    own = {rank: [(s, loss) for s, loss, pid in ran if pid == pids[rank]] for rank in (1, 2)}
+    assert sum(map(len, own.values())) == 120 and coordinator.unplaced == 0, (pids, ran[:5])
+    assert coordinator.steps == {rank: len(own[rank]) for rank in (1, 2)}
+    store = get_store()
+    for rank in (1, 2):
+        steps, losses, _ = store.series("loss", rank)
+        assert steps == [s for s, _ in own[rank]]  # the steps it ran, in schedule order
+        assert losses == pytest.approx([loss for _, loss in own[rank]])
+        assert store.series("ps/steps", rank)[1] == [float(i + 1) for i in range(len(own[rank]))]
+        assert store.rank_info[rank]["tf_role"] == "worker"
+        assert store.rank_info[rank]["ps_steps"] == len(own[rank])
+    deadline = time.monotonic() + 30  # the server's heartbeat: every 4 flush intervals
+    while store.memory().get(0, {}).get("rss") is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (store.memory()[0]["rss"] or 0) > 10e6, store.memory()
+    assert store.rank_info[0]["tf_role"] == "ps" and store.rank_info[0]["tf_index"] == 0
+    html = tables_html(store)
+    assert "parameter-server cluster" in html, html
+    for rank in (1, 2):
+        assert f"<td>{rank}</td><td>worker {rank - 1}</td><td>{len(own[rank])}</td>" in html
+    assert "<td>0</td><td>ps 0</td><td></td><td></td><td>" in html and " MB</td>" in html
 
 
 @needs_tf_keras

@@ -19,6 +19,7 @@ from typing import Any
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.panel.charts import MAX_LINES, backend_name, backends_text, memory_chart
+from hvdnb.notebook.panel.pstable import ps_table
 
 __all__ = ["fmt_bytes", "header_html", "tables_html"]
 
@@ -77,8 +78,8 @@ def header_html(store: MetricsStore) -> tuple[str, tuple[int, int] | None]:
 
 
 def tables_html(store: MetricsStore) -> str:
-    """The hosts, allreduce and memory tables."""
-    return host_table(store) + comm_table(store) + memory_table(store)
+    """The hosts, parameter-server, allreduce and memory tables."""
+    return host_table(store) + ps_table(store) + comm_table(store) + memory_table(store)
 
 
 def comm_table(store: MetricsStore) -> str:
