@@ -18,7 +18,7 @@ from typing import Any
 
 from hvdnb.notebook.metrics.files import load_store
 from hvdnb.notebook.metrics.runstore import RUN_FIELDS, Batch
-from hvdnb.notebook.metrics.store import get_store
+from hvdnb.notebook.metrics.store import MetricsStore, get_store
 
 __all__ = ["compare", "delete", "import_runs", "runs", "runs_text"]
 
@@ -95,10 +95,10 @@ def delete(ids: list[str]) -> str:
     return text
 
 
-def compare(ids: list[str]) -> str:
-    """Pin runs of the run store to the panel's runs chart (``%dist compare ID ...``; no
-    id: unpin them all)."""
-    log = get_store().run_log
+def compare(ids: list[str], store: MetricsStore | None = None) -> str:
+    """Pin runs of the run store to the panel's runs chart (``%dist compare ID ...`` and
+    the panel's pin control; no id: unpin them all). ``store``: default ``get_store()``."""
+    log = (store if store is not None else get_store()).run_log
     if not ids:
         log.unpin()
         return "no earlier runs pinned to the runs chart"

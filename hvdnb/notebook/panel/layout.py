@@ -45,6 +45,7 @@ from typing import Any
 from hvdnb.notebook.metrics.store import MetricsStore, get_store
 from hvdnb.notebook.panel import kernel as _kernel
 from hvdnb.notebook.panel.controls import Controls
+from hvdnb.notebook.panel.pins import Pins
 from hvdnb.notebook.panel.png import render_png
 from hvdnb.notebook.panel.svg import charts_html
 from hvdnb.notebook.panel.tables import header_html, tables_html
@@ -101,6 +102,8 @@ class Panel:
         #: message per redraw
         self.view = w.HTML(value="<b>hvdnb</b>: waiting for data from the ranks")
         self.controls = Controls(self.store, self._subshell, self._lock, self._invalidate)
+        #: the runs chart's pin control: earlier runs of the run store (%dist compare)
+        self.pins = Pins(self.store, self._subshell, self._lock, self._invalidate)
         c = self.controls
         # the widgets by their old names (bench, tests and users read them off the panel)
         self.log_y, self.smoothing, self.cmp_x = c.log_y, c.smoothing, c.cmp_x
@@ -116,6 +119,7 @@ class Panel:
                 self.view,
                 w.HBox([c.log_y, c.smoothing, c.window], layout=w.Layout(flex_flow="row wrap")),
                 w.HBox([c.cmp_x, c.cmp_clear]),
+                self.pins.box,
             ]
         )
         self.box.add_class("hvdnb-panel")
@@ -294,6 +298,7 @@ class Panel:
             t0 = time.perf_counter()
             self._drawn_version = version
             self.controls.sync()
+            self.pins.sync()
             view = self._view_html()
             if view != self.view.value:
                 with self.view.hold_sync():
