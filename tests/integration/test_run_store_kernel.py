@@ -1,11 +1,13 @@
 """Runs outlive the kernel: a run logged in one real kernel (the "Python 3 (hvdnb)"
 kernelspec), read back in a fresh kernel after the first one shut down: ``hvdnb.runs()``
 with its knobs, ``hvdnb.metrics(run=ID)`` with every loss point, the TensorBoard export
-read back with TensorBoard's reader, and the runs chart pinning it (``%dist compare``)."""
+read back with TensorBoard's reader, the trackio export read back against trackio's schema,
+and the runs chart pinning it (``%dist compare``, then the panel's pin control)."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 
@@ -49,7 +51,7 @@ def test_a_run_is_there_in_the_next_kernel(tmp_path):
         (rid,) = first["ids"]
         r = k.run("%dist stop", timeout=60)
         assert r.error is None, r
-    tb = tmp_path / "tb"
+    tb, tk = tmp_path / "tb", tmp_path / "trackio"
     with Kernel(env) as k:  # a fresh kernel: nothing in memory, no cluster
         got = _json(
             k.run(
@@ -63,11 +65,21 @@ def test_a_run_is_there_in_the_next_kernel(tmp_path):
                 f"hvdnb.metrics(run=rid).to_tensorboard({str(tb)!r})\n"
                 "get_ipython().run_line_magic('dist', f'compare {rid}')\n"
                 "chart = runs_chart(get_store())\n"
+                f"db = str(hvdnb.metrics(run=rid).to_trackio('tuning', dir={str(tk)!r}))\n"
+                "get_ipython().run_line_magic('dist', 'compare')\n"  # unpinned: the panel pins
+                "from hvdnb.notebook.panel.layout import Panel\n"
+                "p = Panel(get_store())\n"
+                "p.pins.list.click(); p.render()\n"
+                "options = list(p.pins.runs.options)\n"
+                "p.pins.runs.value = (rid,); p.pins.pin.click(); p.render()\n"
+                "chart2 = runs_chart(get_store())\n"
                 "print(json.dumps({'knobs': run.knobs, 'outcome': run.outcome, "
                 "'ranks': int(run.ranks), 'steps': int(run.steps), "
                 "'loss': sorted((r.rank, r.step, r.value) for r in rows), "
                 "'lines': [(l[0], len(l[1])) for l in chart.lines], "
-                "'earlier': chart.earlier, 'live': len(hvdnb.metrics('loss'))}))"
+                "'earlier': chart.earlier, 'live': len(hvdnb.metrics('loss')), 'db': db, "
+                "'options': options, 'lines2': [(l[0], len(l[1])) for l in chart2.lines], "
+                "'earlier2': chart2.earlier, 'note': p.pins.status.value}))"
             )
         )
     assert got["knobs"] == {"batch_size": 16, "warmup_steps": 5}
@@ -82,3 +94,22 @@ def test_a_run_is_there_in_the_next_kernel(tmp_path):
         ea.Reload()
         assert [e.step for e in ea.Scalars("loss")] == list(range(STEPS))
         assert len(ea.Scalars("samples")) == STEPS
+    # the panel's pin control pins the same run, with the same label, as %dist compare
+    assert got["options"] == [[label, rid]]
+    assert got["lines2"] == got["lines"] and got["earlier2"] == [0]
+    assert got["note"] == f"pinned to the runs chart: {rid}"
+    # the trackio export, read against trackio 0.43.0's schema (see trackio_export)
+    con = sqlite3.connect(got["db"])
+    rows = con.execute(
+        "SELECT run_name, step, metrics FROM metrics WHERE run_id = ? ORDER BY timestamp, id",
+        (f"hvdnb-{rid}",),
+    ).fetchall()
+    (config,) = con.execute("SELECT config FROM configs WHERE run_name = ?", (rid,)).fetchone()
+    con.close()
+    assert {r[0] for r in rows} == {rid}
+    losses = [(s, m) for s, m in ((r[1], json.loads(r[2])) for r in rows) if "loss/rank0" in m]
+    assert [s for s, _ in losses] == list(range(STEPS))  # other series may log past them
+    for s, m in losses:
+        assert (m["loss/rank0"], m["loss/rank1"]) == (1.0 / (s + 1), 1.0 / (s + 1))
+    config = json.loads(config)
+    assert (config["batch_size"], config["warmup_steps"], config["hvdnb/ranks"]) == (16, 5, 2)
