@@ -7,6 +7,10 @@ alone here, at 2, 64 and 1,024 ranks, for the two floods a training loop makes:
 - ``differ``: every rank prints its own lines (``rank 5 loss 0.31``), never merged;
 - ``lagging``: like ``same``, but one rank runs ``--lag`` lines behind the others, so the
   lines it has not printed yet are held (the backlog a merge must not scan).
+- ``late``: like ``lagging`` with the clock running (a chunk per 10 ms, the real 0.25 s
+  window), the last rank 24 to 26 chunks behind: some of its lines arrive after the
+  others' copies waited out the window and were shown alone, the rest still merge; the
+  mix a real kernel's 20,000-line flood makes.
 
 Lines arrive in chunks of ``--chunk`` lines per rank, round robin, as the cell's reader feeds
 them. For each case the table gives µs per input line over the first and the last tenth of
@@ -40,23 +44,35 @@ def run(nranks: int, lines_per_rank: int, chunk: int, case: str, lag: int) -> di
         nonlocal shown
         shown += 1
 
-    c = OutputCollapser(range(nranks), emit, window=10.0)  # nothing leaves by age
+    # nothing leaves by age, except in ``late``, where a chunk is fed every 10 ms
+    c = OutputCollapser(range(nranks), emit, window=0.25 if case == "late" else 10.0)
+    jitter = [(i * 7) % 3 for i in range(lines_per_rank // chunk + 1)]  # 0, 1 or 2 chunks
     marks: list[tuple[int, float]] = []
     fed = 0
     t0 = time.perf_counter()
     total = nranks * lines_per_rank
     steps = (lines_per_rank + lag) // chunk + 1
+    if case == "late":
+        steps = lines_per_rank // chunk + 30
+    sent = 0  # the late rank's chunks fed so far
     for s in range(steps):
         for r in range(nranks):
             start = s * chunk - (lag if case == "lagging" and r == nranks - 1 else 0)
-            lo, hi = max(0, start), min(lines_per_rank, start + chunk)
+            if case == "late" and r == nranks - 1:  # every chunk due by now (24-26 behind)
+                due = sent
+                while due < len(jitter) and due + 24 + jitter[due] <= s:
+                    due += 1
+                start, sent = sent * chunk, due
+                lo, hi = start, min(lines_per_rank, due * chunk)
+            else:
+                lo, hi = max(0, start), min(lines_per_rank, start + chunk)
             if hi <= lo:
                 continue
             if case == "differ":
                 text = "".join(f"rank {r} step {i} loss 0.{i:05d}\n" for i in range(lo, hi))
             else:
                 text = "".join(f"step {i} loss 0.{i:05d}\n" for i in range(lo, hi))
-            c.feed(r, "stdout", text, now=0.0)
+            c.feed(r, "stdout", text, now=0.01 * s if case == "late" else 0.0)
             fed += hi - lo
             marks.append((fed, time.perf_counter() - t0))
     c.flush()
@@ -91,7 +107,7 @@ def main() -> None:
     for nranks in (2, 64, 1024):
         # the same number of input lines in all (2 ranks x --lines)
         per_rank = max(args.chunk * 4, 2 * args.lines // nranks)
-        for case in ("same", "differ", "lagging"):
+        for case in ("same", "differ", "lagging", "late"):
             rows.append(run(nranks, per_rank, args.chunk, case, min(args.lag, per_rank // 2)))
     head = f"{'ranks':>5} {'case':>8} {'lines in':>9} {'shown':>7} {'s':>6} {'µs/line':>8}"
     print(head + f" {'first 10%':>10} {'last 10%':>9}")

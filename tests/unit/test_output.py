@@ -163,3 +163,38 @@ def test_per_rank_lines_counts_a_merged_line_for_each_rank():
 
     text = "[0,1] step 0\n[0] step 1\n[1] step 1\n[0-2] step 2\nnoise\n"
     assert per_rank_lines(text, r"step (\d+)") == {0: [0, 1, 2], 1: [0, 1, 2], 2: [2]}
+
+
+def test_a_rank_lagging_behind_a_flood_is_shown_in_order_without_moving_held_lines():
+    """The flood in a real kernel: rank 0 prints ahead, its oldest lines wait out the window
+    and are shown alone, and rank 1's copies arrive later. Each late copy is shown at once;
+    none is held behind rank 0's lines (which made every next line of rank 1 move it ahead:
+    quadratic in the lines held)."""
+    from hvdnb.notebook.output import per_rank_lines
+
+    c, out = _collapser([0, 1], window=0.25)
+    moves = []
+    make_room = c._make_room
+    c._make_room = lambda rank, target: moves.append(rank) or make_room(rank, target)
+    n, chunk, half = 2000, 100, 50
+
+    def lines(lo: int, hi: int) -> str:
+        return "".join(f"step {i}\n" for i in range(lo, hi))
+
+    # per chunk c (0.3 s): rank 0 prints it; rank 1 prints its first half 0.1 s later
+    # (merged); rank 0 prints the next chunk; the second half waits out the window and is
+    # shown alone; then rank 1's copies of that second half arrive, late
+    c.feed(0, "stdout", lines(0, chunk), 0.0)
+    for start in range(0, n, chunk):
+        t = 0.3 * start / chunk
+        c.feed(1, "stdout", lines(start, start + half), t + 0.1)
+        if start + chunk < n:
+            c.feed(0, "stdout", lines(start + chunk, start + 2 * chunk), t + 0.2)
+        c.poll(t + 0.26)
+        c.feed(1, "stdout", lines(start + half, start + chunk), t + 0.3)
+    c.flush()
+    got = per_rank_lines("".join(t for _, t in out), r"step (\d+)")
+    assert got == {0: list(range(n)), 1: list(range(n))}
+    assert any(t.startswith("[0] ") for _, t in out)  # some lines did wait out the window
+    assert any(t.startswith("[0,1] ") for _, t in out)  # and some merged
+    assert moves == []
