@@ -396,3 +396,11 @@ def test_to_trackio_nan_names_and_empty_rows(tmp_path, monkeypatch):
         rows.to_trackio("registry-x")
     with pytest.raises(ValueError, match="no points to export"):
         RunRows().to_trackio("p")
+    old = sqlite3.connect(tmp_path / "td" / "old.db")  # trackio < 0.24: runs by name only
+    old.execute("CREATE TABLE metrics (id INTEGER PRIMARY KEY, timestamp TEXT, run_name TEXT)")
+    old.close()
+    with pytest.raises(ValueError, match="before 0.24 .* migrate it"):
+        rows.to_trackio("old")
+    old = sqlite3.connect(tmp_path / "td" / "old.db")
+    assert [r[0] for r in old.execute("SELECT name FROM sqlite_master")] == ["metrics"]
+    old.close()

@@ -133,14 +133,15 @@ def _open(path: Path) -> sqlite3.Connection:
     try:
         con.execute("PRAGMA journal_mode = WAL")  # what trackio opens its files with
         version = con.execute("PRAGMA user_version").fetchone()[0]
+        for table in ("metrics", "configs"):  # checked before any change to the file
+            cols = {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+            if cols and "run_id" not in cols:
+                raise ValueError(
+                    f"{path} was written by trackio before 0.24 (no run ids): open it once "
+                    "with a newer trackio (`trackio show`) to migrate it, or export to "
+                    "another project"
+                )
         con.executescript(_DDL)
-        cols = {r[1] for r in con.execute("PRAGMA table_info(metrics)")}
-        ccols = {r[1] for r in con.execute("PRAGMA table_info(configs)")}
-        if "run_id" not in cols or "run_id" not in ccols:
-            raise ValueError(
-                f"{path} was written by trackio before 0.24 (no run ids): open it once with "
-                "a newer trackio (`trackio show`) to migrate it, or export to another project"
-            )
         if version == 0:
             con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except BaseException:
