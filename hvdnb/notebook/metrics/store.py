@@ -594,8 +594,8 @@ def metrics(
 
     Returns
     -------
-    MetricRows, a list with ``to_csv(path)``, ``to_jsonl(path)``, ``to_pandas()`` and
-    ``to_tensorboard(dir)``
+    MetricRows, a list with ``to_csv(path)``, ``to_jsonl(path)``, ``to_pandas()``,
+    ``to_tensorboard(dir)`` and ``to_trackio(project, dir=None)``
 
     Examples
     --------
