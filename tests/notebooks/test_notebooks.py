@@ -31,7 +31,7 @@ HVDNB = [sys.executable, "-m", "hvdnb.notebook.cli"]
 #: ranks than this box has cores: ``--oversubscribe``)
 SIZES = (1, 2, 3)
 #: the fewest ranks a lesson needs; below it its first %%distributed cell refuses, in words
-NEEDS_RANKS = {"06-sync-vs-async": 2}
+NEEDS_RANKS = {"06-sync-vs-async": 2, "09-tf-parameter-server": 2}
 
 
 def expect(stem: str, n: int) -> list[str]:
@@ -111,13 +111,23 @@ def expect(stem: str, n: int) -> list[str]:
             r"model\.fit: epoch loss .* test accuracy 0\.(9\d|8[5-9])",
             "model.fit: weights identical on every rank: True",
         ],
+        "09-tf-parameter-server": [
+            rf"sync \({n} workers\): 200 steps in [\d.]+ s, test accuracy 0\.(9\d|8[5-9])",
+            rf"async \(1 ps, {n - 1} workers?\): 200 steps in [\d.]+ s, test accuracy 0\.(9\d|8[5-9])",
+            "steps per worker add up to the steps scheduled: True",
+            "every worker ran steps: True",
+            # hvdnb.ClusterCoordinator's path: each step on the panel, on the worker that ran it
+            "the panel has every step, on the worker that ran it: True",
+            "parameter server memory reached the panel: True",
+            r"every run learned \(test accuracy > 0\.8\): True",
+        ],
     }
     return table[stem]
 
 
 NEEDS_FIGURE = {"04-lr-at-scale", "05-model-parallel", "06-sync-vs-async"}
 #: notebooks that need TensorFlow (the ``tf`` extra): skipped, saying so, where it is missing
-NEEDS_TENSORFLOW = {"08-tensorflow-multiworker"}
+NEEDS_TENSORFLOW = {"08-tensorflow-multiworker", "09-tf-parameter-server"}
 MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES]
 
 
