@@ -128,6 +128,8 @@ class ClusterCoordinator:
         self._store.begin_cell(None)  # this coordinator's steps are one run
 
     def __getattr__(self, name: str) -> Any:
+        if name == "coordinator":  # not made (its __init__ failed): no recursion
+            raise AttributeError(name)
         return getattr(self.coordinator, name)
 
     def _wrap(self, fn: Callable[..., Any]) -> Any:
