@@ -81,6 +81,19 @@ class Kind:
     }
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a flat uint8 tensor, for the byte-moving collectives.
+
+    An empty tensor may carry any stride (numpy gives a zero-size array stride 0), which
+    ``view(torch.uint8)`` refuses: it gets a fresh empty byte tensor, so a rank with
+    nothing to send still enters the collective its peers have entered.
+    """
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.view(torch.uint8)
+
+
 class MPITransport:
     """mpi4py on a private duplicate communicator of the process set's members.
 
@@ -225,13 +238,13 @@ class MPITransport:
 
     def allgatherv(self, send: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         MPI = self.MPI
-        s = send.reshape(-1).view(torch.uint8).numpy()
-        r = out.reshape(-1).view(torch.uint8).numpy()
+        s = _bytes(send).numpy()
+        r = _bytes(out).numpy()
         displs = np.cumsum([0, *counts[:-1]]).tolist()
         self.comm.Allgatherv([s, MPI.BYTE], [r, (counts, displs), MPI.BYTE])
 
     def bcast(self, t: torch.Tensor, root: int) -> None:
-        self.comm.Bcast([t.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE], root=root)
+        self.comm.Bcast([_bytes(t).numpy(), self.MPI.BYTE], root=root)
 
     def alltoallv(
         self, send: torch.Tensor, scounts: list[int], out: torch.Tensor, rcounts: list[int]
@@ -239,8 +252,8 @@ class MPITransport:
         MPI = self.MPI
         sd = np.cumsum([0, *scounts[:-1]]).tolist()
         rd = np.cumsum([0, *rcounts[:-1]]).tolist()
-        s = send.reshape(-1).view(torch.uint8).numpy()
-        r = out.reshape(-1).view(torch.uint8).numpy()
+        s = _bytes(send).numpy()
+        r = _bytes(out).numpy()
         self.comm.Alltoallv([s, (scounts, sd), MPI.BYTE], [r, (rcounts, rd), MPI.BYTE])
 
     def alltoall_counts(self, counts: list[int]) -> list[int]:
@@ -300,15 +313,15 @@ class TorchTransport:
     def allgatherv(self, send: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         # gloo refuses unequal sizes: pad every rank's bytes to the largest, then trim
         m = max(counts)
-        s = send.reshape(-1).view(torch.uint8)
+        s = _bytes(send)
         pad = torch.zeros(m, dtype=torch.uint8, device=send.device)
         pad[: s.numel()] = s
         parts = [torch.empty_like(pad) for _ in counts]
         self.dist.all_gather(parts, pad, group=self.group)
-        torch.cat([p[:c] for p, c in zip(parts, counts)], out=out.reshape(-1).view(torch.uint8))
+        torch.cat([p[:c] for p, c in zip(parts, counts)], out=_bytes(out))
 
     def bcast(self, t: torch.Tensor, root: int) -> None:
-        b = t.reshape(-1).view(torch.uint8)
+        b = _bytes(t)
         self.dist.broadcast(b, src=self.ranks[root], group=self.group)
         if b.data_ptr() != t.data_ptr():  # pragma: no cover - views share storage
             t.copy_(b.view(t.dtype).view(t.shape))
@@ -316,8 +329,8 @@ class TorchTransport:
     def alltoallv(
         self, send: torch.Tensor, scounts: list[int], out: torch.Tensor, rcounts: list[int]
     ) -> None:
-        s = send.reshape(-1).view(torch.uint8)
-        r = out.reshape(-1).view(torch.uint8)
+        s = _bytes(send)
+        r = _bytes(out)
         self.dist.all_to_all_single(r, s, rcounts, scounts, group=self.group)
 
     def alltoall_counts(self, counts: list[int]) -> list[int]:

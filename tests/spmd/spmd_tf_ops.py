@@ -122,6 +122,15 @@ both(
     lambda: hvd.alltoall(tf.fill([2 * N], R)),
     lambda r: close(r, np.repeat(np.arange(N), 2)),
 )
+# the last rank sends nothing: an empty uint16 (moved as raw bytes; numpy gives a zero-size
+# array stride 0, which once made that rank fail alone while the others waited in MPI)
+silent = R == N - 1
+a2a_u16 = tf.zeros([0], tf.uint16) if silent else tf.cast(tf.fill([N], R), tf.uint16)
+both(
+    "alltoall, one rank sends nothing",
+    lambda: hvd.alltoall(a2a_u16, splits=[0 if silent else 1] * N),
+    lambda r: (close(r[0], np.arange(N - 1)), close(r[1], [1] * (N - 1) + [0])),
+)
 # -- reducescatter: uneven rows (the first dim0 % N ranks one more)
 rows = 2 * N + 1
 mine = 3 if R == 0 else 2
