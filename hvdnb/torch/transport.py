@@ -81,14 +81,20 @@ class Kind:
     }
 
 
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory, detached first when it requires grad."""
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s memory as a flat uint8 tensor, for the byte-moving collectives.
 
     An empty tensor may carry any stride (numpy gives a zero-size array stride 0), which
     ``view(torch.uint8)`` refuses: it gets a fresh empty byte tensor, so a rank with
-    nothing to send still enters the collective its peers have entered.
+    nothing to send still enters the collective its peers have entered. A tensor that
+    requires grad (a parameter) is detached first: numpy refuses it otherwise.
     """
-    flat = t.reshape(-1)
+    flat = (t.detach() if t.requires_grad else t).reshape(-1)
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return flat.view(torch.uint8)
@@ -222,15 +228,17 @@ class MPITransport:
     @staticmethod
     def np(t: torch.Tensor) -> np.ndarray:
         """A numpy view of a contiguous CPU tensor (half types must be converted first)."""
-        return t.numpy()
+        return _np(t)
 
     def allreduce(self, send: torch.Tensor, out: torch.Tensor, op: int, nonblocking: bool) -> Any:
         MPI = self.MPI
-        sbuf = MPI.IN_PLACE if send is out else send.numpy()
+        # a parameter (requires grad) is detached: at 1 rank, where no inline round takes
+        # small tensors, hvd.allreduce_async(param) raised numpy's "requires grad" error
+        sbuf = MPI.IN_PLACE if send is out else _np(send)
         # always the nonblocking call: MPI never matches a blocking collective with a
         # nonblocking one, and Horovod lets one rank use allreduce_async where another
         # uses allreduce for the same tensor
-        req = self.comm.Iallreduce(sbuf, out.numpy(), self.ops[op])
+        req = self.comm.Iallreduce(sbuf, _np(out), self.ops[op])
         if nonblocking:
             return req
         req.Wait()

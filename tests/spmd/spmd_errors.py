@@ -56,6 +56,9 @@ CASES = {
 }
 
 for case, (call, words) in CASES.items():
+    if n == 1:  # nobody to disagree with: each call is an ordinary one and must succeed
+        call()
+        continue
     t0 = time.perf_counter()
     try:
         call()

@@ -53,7 +53,10 @@ for _ in range(3):
     opt.step()
 hvd.allgather(torch.tensor([float(w.rank)]))
 try:  # ranks disagree on the shape: raises on every rank, the traceback forms a cycle
-    hvd.allreduce(torch.ones(w.rank + 1), name="mismatch")
+    if w.size > 1:
+        hvd.allreduce(torch.ones(w.rank + 1), name="mismatch")
+    else:  # one rank cannot disagree: a bad op raises from the same call path instead
+        hvd.allreduce(torch.ones(1), name="mismatch", op=12345)
 except Exception as exc:
     caught = exc
 assert "caught" in globals(), "a mismatched allreduce must raise"

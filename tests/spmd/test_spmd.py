@@ -1,4 +1,5 @@
-"""Run every ``spmd_*.py`` script in this folder under ``mpiexec -n 2`` (Horovod's test/parallel).
+"""Run every ``spmd_*.py`` script in this folder under ``mpiexec -n 2`` (Horovod's test/parallel),
+and at 1 rank; some at 3 and 4.
 
 Contract for scripts (yours too): every rank runs every check and asserts against
 ``hvd.size()``; call ``_spmd.setup()`` first (faulthandler dump + exit on a hung rank, exit on
@@ -67,6 +68,18 @@ def test_spmd_under_mpiexec(script: Path) -> None:
     proc = mpiexec(script, NP)
     assert proc.returncode == 0, _report(proc)
     assert proc.stdout.count(f"OK {script.stem}") == NP, _report(proc)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_spmd_one_rank(script: Path) -> None:
+    """World size 1, the default on a one-GPU node: every script's checks hold with nobody
+    to talk to (a collective is the identity, a "mismatch" is an ordinary call, ``{0}`` is
+    the global process set). Found at 1 rank only: ``hvd.allreduce_async(param)`` raised
+    numpy's "requires grad" error (no inline round takes small tensors there)."""
+    proc = mpiexec(script, 1)
+    assert proc.returncode == 0, _report(proc)
+    assert proc.stdout.count(f"OK {script.stem}") == 1, _report(proc)
 
 
 @pytest.mark.mpi
