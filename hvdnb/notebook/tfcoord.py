@@ -167,10 +167,12 @@ class ClusterCoordinator:
         return finished
 
     def fetch(self, value: Any) -> Any:
-        """TensorFlow's ``fetch``, also of what ``schedule`` returned here."""
-        if isinstance(value, Scheduled):
-            return value.fetch()
-        return self.coordinator.fetch(value)
+        """TensorFlow's ``fetch`` (of a value or a nest of them), also of what ``schedule``
+        returned here."""
+        tf, coordinator = self._tf, self.coordinator
+        return tf.nest.map_structure(
+            lambda v: v.fetch() if isinstance(v, Scheduled) else coordinator.fetch(v), value
+        )
 
     def _collect(self) -> None:
         """Every finished pending step into the store: one message per worker rank."""

@@ -188,6 +188,9 @@ def test_the_panel_shows_each_workers_steps_and_loss_and_the_servers_memory(
     pids = ps_cluster.client[:].apply_sync(os.getpid)  # rank order
     ran = [(r.step, float(loss), int(pid)) for r, (loss, pid) in ((r, r.fetch()) for r in results)]
     assert [s for s, _, _ in ran] == list(range(120))
+    fetched = coordinator.fetch({"first": results[:2], "last": results[-1]})  # TF's nests
+    assert [float(loss) for loss, _ in fetched["first"]] == [loss for _, loss, _ in ran[:2]]
+    assert float(fetched["last"][0]) == ran[-1][1]
     own = {rank: [(s, loss) for s, loss, pid in ran if pid == pids[rank]] for rank in (1, 2)}
     assert sum(map(len, own.values())) == 120 and coordinator.unplaced == 0, (pids, ran[:5])
     assert coordinator.steps == {rank: len(own[rank]) for rank in (1, 2)}

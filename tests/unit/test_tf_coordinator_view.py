@@ -10,6 +10,8 @@ import time
 import numpy as np
 import pytest
 
+import hvdnb
+from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.pstable import ps_table
 from hvdnb.notebook.panel.tables import tables_html
@@ -79,3 +81,9 @@ def test_the_table_lists_roles_steps_loss_and_rss_and_says_na_when_missing() -> 
     assert len(store.runs) == 1
     assert store.series("loss", 1)[0] == [0, 2, 3]
     assert store.series("loss", 2)[0] == [1, 4]
+
+
+def test_without_a_ps_cluster_the_coordinator_says_how_to_start_one() -> None:
+    assert hvdnb.current() is None
+    with pytest.raises(ClusterError, match=r"`%dist start -n 3 --tf-ps 1` starts 1 parameter"):
+        hvdnb.ClusterCoordinator(object())
