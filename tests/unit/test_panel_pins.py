@@ -13,20 +13,6 @@ pytestmark = [pytest.mark.timeout(60)]
 
 
 @pytest.fixture
-def sent(monkeypatch):
-    import comm
-
-    log: list[tuple[str, str | None]] = []
-
-    class Recording(comm.DummyComm):
-        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
-            log.append((msg_type, (data or {}).get("method")))
-
-    monkeypatch.setattr(comm, "create_comm", lambda *a, **k: Recording(*a, **k))
-    return log
-
-
-@pytest.fixture
 def home(tmp_path, monkeypatch):
     h = tmp_path / "home"
     monkeypatch.setenv("HVDNB_HOME", str(h))

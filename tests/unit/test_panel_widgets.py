@@ -9,20 +9,6 @@ from hvdnb.protocol import kinds
 pytest.importorskip("ipywidgets")
 
 
-@pytest.fixture
-def sent(monkeypatch):
-    import comm
-
-    log: list[tuple[str, str | None]] = []
-
-    class Recording(comm.DummyComm):
-        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
-            log.append((msg_type, (data or {}).get("method")))
-
-    monkeypatch.setattr(comm, "create_comm", lambda *a, **k: Recording(*a, **k))
-    return log
-
-
 def _ticks(svg: str, axis: str) -> list[str]:
     """The tick labels of one axis ("x" or "y") of an SVG line chart."""
     import re
