@@ -16,9 +16,12 @@ the notebook's store, for each finished step on the rank of the worker that ran 
 
 Each rank's role (``tf_role``: ps or worker) reaches the panel's table, and each parameter
 server's RSS reaches the memory table (``hvdnb.rank.tfconfig.report_role``, run on every
-rank when the coordinator is made). One coordinator is one run on the panel's runs chart.
+rank when the coordinator is made). One coordinator is one run on the panel's runs chart (a
+``%%distributed`` cell that logs in between starts its own; the coordinator's next steps then
+start another).
 
-Owns: the wrapped functions, the pending results, the per-worker counts. Never: block in
+Owns: the wrapped functions, the pending results, and (``StepBook``) the per-worker counts
+and the messages. Never: block in
 ``schedule`` (results are read only where TensorFlow's own calls wait: ``join``, ``done``),
 import tensorflow before it is made, or change what the user's function computes.
 """
@@ -39,7 +42,7 @@ from hvdnb.notebook.panel.panel import get_panel
 from hvdnb.notebook.tfps import ps_cluster
 from hvdnb.protocol.remote import RemoteCall
 
-__all__ = ["ClusterCoordinator", "Scheduled"]
+__all__ = ["ClusterCoordinator", "Scheduled", "StepBook", "loss_of"]
 
 #: tag each rank's messages with its role; a ps starts its memory heartbeat
 REPORT_ROLE = RemoteCall("hvdnb.rank.tfconfig:report_role")
@@ -83,6 +86,72 @@ class Scheduled:
         return self.remote.get()[0]
 
 
+class StepBook:
+    """Which worker ran which step, and the store's messages that say so: the coordinator's
+    bookkeeping, apart from TensorFlow and the cluster (tested without either).
+
+    Parameters
+    ----------
+    pids : every rank's pid, in rank order
+    n_ps : ranks ``0..n_ps-1`` are parameter servers, the others workers
+    """
+
+    def __init__(self, pids: list[int], n_ps: int) -> None:
+        self._pids = [int(p) for p in pids]
+        self._rank_of_pid = {p: r for r, p in enumerate(self._pids)}
+        self._index = {r: r - n_ps for r in range(n_ps, len(self._pids))}
+        #: steps done per worker rank: finished steps collected so far
+        self.steps: dict[int, int] = dict.fromkeys(self._index, 0)
+        #: collected steps whose pid was no worker's (never expected; counted, not hidden)
+        self.unplaced = 0
+
+    def rank_of(self, pid: int) -> int | None:
+        """The worker rank of process ``pid`` (None: no worker's)."""
+        rank = self._rank_of_pid.get(int(pid))
+        return rank if rank in self.steps else None
+
+    def messages(
+        self,
+        done: list[tuple[int, Any, int]],
+        now: float,
+        idle: bool,
+        rank_info: dict[int, dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """Count ``done`` ((step, what it returned, pid), in schedule order) and return one
+        ``metrics`` message per worker rank that ran any: ``loss`` and ``ps/steps`` rows,
+        and the rank's role, index and steps done in its ``meta``."""
+        cols: dict[int, dict[str, list[list[float]]]] = {}
+        for step, out, pid in done:
+            rank = self.rank_of(pid)
+            if rank is None:
+                self.unplaced += 1
+                continue
+            self.steps[rank] += 1
+            mine = cols.setdefault(rank, {"ps/steps": [[], [], []]})
+            for name, v in (("loss", loss_of(out)), ("ps/steps", float(self.steps[rank]))):
+                if v is not None:
+                    col = mine.setdefault(name, [[], [], []])
+                    col[0].append(step)
+                    col[1].append(now)
+                    col[2].append(v)
+        return [
+            {
+                "rank": rank,
+                "cols": c,
+                "step": int(c["ps/steps"][0][-1]),
+                "idle": idle,
+                "pid": self._pids[rank],
+                "backend": rank_info.get(rank, {}).get("backend"),
+                "meta": {
+                    "tf_role": "worker",
+                    "tf_index": self._index[rank],
+                    "ps_steps": self.steps[rank],
+                },
+            }
+            for rank, c in cols.items()
+        ]
+
+
 class ClusterCoordinator:
     """TensorFlow's ``tf.distribute.coordinator.ClusterCoordinator`` for a ``--tf-ps``
     cluster, with the steps each worker ran and their loss on the panel.
@@ -110,22 +179,16 @@ class ClusterCoordinator:
         self._tf = tf
         self.strategy = strategy
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        n_ps = int(c.spec.tf_ps or 0)
         pids = c.client[:].apply_sync(os.getpid)  # engine id is the rank
-        self._rank_of_pid = {int(p): r for r, p in enumerate(pids)}
-        self._pids = [int(p) for p in pids]
-        self._index = {r: r - n_ps for r in range(n_ps, c.n)}
-        #: steps done per worker rank: finished steps collected so far
-        self.steps: dict[int, int] = dict.fromkeys(self._index, 0)
+        self.book = StepBook(pids, int(c.spec.tf_ps or 0))
         #: steps scheduled so far (the next step's number)
         self.scheduled = 0
-        #: collected steps whose pid was no rank's (never expected; counted, not hidden)
-        self.unplaced = 0
         self._pending: deque[Scheduled] = deque()
         self._wrapped: dict[Any, Any] = {}
         c.client[:].apply_sync(REPORT_ROLE)
         self._store: MetricsStore = attach(c)
         self._store.begin_cell(None)  # this coordinator's steps are one run
+        self._run: int | None = None  # that run, once its first step is in
 
     def __getattr__(self, name: str) -> Any:
         if name == "coordinator":  # not made (its __init__ failed): no recursion
@@ -174,44 +237,33 @@ class ClusterCoordinator:
             lambda v: v.fetch() if isinstance(v, Scheduled) else coordinator.fetch(v), value
         )
 
+    @property
+    def steps(self) -> dict[int, int]:
+        """Steps done per worker rank: the finished steps collected so far."""
+        return self.book.steps
+
+    @property
+    def unplaced(self) -> int:
+        """Collected steps whose pid was no worker's (never expected; counted, not hidden)."""
+        return self.book.unplaced
+
     def _collect(self) -> None:
         """Every finished pending step into the store: one message per worker rank."""
-        now = time.time()
-        cols: dict[int, dict[str, list[list[float]]]] = {}
+        done = []
         while self._pending:
             s = self._pending.popleft()
             out, pid = s.remote.fetch()
-            rank = self._rank_of_pid.get(int(pid))
-            if rank is None or rank not in self.steps:
-                self.unplaced += 1
-                continue
-            s.rank = rank
-            self.steps[rank] += 1
-            mine = cols.setdefault(rank, {"ps/steps": [[], [], []]})
-            for name, v in (("loss", loss_of(out)), ("ps/steps", float(self.steps[rank]))):
-                if v is None:
-                    continue
-                col = mine.setdefault(name, [[], [], []])
-                col[0].append(s.step)
-                col[1].append(now)
-                col[2].append(v)
-        info = self._store.rank_info
-        for rank, c in cols.items():
-            self._store.ingest(
-                {
-                    "rank": rank,
-                    "cols": c,
-                    "step": int(c["ps/steps"][0][-1]),
-                    "idle": not self._pending,
-                    "pid": self._pids[rank],
-                    "backend": info.get(rank, {}).get("backend"),
-                    "meta": {
-                        "tf_role": "worker",
-                        "tf_index": self._index[rank],
-                        "ps_steps": self.steps[rank],
-                    },
-                }
-            )
+            s.rank = self.book.rank_of(pid)
+            done.append((s.step, out, int(pid)))
+        store = self._store
+        msgs = self.book.messages(done, time.time(), not self._pending, store.rank_info)
+        if not msgs:
+            return
+        if self._run is not None and store.run_id != self._run:
+            store.begin_cell(None)  # a cell logged a run of its own since: a new one
+        for msg in msgs:
+            store.ingest(msg)
+        self._run = store.run_id
         panel = get_panel(create=False)
-        if panel is not None and cols:  # an ordinary cell: no cell wait hook redraws it
+        if panel is not None:  # an ordinary cell: no cell wait hook redraws it
             panel.tick()

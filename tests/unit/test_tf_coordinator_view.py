@@ -15,7 +15,7 @@ from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.pstable import ps_table
 from hvdnb.notebook.panel.tables import tables_html
-from hvdnb.notebook.tfcoord import loss_of
+from hvdnb.notebook.tfcoord import StepBook, loss_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,29 +44,38 @@ def _ps_heartbeat(store: MetricsStore, rss: float) -> None:
     )
 
 
-def _worker_steps(store: MetricsStore, rank: int, steps: list[int], losses: list[float]) -> None:
-    now = time.time()
-    store.ingest(  # as ClusterCoordinator._collect writes them
-        {
-            "rank": rank,
-            "cols": {
-                "loss": [steps, [now] * len(steps), losses],
-                "ps/steps": [steps, [now] * len(steps), [float(i + 1) for i in range(len(steps))]],
-            },
-            "step": steps[-1],
-            "idle": True,
-            "pid": 100 + rank,
-            "meta": {"tf_role": "worker", "tf_index": rank - 1, "ps_steps": len(steps)},
-        }
-    )
+def test_the_book_counts_each_workers_steps_by_pid_and_says_so_per_rank() -> None:
+    book = StepBook([100, 101, 102], n_ps=1)  # rank 0 serves, ranks 1 and 2 work
+    assert book.steps == {1: 0, 2: 0}
+    assert book.rank_of(100) is None and book.rank_of(102) == 2  # a ps runs no step
+    done = [(0, 0.9, 101), (1, (0.8, b"x"), 102), (2, {"loss": 0.7}, 101), (3, None, 101)]
+    msgs = book.messages([*done, (4, 0.5, 999), (5, 0.4, 100)], 1.0, True, {1: {"backend": "gloo"}})
+    assert book.steps == {1: 3, 2: 1} and book.unplaced == 2  # unknown pid, the server's
+    by_rank = {m["rank"]: m for m in msgs}
+    assert sorted(by_rank) == [1, 2]
+    one = by_rank[1]
+    assert one["cols"]["loss"] == [[0, 2], [1.0, 1.0], [0.9, 0.7]]  # step 3 returned no loss
+    assert one["cols"]["ps/steps"] == [[0, 2, 3], [1.0] * 3, [1.0, 2.0, 3.0]]
+    assert (one["step"], one["pid"], one["backend"], one["idle"]) == (3, 101, "gloo", True)
+    assert one["meta"] == {"tf_role": "worker", "tf_index": 0, "ps_steps": 3}
+    assert by_rank[2]["meta"] == {"tf_role": "worker", "tf_index": 1, "ps_steps": 1}
+    # counts go on across collections
+    (again,) = book.messages([(6, 0.3, 102)], 2.0, True, {})
+    assert again["cols"]["ps/steps"][2] == [2.0] and book.steps == {1: 3, 2: 2}
+
+
+def _worker_steps(store: MetricsStore, book: StepBook, done: list[tuple[int, float, int]]) -> None:
+    for msg in book.messages(done, time.time(), True, store.rank_info):  # as _collect does
+        store.ingest(msg)
 
 
 def test_the_table_lists_roles_steps_loss_and_rss_and_says_na_when_missing() -> None:
     store = MetricsStore()
     assert ps_table(store) == ""  # no rank said a TensorFlow role: no table
     store.begin_cell(None)
-    _worker_steps(store, 1, [0, 2, 3], [0.9, 0.7, 0.5])
-    _worker_steps(store, 2, [1, 4], [0.8, 0.6])
+    book = StepBook([100, 101, 102], n_ps=1)
+    _worker_steps(store, book, [(0, 0.9, 101), (1, 0.8, 102), (2, 0.7, 101), (3, 0.5, 101)])
+    _worker_steps(store, book, [(4, 0.6, 102)])
     html = ps_table(store)
     assert "parameter-server cluster" in html
     assert "<td>1</td><td>worker 0</td><td>3</td><td>0.5</td><td>n/a</td>" in html
