@@ -4,7 +4,8 @@ on a one-GPU node, then ``%dist restart -n 2`` with options.
 The notebook starts 1 rank, trains below the fold (the live line under the cell and the
 panel's header name 1 rank and its step), restarts with ``-n 2``: the panel now belongs to
 the new cluster (2 ranks, no steps yet) and the runs chart keeps the 1-rank run, marked as
-an earlier cluster's; a training cell on the new ranks then counts its own steps.
+an earlier cluster's; a training cell on the new ranks then counts its own steps. Last, the
+panel's pin control lists the run store and pins the 1-rank run to the runs chart.
 Screenshots go to ``test-artifacts/edges-*.png``.
 """
 
@@ -82,6 +83,36 @@ def _run(page, index: int, timeout_ms: int = 120_000) -> str:
     raise AssertionError(f"cell {index} did not finish in {timeout_ms / 1000:.0f} s")
 
 
+def _wait_text(locator, pattern: str, timeout: float = 30) -> str:
+    """Wait until ``locator``'s text matches ``pattern``; the text (or an error with it)."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = locator.inner_text()
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.3)
+    raise AssertionError(f"never matched {pattern!r}: {text!r}")
+
+
+def _pin_the_one_rank_run(page) -> None:
+    """The panel's pin control, as a person uses it: "list runs" fills the list from the
+    run store (newest first), the 1-rank run (the older) is selected and pinned; the
+    status says so and the runs chart's legend names it with its date."""
+    panel = page.locator(".hvdnb-panel").first
+    status = panel.locator(".hvdnb-pins-status").first
+    panel.locator("button.hvdnb-pins-list").click()
+    _wait_text(status, r"\d+ runs? in the run store")
+    options = panel.locator(".hvdnb-pins-runs select option")
+    assert options.count() >= 2, options.all_inner_texts()
+    older = options.nth(1).inner_text().strip()  # newest first: the 2-rank run, then ours
+    rid = older.split()[0]
+    panel.locator(".hvdnb-pins-runs select").select_option(label=older)
+    panel.locator("button.hvdnb-pins-pin").click()
+    assert rid in _wait_text(status, r"pinned to the runs chart"), rid
+    _wait_text(panel.locator(".hvdnb-view").first, re.escape(rid))
+
+
 def _wait_header(page, pattern: str, timeout: float = 60) -> str:
     """Wait until the panel's header matches ``pattern``; the header (or an error with it)."""
     deadline = time.monotonic() + timeout
@@ -135,6 +166,8 @@ def test_one_rank_then_restart_with_options(edges):
             head = _header(page)
             assert head.startswith("hvdnb 2 ranks") and re.search(r"step 700(?!\d)", head), head
             _shot(page, "4-two-ranks-trained")
+            _pin_the_one_rank_run(page)
+            _shot(page, "5-pinned-from-the-run-store")
         finally:
             _shot(page, "last")
             browser.close()

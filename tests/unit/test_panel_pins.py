@@ -48,7 +48,9 @@ def test_pin_control_lists_and_pins_runs_like_dist_compare(sent, home):
     p.render()
     labels = [o[0] for o in pins.runs.options]
     assert [o[1] for o in pins.runs.options] == [second, first]  # newest first
-    assert labels[0].startswith(f"{second} (") and labels[0].endswith("batch_size=64")
+    assert labels[0].startswith(f"{second} (") and labels[0].endswith(
+        "batch_size=64 · this session"
+    )
     assert "2 runs in the run store" in pins.status.value
     pins.runs.value = (first,)
     pins.pin.click()
@@ -56,7 +58,8 @@ def test_pin_control_lists_and_pins_runs_like_dist_compare(sent, home):
     assert f"pinned to the runs chart: {first}" in pins.status.value
     chart = runs_chart(st)
     pinned = [chart.lines[i] for i in chart.earlier]
-    assert [line[0] for line in pinned] == [labels[1]]  # the same label as the list's
+    # the same label as the list's (which also says the run is this session's)
+    assert [line[0] + " · this session" for line in pinned] == [labels[1]]
     pins.list.click()  # listing again keeps the selection
     p.render()
     assert pins.runs.value == (first,)

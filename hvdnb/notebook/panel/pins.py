@@ -73,6 +73,7 @@ class Pins:
         for ctl, cls in ((self.runs, "runs"), (self.list, "list"), (self.pin, "pin")):
             ctl.add_class(f"hvdnb-pins-{cls}")
         self.unpin.add_class("hvdnb-pins-unpin")
+        self.status.add_class("hvdnb-pins-status")
         self.list.on_click(self._on_list)
         self.pin.on_click(self._on_pin)
         self.unpin.on_click(self._on_unpin)
@@ -94,7 +95,15 @@ class Pins:
         except StoreUnavailable as exc:
             self._say(f"no run store: {exc}")
             return
-        opts = [(pin_label(r), str(r["id"])) for r in reversed(recs[-LISTED:])]
+        mine = f"{self.store.run_log.session}-"
+        opts = [
+            # this session's runs are on the chart already (run N): say so in the list
+            (
+                pin_label(r) + (" · this session" if str(r["id"]).startswith(mine) else ""),
+                str(r["id"]),
+            )
+            for r in reversed(recs[-LISTED:])
+        ]
         more = f" (the newest {LISTED}; hvdnb.runs() has all)" if len(recs) > LISTED else ""
         with self._lock:
             self._options = opts
