@@ -39,9 +39,10 @@ def _optimizer_variables(opt: Any) -> list[Any]:
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):  # type: ignore[misc]  # untyped Keras
     """Make every rank start from ``root_rank``'s weights (and optimizer state).
 
-    The model's variables are broadcast when training begins, and again with the
-    optimizer's after the first batch (Keras creates the optimizer's slots in the first
-    step). ``local_variables`` are left alone.
+    The model's variables are broadcast when training begins (when the model is built by
+    then), and again with the optimizer's after the first batch (Keras creates the
+    optimizer's slots, and an unbuilt model its weights, in the first step).
+    ``local_variables`` are left alone.
     """
 
     def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
@@ -57,7 +58,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):  # type: ignor
         broadcast_variables([v for v in vs if v.ref() not in self.local], self.root_rank)
 
     def on_train_begin(self, logs: Any = None) -> None:
-        if not self.broadcast_done:
+        # a model given no input shape has no weights until its first batch (Horovod's
+        # tensorflow2_keras_mnist.py): then the broadcast after that batch is the first
+        # (every rank builds the same model, so every rank takes the same branch)
+        if not self.broadcast_done and getattr(self.model, "built", True):
             self._broadcast(False)
 
     def on_batch_end(self, batch: int, logs: Any = None) -> None:
