@@ -25,9 +25,18 @@ __all__ = [
     "PartialDistributedGradientTape",
     "local_layer_weights",
     "make_allreduce_grads_fn",
+    "var_key",
 ]
 
 GradsFn = Callable[[Sequence[Any], Sequence[Any]], list[Any]]
+
+
+def var_key(v: Any) -> Any:
+    """A hashable identity for a variable: TensorFlow's ``v.ref()``; a Keras 3 variable
+    (a model built with ``keras`` 3 on TensorFlow) has no ``ref``: its id (the set that
+    holds the key lives no longer than the tape or optimizer, which holds the variable)."""
+    ref = getattr(v, "ref", None)
+    return ref() if callable(ref) else ("id", id(v))
 
 
 def make_allreduce_grads_fn(
@@ -42,7 +51,7 @@ def make_allreduce_grads_fn(
 ) -> GradsFn:
     """``fn(grads, vars)``: the gradients averaged (``op``) over ``process_set``.
 
-    ``None`` gradients stay None; the variables whose ``ref()`` is in ``local_refs`` keep
+    ``None`` gradients stay None; the variables whose ``var_key`` is in ``local_refs`` keep
     their own gradient (divided by the set's size when ``scale_local_gradients``, as
     Horovod does); the rest go in one ``grouped_allreduce`` call named ``name``.
     """
@@ -57,7 +66,7 @@ def make_allreduce_grads_fn(
         out = list(grads)
         if sparse_as_dense:
             out = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in out]
-        is_local = [v is not None and v.ref() in local for v in variables]
+        is_local = [v is not None and var_key(v) in local for v in variables]
         idx = [i for i, g in enumerate(out) if g is not None and not is_local[i]]
         rop, pre, post = op, 1.0, 1.0
         if op == Average and gradient_predivide_factor != 1.0:
@@ -111,7 +120,7 @@ def _gradient(
 
 def _register_local_source(self: Any, source: Any) -> None:
     """Keep ``source``'s gradient local (not averaged; divided by the size, as Horovod does)."""
-    self._hvd_local.add(source.ref())
+    self._hvd_local.add(var_key(source))
 
 
 def local_layer_weights(local_layers: Iterable[Any] | None) -> list[Any]:

@@ -110,6 +110,14 @@ def expect(stem: str, n: int) -> list[str]:
             # model.fit through tf-keras (Keras 2) under the same strategy
             r"model\.fit: epoch loss .* test accuracy 0\.(9\d|8[5-9])",
             "model.fit: weights identical on every rank: True",
+            # the same model through Horovod's TF API (hvdnb.tensorflow), labelled beside it
+            r"Horovod's API: weights [0-9a-f]{12} after broadcast_variables, identical on all "
+            r"ranks: True",
+            r"Horovod's API: final loss .* test accuracy 0\.(9\d|8[5-9])",
+            "Horovod's API: weights identical on every rank: True",
+            rf"run \d+, Horovod's TF API \(DistributedGradientTape\): 168 steps on ranks "
+            rf"{re.escape(str(ranks))}",
+            "both runs on the runs chart: True",
         ],
         "09-tf-parameter-server": [
             rf"sync \({n} workers\): 200 steps in [\d.]+ s, test accuracy 0\.(9\d|8[5-9])",
