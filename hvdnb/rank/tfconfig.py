@@ -45,6 +45,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -241,6 +242,9 @@ def report_role() -> tuple[str, int] | None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     role, index = str(task["type"]), int(task["index"])
     rec = recorder.get_recorder()
+    # tf_since: readings older than this (this rank's clock, as its points' times) are not of
+    # this role: an earlier cluster's same rank number, which the notebook's store still holds
+    rec.meta.setdefault("tf_since", time.time())
     rec.meta.update(tf_role=role, tf_index=index)
     if role == "ps":
         rec.flusher.start()  # no-op once running, or without a side channel

@@ -30,16 +30,16 @@ def test_the_loss_is_a_scalar_a_sequences_first_item_or_a_dicts_loss() -> None:
         assert loss_of(none) is None, none
 
 
-def _ps_heartbeat(store: MetricsStore, rss: float) -> None:
+def _ps_heartbeat(store: MetricsStore, seq: int, rss: float, at: float, since: float) -> None:
     store.ingest(
         {
             "rank": 0,
-            "seq": 1,
+            "seq": seq,
             "pid": 100,
-            "cols": {"mem/rss": [[0], [time.time()], [rss]]},
+            "cols": {"mem/rss": [[0], [at], [rss]]},
             "step": 0,
             "idle": True,
-            "meta": {"tf_role": "ps", "tf_index": 0},
+            "meta": {"tf_role": "ps", "tf_index": 0, "tf_since": since},
         }
     )
 
@@ -81,7 +81,11 @@ def test_the_table_lists_roles_steps_loss_and_rss_and_says_na_when_missing() -> 
     assert "<td>1</td><td>worker 0</td><td>3</td><td>0.5</td><td>n/a</td>" in html
     assert "<td>2</td><td>worker 1</td><td>2</td><td>0.6</td><td>n/a</td>" in html
     assert "ps 0" not in html  # the server has not reported yet
-    _ps_heartbeat(store, 512e6)
+    since = time.time()
+    _ps_heartbeat(store, 1, 256e6, since - 100, since)  # an earlier cluster's rank 0 (stale)
+    html = ps_table(store)
+    assert "<td>0</td><td>ps 0</td><td></td><td></td><td>n/a</td>" in html
+    _ps_heartbeat(store, 2, 512e6, since + 1, since)
     html = ps_table(store)
     assert "<td>0</td><td>ps 0</td><td></td><td></td><td>512 MB</td>" in html
     assert html in tables_html(store)
