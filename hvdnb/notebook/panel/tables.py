@@ -2,8 +2,8 @@
 
 Header: ranks, backends, step (of total), samples/s, training or idle, age of the last
 message, lost messages. Tables: allreduce per rank and bucket (first 8 ranks), memory per
-rank (first ``MAX_LINES``; the columns are the memory model's), and one row per host when
-the ranks span hosts (first 64).
+rank (first ``MAX_LINES``; the columns are the memory model's), one row per host when
+the ranks span hosts (first 64), and a ``--tf-ps`` cluster's roles (``pstable``).
 
 Owns: the text and HTML of those numbers. Never: touch widgets, write to the store, print
 a missing reading as 0 (it says "n/a"), or grow with the number of ranks (tables are cut).
