@@ -14,16 +14,16 @@ the notebook's store, for each finished step on the rank of the worker that ran 
 - ``ps/steps``: that worker's running count of finished steps (its last value is the
   worker's steps done; summed over workers it is the number of steps collected).
 
-Each rank's role (``tf_role``: ps or worker) reaches the panel's table, and each parameter
-server's RSS reaches the memory table (``hvdnb.rank.tfconfig.report_role``, run on every
-rank when the coordinator is made). One coordinator is one run on the panel's runs chart (a
-``%%distributed`` cell that logs in between starts its own; the coordinator's next steps then
-start another).
+Each rank's role (``tf_role``: ps or worker) reaches the panel's parameter-server table
+(``hvdnb.notebook.panel.pstable``), and so does each parameter server's RSS: its heartbeat
+starts when the coordinator is made (``hvdnb.rank.tfconfig.report_role``, run on every rank).
+One coordinator is one run on the panel's runs chart (a ``%%distributed`` cell that logs in
+between starts its own; the coordinator's next steps then start another).
 
 Owns: the wrapped functions, the pending results, and (``StepBook``) the per-worker counts
-and the messages. Never: block in
-``schedule`` (results are read only where TensorFlow's own calls wait: ``join``, ``done``),
-import tensorflow before it is made, or change what the user's function computes.
+and the messages. Never: block in ``schedule`` (results are read only where TensorFlow's own
+calls wait: ``join``, ``done``), import tensorflow before it is made, or change what the
+user's function computes.
 """
 
 from __future__ import annotations
