@@ -16,6 +16,8 @@ Never: do work at import time (no MPI init, no process group).
 
 from __future__ import annotations
 
+from typing import Any
+
 from hvdnb import extras
 
 extras.require("tensorflow", "hvdnb.tensorflow")
@@ -145,6 +147,7 @@ __all__ = [  # noqa: RUF022 (grouped by role, in the order of Horovod's API docs
     "allgather_object",
     "DistributedGradientTape",
     "PartialDistributedGradientTape",
+    "SyncBatchNormalization",
     "Compression",
     # process sets
     "ProcessSet",
@@ -152,3 +155,15 @@ __all__ = [  # noqa: RUF022 (grouped by role, in the order of Horovod's API docs
     "remove_process_set",
     "global_process_set",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``SyncBatchNormalization`` on first use: it subclasses ``tf.keras``'s layer, and
+    importing Keras is slow and depends on ``TF_USE_LEGACY_KERAS`` set before it."""
+    if name == "SyncBatchNormalization":
+        # tf.keras is heavy and Keras-version dependent: imported when first asked for
+        from hvdnb.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: PLC0415
+
+        globals()[name] = SyncBatchNormalization
+        return SyncBatchNormalization
+    raise AttributeError(f"module 'hvdnb.tensorflow' has no attribute {name!r}")

@@ -322,16 +322,19 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Overwrite each variable with ``root_rank``'s value, in place; returns the variables.
+    """Overwrite each variable with ``root_rank``'s value, in place; returns what each
+    assignment returns (eager: the variables; in a v1 graph: the assignments, which do the
+    broadcast when run, as Horovod's ``broadcast_`` returns them).
 
     SPMD contract: the same variables (count, order, shapes, dtypes) on every rank.
     """
     single = not isinstance(variables, (list, tuple))
     vs = [variables] if single else list(variables)
+    out = []
     for i, v in enumerate(vs):
         nm = None if name is None else (name if single else f"{name}.{i}")
-        v.assign(_broadcast(_tensor(v), root_rank, nm, process_set))
-    return vs[0] if single else vs
+        out.append(v.assign(_broadcast(_tensor(v), root_rank, nm, process_set)))
+    return out[0] if single else out
 
 
 # -- alltoall --------------------------------------------------------------------------------

@@ -103,8 +103,10 @@ def _gradient(
     sources: Any,
     output_gradients: Any = None,
     unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    use_generic_names: bool = False,
 ) -> Any:
-    """``tf.GradientTape.gradient``, then every gradient averaged over the ranks.
+    """``tf.GradientTape.gradient``, then every gradient averaged over the ranks
+    (``use_generic_names``: accepted for Horovod compatibility; the call is named anyway).
 
     SPMD contract: every rank asks for the gradients of the same sources, in the same
     order (shapes and dtypes equal); it blocks until all ranks arrive.
@@ -116,6 +118,24 @@ def _gradient(
     flat_s = tf.nest.flatten(sources, expand_composites=False)
     reduced = self._hvd_allreduce(flat_g, flat_s)
     return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+
+def _local_and_global(
+    self: Any,
+    target: Any,
+    sources: Any,
+    output_gradients: Any = None,
+    use_generic_names: bool = False,
+) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+    """``gradient``, split in ``sources``' order into ``[(source, gradient)]`` of the
+    sources kept local and of those averaged over the ranks (Horovod's
+    ``get_local_and_global_gradients``)."""
+    grads = self.gradient(target, sources, output_gradients)
+    local: list[tuple[Any, Any]] = []
+    averaged: list[tuple[Any, Any]] = []
+    for s, g in zip(sources, grads):
+        (local if var_key(s) in self._hvd_local else averaged).append((s, g))
+    return local, averaged
 
 
 def _register_local_source(self: Any, source: Any) -> None:
@@ -165,7 +185,11 @@ def DistributedGradientTape(
     cls = type(
         base.__name__,
         (base,),
-        {"gradient": _gradient, "register_local_source": _register_local_source},
+        {
+            "gradient": _gradient,
+            "register_local_source": _register_local_source,
+            "get_local_and_global_gradients": _local_and_global,
+        },
     )
     tape: Any = object.__new__(cls)  # the same recording: the user's tape's state
     tape.__dict__.update(gradtape.__dict__)

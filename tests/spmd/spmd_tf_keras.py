@@ -81,6 +81,38 @@ flat = np.concatenate([w.ravel() for w in model.get_weights()])
 every = hvd.allgather_object(flat)
 assert all(np.array_equal(every[0], w) for w in every), "weights differ after accumulation"
 
+# a model given no input shape has no weights when training begins (Horovod's
+# tensorflow2_keras_mnist.py): the callback broadcasts after the first batch instead;
+# with a learning rate of 0 only that broadcast can make the ranks' weights equal
+lazy = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+lazy.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.0)), loss="mse")
+lazy.fit(
+    x,
+    y,
+    batch_size=16,
+    epochs=1,
+    verbose=0,
+    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+)
+every = hvd.allgather_object(np.concatenate([w.ravel() for w in lazy.get_weights()]))
+assert all(np.array_equal(every[0], w) for w in every), "an unbuilt model was not broadcast"
+
+# SyncBatchNormalization: each rank normalizes its 4 rows with the whole batch's moments
+import hvdnb.tensorflow as htf  # noqa: E402
+
+whole = ((np.arange(N * 8, dtype="float32").reshape(N * 4, 2) % 7) ** 2).astype("float32")
+plain = tf.keras.layers.BatchNormalization(fused=False)
+expected = plain(whole, training=True).numpy()[4 * R : 4 * R + 4]
+sync = htf.SyncBatchNormalization()
+np.testing.assert_allclose(sync(whole[4 * R : 4 * R + 4], training=True), expected, atol=1e-4)
+np.testing.assert_allclose(sync.moving_mean, plain.moving_mean, atol=1e-5)
+np.testing.assert_allclose(sync.moving_variance, plain.moving_variance, atol=1e-4)
+try:
+    htf.SyncBatchNormalization(fused=True)
+    raise AssertionError("fused=True was accepted")
+except ValueError as exc:
+    assert "fused=False" in str(exc), exc
+
 # a Keras 3 optimizer: refused, naming TF_USE_LEGACY_KERAS
 try:
     import keras as keras3

@@ -164,6 +164,18 @@ def tape_step():
 
 
 both("DistributedGradientTape", tape_step, lambda g: close(g, np.full([2], (N + 1) / 2)))
+# a local source keeps its own gradient, divided by the size; Horovod's split of the two
+own = tf.Variable(tf.ones([2]))
+with tf.GradientTape() as t:
+    loss = tf.reduce_sum(w * float(R + 1)) + tf.reduce_sum(own * float(R + 1))
+t = hvd.DistributedGradientTape(t)
+t.register_local_source(own)
+(local_pairs, averaged_pairs) = t.get_local_and_global_gradients(loss, [w, own])
+assert [v is own for v, _ in local_pairs] == [True] and [v is w for v, _ in averaged_pairs] == [
+    True
+]
+close(local_pairs[0][1], np.full([2], (R + 1.0) / N))
+close(averaged_pairs[0][1], np.full([2], (N + 1) / 2))
 # -- variables and objects
 m = tf.Variable(tf.fill([3], float(R)))
 hvd.broadcast_variables([m, w], root_rank=N - 1)
