@@ -133,6 +133,33 @@ def test_a_corrupt_file_is_left_and_a_fresh_one_used(home):
     assert st.points == 80  # the live store went on
 
 
+def test_a_store_of_another_hvdnb_version_is_left_and_a_fresh_one_used(home):
+    """A file whose tables have other columns (the points table was once a row per point)
+    is never written with rows that do not fit: it is left as it is, runs-2 is used."""
+    import sqlite3
+
+    home.mkdir()
+    old = home / "runs.sqlite"
+    con = sqlite3.connect(old)
+    con.execute(
+        "CREATE TABLE points (run TEXT, rank INTEGER, step INTEGER, name TEXT, t REAL, v REAL)"
+    )
+    con.execute("INSERT INTO points VALUES ('abc-1', 0, 0, 'loss', 0.0, 1.0)")
+    con.commit()
+    con.close()
+    before = old.read_bytes()
+    st = MetricsStore(keep_runs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _log_run(st, cell=1, steps=20)
+        store = st.run_log.store()
+    texts = [str(w.message) for w in caught]
+    assert any("another hvdnb version" in t and "runs-2.sqlite" in t for t in texts), texts
+    assert old.read_bytes() == before
+    assert store.path == home / "runs-2.sqlite"
+    assert [r["points"] for r in store.runs()] == [80]
+
+
 def test_an_unwritable_home_warns_once_and_keeps_runs_in_memory(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -118,6 +118,28 @@ class Batch:
         ]
 
 
+#: each table's columns as ``_SCHEMA`` makes them (a file made by another hvdnb version
+#: may have others: "CREATE TABLE IF NOT EXISTS" keeps its old table)
+_COLUMNS = {
+    "runs": RUN_FIELDS,
+    "points": ("run", "name", "n", "ranks", "steps", "times", "vals"),
+}
+
+
+def _check_columns(con: sqlite3.Connection) -> None:
+    """Raise ``sqlite3.DatabaseError`` when a table's columns are not this version's: a
+    store written by another hvdnb version is left alone (a fresh file is used beside
+    it), never written with rows that do not fit (the points table once changed from a
+    row per point to a row per run and metric)."""
+    for table, want in _COLUMNS.items():
+        have = tuple(r[1] for r in con.execute(f"PRAGMA table_info({table})"))
+        if have and have != want:  # none: a new file, the schema makes the table
+            raise sqlite3.DatabaseError(
+                f"its {table} table has the columns ({', '.join(have)}) of another hvdnb "
+                f"version, not ({', '.join(want)})"
+            )
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """Open (creating 0600) and check ``path``; raises ``sqlite3.DatabaseError`` when it
     is not a usable run store (corrupt, locked past the busy timeout, not SQLite)."""
@@ -126,6 +148,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     con = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
     try:
         con.execute("PRAGMA busy_timeout = 5000")
+        _check_columns(con)  # before anything is changed in a file of another version
         mode = con.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise sqlite3.DatabaseError(f"journal mode is {mode}, not wal")
