@@ -80,7 +80,7 @@ _START_OPTIONS = frozenset(
 )
 #: a restart re-makes the ranks where they ran: a new launcher, hostfile, address or Slurm
 #: job is a new cluster (``%dist stop`` then ``%dist start``)
-_RESTART_OPTIONS = frozenset({"n", "backend", "timeout", "oversubscribe"})
+_RESTART_OPTIONS = frozenset({"n", "backend", "timeout", "oversubscribe", "tf_ps"})
 
 #: the one table of what each ``%dist`` action takes; every other option is refused by name
 _ACTIONS: dict[str, _Action] = {
@@ -95,7 +95,8 @@ _ACTIONS: dict[str, _Action] = {
     "restart": _Action(
         _RESTART_OPTIONS,
         False,
-        "%dist restart [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe]",
+        "%dist restart [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
+        "[--tf-ps K]",
     ),
     "status": _Action(frozenset(), False, "%dist status"),
     "panel": _Action(frozenset({"inline"}), False, "%dist panel [--inline]"),
@@ -223,8 +224,9 @@ _DIST_OPTIONS = [
         "--tf-ps",
         type=int,
         default=None,
-        help="start: this many ranks serve as TensorFlow parameter servers, the rest as "
-        "workers; the notebook coordinates (hvdnb.tf_cluster_resolver())",
+        help="start, restart: this many ranks serve as TensorFlow parameter servers, the rest "
+        "as workers; the notebook coordinates (hvdnb.tf_cluster_resolver()); restart "
+        "--tf-ps 0: no parameter servers again",
     ),
     argument(
         "--oversubscribe",
@@ -579,6 +581,7 @@ class DistMagics(Magics):
                 backend=args.backend,
                 timeout=args.timeout,
                 oversubscribe=True if args.oversubscribe else None,
+                tf_ps=args.tf_ps,
             )
         except (_cluster.ClusterError, ValueError) as exc:
             if c.running:

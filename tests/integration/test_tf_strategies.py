@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from IPython.core.error import UsageError
 
 import hvdnb
 from hvdnb.extras import KERAS3_FIT_HINT
@@ -256,3 +257,19 @@ def test_restart_brings_the_servers_back_and_a_new_strategy_trains(shell, ps_clu
     coordinator.join()
     losses = [float(r.fetch()[0]) for r in results]
     assert np.mean(losses[-10:]) < np.mean(losses[:10]), losses
+
+
+def test_restart_tf_ps_0_makes_a_plain_cluster_again(shell, ps_cluster):
+    """``%dist restart --tf-ps 0``: the same ranks without parameter-server roles (a
+    refused value first leaves the ps cluster running as it was)."""
+    cluster = hvdnb.current()
+    assert cluster is not None and cluster.spec.tf_ps == 1
+    pids = cluster.pids()
+    with pytest.raises(UsageError, match=r"--tf-ps 3 leaves no worker.*left as it was"):
+        shell.run_line_magic("dist", "restart --tf-ps 3")
+    assert cluster.running and cluster.pids() == pids and cluster.spec.tf_ps == 1
+    shell.run_line_magic("dist", "restart --tf-ps 0")
+    assert cluster.running and cluster.spec.tf_ps == 0 and cluster.n == 3
+    env = cluster.client[:].apply_sync(os.getenv, "HVDNB_TF_PS")
+    assert env == [None] * 3
+    shell.run_cell_magic("distributed", "-q", "import torch.distributed as d\nd.barrier()")

@@ -579,6 +579,7 @@ class Cluster:
         backend: str | None = None,
         timeout: float | None = None,
         oversubscribe: bool | None = None,
+        tf_ps: int | None = None,
     ) -> Cluster:
         """Stop everything and start a fresh cluster: the same settings, except those given.
 
@@ -590,9 +591,13 @@ class Cluster:
             "auto": automatic again), checked before anything is stopped: a refused restart
             (ClusterError) leaves the cluster running. Launcher, hosts, ip and Slurm options
             are kept: for another place, stop this cluster and start a new one.
+        tf_ps : the same ranks with TensorFlow parameter-server roles (``K``: ranks
+            0..K-1 serve, the others are workers; 0: no parameter servers again)
         """
         given = {"n": n, "backend": backend, "timeout": timeout, "oversubscribe": oversubscribe}
-        changes = {k: v for k, v in given.items() if v is not None}
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        if tf_ps is not None:  # 0 turns a ps cluster back into a plain one
+            changes["tf_ps"] = None if tf_ps == 0 else tf_ps
         options = {**self._options, **changes}
         if "n" in changes and options.get("engine_sets"):
             raise ClusterError(
