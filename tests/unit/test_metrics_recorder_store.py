@@ -1139,3 +1139,34 @@ def test_gpu_utilisation_is_na_without_nvml_and_shown_beside_memory():
     assert "<td>87 %</td>" in html
     row1 = html.split("<tr><td>1</td>")[1].split("</tr>")[0]
     assert row1.count("n/a") == 4  # nvml used, both utilisations, rss
+
+
+def test_memory_after_a_restart_is_the_new_clusters_or_na():
+    """A restart keeps the rank numbers: rank 0's RSS from the previous cluster is not
+    shown as the new rank 0's (the parameter servers of notebook 09 showed it); its first
+    reading after the new start is."""
+
+    class Channel:
+        ranks = (0, 1)
+
+        def on(self, kind, fn) -> None:
+            pass
+
+    class Cluster:
+        def __init__(self, started_at: float) -> None:
+            self.channel, self.n, self.backend, self.device = Channel(), 2, "gloo", "cpu"
+            self.hosts_seen = {0: "h", 1: "h"}
+            self.started_at, self.start_seconds = started_at, 4.0
+
+    def rss(rank: int, t: float, value: float) -> dict:
+        return {"rank": rank, "seq": 1, "pid": 7, "cols": {"mem/rss": [[0], [t], [value]]}}
+
+    st = MetricsStore()
+    st.attach(Cluster(started_at=1000.0))
+    st.ingest(rss(0, 1001.0, 5e8))
+    assert st.memory()[0]["rss"] == 5e8
+    st.attach(Cluster(started_at=2000.0))  # a restart: a new channel, the same rank numbers
+    assert st.memory() == {0: dict.fromkeys(st.memory()[0]), 1: dict.fromkeys(st.memory()[1])}
+    assert st.memory()[0]["rss"] is None  # n/a, not the earlier cluster's 500 MB
+    st.ingest(rss(0, 1997.0, 7e8))  # taken during the new start (which began at 1996)
+    assert st.memory()[0]["rss"] == 7e8

@@ -32,6 +32,9 @@ class Link:
         #: per rank: what it said of itself (host, local_rank, pid) and of its loop
         #: (step, step_time, backend, idle, seen)
         self.rank_info: dict[int, dict[str, Any]] = {}
+        #: when this cluster's start began (``time.time()``; None: not known): readings of
+        #: a rank of the same number taken before it are an earlier cluster's
+        self.began: float | None = None
 
     def begin(self, cluster: Any) -> None:
         """A new cluster (a start or a restart: a new channel), lock held: its ranks are
@@ -41,6 +44,11 @@ class Link:
             self.rank_info[r] = {"host": host}
         self.number += 1
         self.info = {k: getattr(cluster, k, None) for k in ("n", "backend", "device")}
+        at, took = getattr(cluster, "started_at", None), getattr(cluster, "start_seconds", None)
+        if isinstance(at, (int, float)) and isinstance(took, (int, float)):
+            self.began = float(at) - float(took)
+        else:  # a stand-in cluster (tests, benches): nothing to tell apart
+            self.began = None
 
     def note(self, rank: int, fields: dict[str, Any]) -> None:
         """What ``rank`` just said of itself (lock held)."""

@@ -160,8 +160,11 @@ class PointStore:
             steps, values, a = s.steps, s.values, rs.start
             return [float(steps[a + i]) for i in idx], [values[a + i] for i in idx], stride
 
-    def latest(self, name: str, rank: int) -> float | None:
-        """The last value of one metric on one rank (None: none yet)."""
+    def latest(self, name: str, rank: int, since: float | None = None) -> float | None:
+        """The last value of one metric on one rank (None: none yet, or none taken at or
+        after ``since``, a ``time.time()``)."""
         with self.lock:
             s = self._series.get((rank, name))
-            return s.values[-1] if s is not None and s.values else None
+            if s is None or not s.values or (since is not None and s.times[-1] < since):
+                return None
+            return s.values[-1]

@@ -318,7 +318,9 @@ class Views:
         return out
 
     def memory(self) -> dict[int, dict[str, float | None]]:
-        """Latest memory and GPU-utilisation readings per rank (None: not reported)."""
+        """Latest memory and GPU-utilisation readings per rank of the attached cluster
+        (None: not reported by it: after a restart, a rank that has not reported yet reads
+        n/a, never the previous cluster's figure for the same rank number)."""
         names = (
             "mem/rss",
             "mem/gpu_allocated",
@@ -327,7 +329,8 @@ class Views:
             "mem/gpu_util_pct",
             "mem/gpu_membw_util_pct",
         )
-        return {r: {n[4:]: self._points.latest(n, r) for n in names} for r in self.ranks()}
+        since = self._link.began
+        return {r: {n[4:]: self._points.latest(n, r, since) for n in names} for r in self.ranks()}
 
     def throughput(self, window: float = 3.0) -> float | None:
         """Samples per second over every rank in the last ``window`` seconds of logs."""
