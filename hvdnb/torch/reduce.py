@@ -110,6 +110,12 @@ def allreduce_op(
 
     def finish(r: torch.Tensor) -> torch.Tensor:
         post_eff = post
+        if r.dtype != dtype and r.is_floating_point() and (op == Average or post != 1.0):
+            # a 16-bit float summed on a float32 wire: Horovod's sum is in the float's own
+            # type, then scaled in float32; at 3 ranks the unrounded sum differed in the last
+            # bit on some ranks only, and Horovod's suite (exact up to 3 ranks) left those
+            # ranks' loops early, one collective out of step with the others
+            r.copy_(r.to(dtype))
         if op == Average:
             if r.is_floating_point():
                 if post == 1.0:
