@@ -109,29 +109,7 @@ def allreduce_op(
     direct = inplace and wire is tensor
 
     def finish(r: torch.Tensor) -> torch.Tensor:
-        post_eff = post
-        if r.dtype != dtype and r.is_floating_point() and (op == Average or post != 1.0):
-            # a 16-bit float summed on a float32 wire: Horovod's sum is in the float's own
-            # type, then scaled in float32; at 3 ranks the unrounded sum differed in the last
-            # bit on some ranks only, and Horovod's suite (exact up to 3 ranks) left those
-            # ranks' loops early, one collective out of step with the others
-            r.copy_(r.to(dtype))
-        if op == Average:
-            if r.is_floating_point():
-                if post == 1.0:
-                    if n > 1 and divide:  # x / 1 is x: one rank launches no kernel
-                        r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
-                else:
-                    post_eff = post / n
-            else:
-                r.div_(n, rounding_mode="trunc")
-        if post_eff != 1.0:
-            _scale(r, post_eff, inplace=True)
-        if inplace:
-            if r is not tensor:
-                tensor.copy_(r.view(tensor.shape) if r.shape != tensor.shape else r)
-            return tensor
-        return r if r.dtype == dtype else r.to(dtype)
+        return _finish(r, tensor, op, post, n, divide, inplace)
 
     def start(hdrs: list[bytes]) -> Handle:
         if op == Adasum:
@@ -168,6 +146,44 @@ def allreduce_op(
     if type(tr) is MPITransport and nbw <= tr.inline and tr.inline and op != Adasum:
         o.inline = inline
     return tr, o
+
+
+def _finish(
+    r: torch.Tensor,
+    tensor: torch.Tensor,
+    op: int,
+    post: float,
+    n: int,
+    divide: bool,
+    inplace: bool,
+) -> torch.Tensor:
+    """An allreduce's result ``r`` (the sum, on the wire's dtype) as the op's answer: the
+    Average's division, the postscale, and the copy into ``tensor`` (``inplace``) or the
+    conversion back to its dtype."""
+    dtype = tensor.dtype
+    post_eff = post
+    if r.dtype != dtype and r.is_floating_point() and (op == Average or post != 1.0):
+        # a 16-bit float summed on a float32 wire: Horovod's sum is in the float's own
+        # type, then scaled in float32; at 3 ranks the unrounded sum differed in the last
+        # bit on some ranks only, and Horovod's suite (exact up to 3 ranks) left those
+        # ranks' loops early, one collective out of step with the others
+        r.copy_(r.to(dtype))
+    if op == Average:
+        if r.is_floating_point():
+            if post == 1.0:
+                if n > 1 and divide:  # x / 1 is x: one rank launches no kernel
+                    r.div_(n)  # correctly rounded, as a division (x * (1/3) is not)
+            else:
+                post_eff = post / n
+        else:
+            r.div_(n, rounding_mode="trunc")
+    if post_eff != 1.0:
+        _scale(r, post_eff, inplace=True)
+    if inplace:
+        if r is not tensor:
+            tensor.copy_(r.view(tensor.shape) if r.shape != tensor.shape else r)
+        return tensor
+    return r if r.dtype == dtype else r.to(dtype)
 
 
 def _combine(
