@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import hvdnb
 from tests.spmd.test_spmd import HANG_S, MPIEXEC, _env, _report, mpiexec
 
 INSTALL = "pip install 'hvdnb[tf]'"
@@ -206,3 +207,46 @@ def test_horovod_example_tensorflow2_keras_mnist(tmp_path: Path) -> None:
     assert accs and accs[-1] > 0.5, accs[-5:]  # chance is 0.1
     assert "learning rate" in out.lower(), _report(proc)  # LearningRateWarmupCallback, verbose
     assert len(list(tmp_path.glob("checkpoint-*.h5"))) == 24
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_horovod_examples_from_a_distributed_cell(tmp_path: Path, shell, capsys) -> None:
+    """Both examples, unchanged, run by ``runpy`` in ``%%distributed`` cells on 2 ranks of
+    one cluster (the engines get the same ``sitecustomize`` as under mpiexec)."""
+    for name in ("tensorflow2_mnist.py", "tensorflow2_keras_mnist.py"):
+        if not (EXAMPLES / name).exists():
+            _example(tmp_path, name)  # skips, saying where the examples are looked for
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": f"{site}:{root}", "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    running = hvdnb.current()
+    if running is not None and running.running:
+        running.stop()
+    cluster = hvdnb.Cluster(n=2, timeout=240, engine_env=env).start()
+    try:
+        capsys.readouterr()
+        for name, work in (
+            ("tensorflow2_mnist.py", "tape"),
+            ("tensorflow2_keras_mnist.py", "keras"),
+        ):
+            (tmp_path / work).mkdir()
+            code = (
+                f"import os, runpy\nos.chdir({str(tmp_path / work)!r})\n"
+                f"runpy.run_path({str(EXAMPLES / name)!r}, run_name='__main__')\n"
+            )
+            shell.run_cell_magic("distributed", "", code)
+        out = capsys.readouterr().out
+    finally:
+        cluster.stop()
+    losses = [float(x) for x in re.findall(r"^\[0\] Step #\d+\tLoss: ([0-9.]+)", out, re.M)]
+    assert len(losses) == 10000 // 2 // 10, out[-3000:]  # rank 0 prints, as under mpiexec
+    assert min(losses[-10:]) < losses[0] / 2, losses[:3] + losses[-10:]
+    assert list((tmp_path / "tape").glob("checkpoints-1.index"))
+    assert re.search(r"^\[0\] Epoch 24/24", out, re.M), out[-3000:]
+    accs = [float(a) for a in re.findall(r" accuracy: ([0-9.]+)", out)]
+    assert accs and accs[-1] > 0.5, accs[-5:]
+    assert len(list((tmp_path / "keras").glob("checkpoint-*.h5"))) == 24
