@@ -89,6 +89,8 @@ def test_the_table_lists_roles_steps_loss_and_rss_and_says_na_when_missing() -> 
     html = ps_table(store)
     assert "<td>0</td><td>ps 0</td><td></td><td></td><td>512 MB</td>" in html
     assert html in tables_html(store)
+    # the hint says where a ps cluster's numbers come from (no step-time breakdown there)
+    assert store.hint().startswith("parameter-server cluster: hvdnb.ClusterCoordinator")
     assert store.progress()[0] == 4  # the header's step: the coordinator's latest
     # one run, the workers' losses at the coordinator's step numbers
     assert len(store.runs) == 1

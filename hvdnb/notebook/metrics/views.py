@@ -175,6 +175,13 @@ class Views:
         """One line naming the bottleneck (data, communication or compute) and stragglers."""
         b = self.breakdown(last_steps)
         if not b:
+            if any(i.get("tf_role") for i in list(self._link.rank_info.values())):
+                # a ParameterServerStrategy cluster: the coordinator (this kernel) counts the
+                # steps; the workers time none (TensorFlow runs them, not a cell's loop)
+                return (
+                    "parameter-server cluster: hvdnb.ClusterCoordinator counts each worker's "
+                    "steps and loss (table below); no step-time breakdown"
+                )
             return "no step times yet: call hvdnb.log(step, loss) once per step"
         tot = {k: statistics.median(v[k] for v in b.values()) for k in ("data", "comm", "compute")}
         step = statistics.median(v["step"] for v in b.values()) or 1e-12
