@@ -10,6 +10,7 @@ import sqlite3
 import stat
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,17 +116,23 @@ def test_outcome_of_a_cell():
     assert outcome_of({0: {"ename": "ValueError"}}) == "error"
 
 
-def test_a_corrupt_file_is_left_and_a_fresh_one_used(home):
-    home.mkdir()
-    bad = home / "runs.sqlite"
-    junk = b"this is not a database, but somebody's notes" * 100
-    bad.write_bytes(junk)
+def _log_beside_a_bad_file() -> tuple[MetricsStore, Any, list[str]]:
+    """Log a run of 20 steps on 4 ranks while runs.sqlite is unusable: the live store, the
+    run store it fell back to, and the warnings' texts."""
     st = MetricsStore(keep_runs=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _log_run(st, cell=1, steps=20)
         store = st.run_log.store()
-    texts = [str(w.message) for w in caught]
+    return st, store, [str(w.message) for w in caught]
+
+
+def test_a_corrupt_file_is_left_and_a_fresh_one_used(home):
+    home.mkdir()
+    bad = home / "runs.sqlite"
+    junk = b"this is not a database, but somebody's notes" * 100
+    bad.write_bytes(junk)
+    st, store, texts = _log_beside_a_bad_file()
     assert any("runs.sqlite" in t and "left in place" in t and "runs-2.sqlite" in t for t in texts)
     assert bad.read_bytes() == junk  # nothing deleted or rewritten
     assert store.path == home / "runs-2.sqlite"
@@ -148,12 +155,7 @@ def test_a_store_of_another_hvdnb_version_is_left_and_a_fresh_one_used(home):
     con.commit()
     con.close()
     before = old.read_bytes()
-    st = MetricsStore(keep_runs=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _log_run(st, cell=1, steps=20)
-        store = st.run_log.store()
-    texts = [str(w.message) for w in caught]
+    _, store, texts = _log_beside_a_bad_file()
     assert any("another hvdnb version" in t and "runs-2.sqlite" in t for t in texts), texts
     assert old.read_bytes() == before
     assert store.path == home / "runs-2.sqlite"
