@@ -100,8 +100,6 @@ class OutputCollapser:
         # the seq of each rank's latest line (held or already shown): a rank may join a held
         # line at once when its own latest line comes before it, which is the usual case
         self._last_seq: dict[int, int] = {}
-        # how many held lines each rank is in (0: everything it printed has been shown)
-        self._held: dict[int, int] = defaultdict(int)
 
     def feed(self, rank: int, stream: str, text: str, now: float) -> None:
         """Add raw text from ``rank``'s ``stream`` (any chunking, partial lines allowed)."""
@@ -125,12 +123,11 @@ class OutputCollapser:
             and (self._last_seq.get(rank, -1) < entry.seq or self._make_room(rank, entry))
         ):
             entry.ranks.add(rank)
-            self._held[rank] += 1
             self._last_seq[rank] = max(self._last_seq.get(rank, -1), entry.seq)
             return
         if entry is not None:  # cannot merge without reordering: keep it apart
             key = (stream, line, k, rank)
-        elif not self._held[rank] and self._late(rank, stream, line, k):
+        elif not self._holds(rank) and self._late(rank, stream, line, k):
             # every other rank's copy of this line was already shown alone (it waited out
             # the window): nothing can join it, and nothing of this rank's is held before
             # it, so it is shown now. Holding it instead put it behind the held lines, and
@@ -142,8 +139,13 @@ class OutputCollapser:
         entry = self._pending[key] = _Pending(stream, line, now, self._next_seq)
         self._next_seq += 1
         entry.ranks.add(rank)
-        self._held[rank] += 1
         self._last_seq[rank] = entry.seq
+
+    def _holds(self, rank: int) -> bool:
+        """Some line of ``rank`` is still held: lines leave in ``seq`` order, so exactly
+        when its latest line (held or shown) is not before the oldest one held."""
+        head = next(iter(self._pending.values()), None)
+        return head is not None and self._last_seq.get(rank, -1) >= head.seq
 
     def _late(self, rank: int, stream: str, line: str, k: int) -> bool:
         """Every other expected rank has printed its ``k``-th copy of ``line`` already (and,
@@ -192,7 +194,6 @@ class OutputCollapser:
             key, entry = next(iter(self._pending.items()))
             if entry.ranks >= self.ranks or now - entry.first_seen >= self.window:
                 del self._pending[key]
-                self._release(entry)
                 self._emit(entry)
             else:
                 break
@@ -206,11 +207,6 @@ class OutputCollapser:
         for entry in list(self._pending.values()):
             self._emit(entry)
         self._pending.clear()
-        self._held.clear()
-
-    def _release(self, entry: _Pending) -> None:
-        for r in entry.ranks:
-            self._held[r] -= 1
 
     def _emit(self, entry: _Pending) -> None:
         self.emit(entry.stream, f"[{format_ranks(entry.ranks)}] {entry.text}\n")
