@@ -25,9 +25,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 # the tf extra too, so that the suite runs notebook 08 and the TensorFlow tests (they skip
-# where TensorFlow is missing); about a minute with pip's cache warm
+# where TensorFlow is missing); about a minute with pip's cache warm; and the frameworks
+# extra (Accelerate, transformers, Lightning), whose integrations the suite runs
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e ".[test,tf]"
+	$(PIP) -e ".[test,tf,frameworks]"
 	touch $@
 
 $(VENV)/.installed-lint: $(VENV)/.installed

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from hvdnb import metrics  # a callable module: hvdnb.metrics() returns every point as rows
 from hvdnb.config import Config, get_config
+from hvdnb.rank.frameworks.accelerate_hooks import tracker as accelerate_tracker
 from hvdnb.rank.keras import keras_callback  # imports keras only when called
 from hvdnb.rank.metrics.ddp import ddp_comm_hook
 from hvdnb.rank.metrics.knobs import knobs
@@ -59,6 +60,7 @@ __all__ = [
     "NotEnoughRanks",
     "State",
     "TrainingStopped",
+    "accelerate_tracker",
     "current",
     "ddp_comm_hook",
     "get_config",

@@ -26,6 +26,7 @@ __all__ = [
     "KNOBS_PLAN",
     "KNOBS_REQ",
     "KNOBS_SPEC",
+    "MAIN_LOSS",
     "METRICS",
     "PDB_CMD",
     "PDB_OUT",
@@ -226,3 +227,9 @@ def outgoing(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
     kind_name(kind)
     kind.check(payload)
     return {"kind": kind.name, **payload}
+
+
+#: The metric name of a loss a framework logs on its main process only, once for all ranks
+#: (the HF Trainer's logged loss: the mean over ranks; ``accelerator.log``'s): the panel
+#: draws it as one line, "main process", where no rank logged its own ``loss``
+MAIN_LOSS: Final = "loss_main"

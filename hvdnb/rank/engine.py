@@ -36,7 +36,7 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import CellReply, EngineInfo
-from hvdnb.rank import channel, debugger, hooks, rendezvous, tfconfig
+from hvdnb.rank import channel, debugger, frameworks, hooks, rendezvous, tfconfig
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.metrics import fingerprint, recorder, stop
 
@@ -65,6 +65,7 @@ def bootstrap(backend: str | None = None) -> None:
     _STATE["backend"] = dist.get_backend()
     _STATE["device"] = rendezvous.setup_device(w)
     tfconfig.setup(w)  # before any cell can import tensorflow
+    frameworks.install(rendezvous.place(w, _STATE["device"]))  # DDP, Accelerate, HF, Lightning
     _release_shm_names()
 
 
@@ -410,7 +411,7 @@ def _release_peers() -> None:
         import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.destroy_process_group()
+            rendezvous.destroy_group()
     except Exception:  # the cell already failed; never mask its error with ours
         pass
 
@@ -492,6 +493,7 @@ def run_cell(code: str, cell_no: int) -> CellReply:
     connect_channel()
     _new_cell_metrics(cell_no)
     debugger.forget()  # a new cell: the last failed cell's frames go
+    frameworks.new_cell()  # each framework note may be said once more
     sys.breakpointhook = debugger.breakpoint_hook  # pdb on this rank, prompted in the notebook
     t0 = time.time()
     _STATE["last_cell"] = {"cell": cell_no, "state": "running", "start": t0}

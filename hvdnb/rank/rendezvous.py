@@ -33,8 +33,18 @@ from hvdnb.config import get_config
 from hvdnb.host import cores, ifname_of, is_loopback, reachable_addr, route_addr
 from hvdnb.protocol import kinds
 from hvdnb.rank import gpurules
+from hvdnb.rank.frameworks.common import Place
+from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 
-__all__ = ["World", "discover", "init_process_group", "reinit_process_group", "world"]
+__all__ = [
+    "World",
+    "destroy_group",
+    "discover",
+    "init_process_group",
+    "place",
+    "reinit_process_group",
+    "world",
+]
 
 _WORLD: World | None = None
 _STORE: Any = None
@@ -382,7 +392,7 @@ def _shutdown() -> None:
             # a caught collective error keeps the group in a cycle (its traceback's frames
             # hold the transport): destroy frees the group only once that cycle is gone
             gc.collect()
-            dist.destroy_process_group()
+            destroy_default_group()
     except Exception:  # exiting anyway; a broken group must not turn into a crash
         pass
     _STORE = None
@@ -560,11 +570,26 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
     old_backend = None
     if dist.is_initialized():
         old_backend = dist.get_backend()
-        dist.destroy_process_group()
+        destroy_default_group()
     _GENERATION = generation
     _init_from_store(
         backend or old_backend or default_backend(w), w, get_config().collective_timeout
     )
+
+
+def place(w: World, device: str) -> Place:
+    """Where this rank stands, as the framework integrations read it (after the group
+    exists)."""
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+    backend = str(dist.get_backend()) if dist.is_initialized() else ""
+    return Place(w.rank, w.size, w.local_rank, w.local_size, w.cross_size, device, backend)
+
+
+def destroy_group() -> None:
+    """Destroy the default group with torch's own call (a user's ``destroy_process_group()``
+    in a cell keeps it: ``hvdnb.rank.frameworks.torch_hooks``)."""
+    destroy_default_group()
 
 
 def generation() -> int:

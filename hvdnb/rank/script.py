@@ -25,7 +25,7 @@ from typing import Any
 
 from hvdnb.protocol.jsonl import dumps_line
 from hvdnb.protocol.kinds import Kind, outgoing
-from hvdnb.rank import rendezvous, tfconfig
+from hvdnb.rank import frameworks, rendezvous, tfconfig
 from hvdnb.rank.metrics import knobs as knobset
 from hvdnb.rank.metrics import recorder
 
@@ -77,6 +77,7 @@ def init(backend: str | None = None, knobs: dict[str, Any] | None = None) -> Any
 
     _WORLD = rendezvous.init_process_group(backend)
     tfconfig.setup(_WORLD)
+    frameworks.install(rendezvous.place(_WORLD, rendezvous.setup_device(_WORLD)))
     knobset.DEFAULTS.update(knobs or {})
     out = os.environ.get("HVDNB_METRICS_DIR")
     if out:

@@ -28,6 +28,7 @@ from typing import Any
 
 from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore, Series, thin_indices
+from hvdnb.protocol.kinds import MAIN_LOSS
 
 __all__ = ["Runs", "cluster_text", "run_label"]
 
@@ -216,6 +217,13 @@ class Runs:
             self._points.changed()
             return n
 
+    def _sums(self, rid: int, name: str) -> _CurveSums:  # lock held
+        cs = self._curves.get((rid, name))
+        if cs is None:
+            cs = self._curves[(rid, name)] = _CurveSums()
+        cs.add(self._points.items(), rid, name)
+        return cs
+
     def curves(
         self, x: str = "step", name: str = "loss", last_runs: int = 5, points: int | None = None
     ) -> list[dict[str, Any]]:
@@ -242,10 +250,10 @@ class Runs:
             out = []
             for run in runs:
                 rid = run["id"]
-                cs = self._curves.get((rid, name))
-                if cs is None:
-                    cs = self._curves[(rid, name)] = _CurveSums()
-                cs.add(self._points.items(), rid, name)
+                cs = self._sums(rid, name)
+                if not cs.order and name == "loss":  # a framework logging on its main
+                    main = self._sums(rid, MAIN_LOSS)  # process only (the HF Trainer)
+                    cs = main if main.order else cs
                 acc, samples = cs.sums, cs.samples
                 if cs.unsorted:
                     cs.order.sort()

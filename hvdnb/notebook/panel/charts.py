@@ -34,6 +34,7 @@ import numpy as np
 from hvdnb.notebook.metrics.points import thin_indices
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.ticks import fmt_value, nice_ticks
+from hvdnb.protocol.kinds import MAIN_LOSS
 
 __all__ = [
     "ALARM_COLOR",
@@ -372,24 +373,24 @@ def _cut(lines: list[Line], window: int) -> list[Line]:
 
 
 def _loss_lines(
-    store: MetricsStore, ranks: list[int], points: int, window: int
+    store: MetricsStore, ranks: list[int], points: int, window: int, name: str = "loss"
 ) -> list[tuple[int, list[float], list[float], int]]:
     """(rank, steps, losses, stride) of each rank with a loss: at most ~``points`` points
     of the run, or of its last ``window`` steps (counted from the furthest rank)."""
     if not window:
         out = []
         for r in ranks:
-            xs, ys, stride = store.thinned("loss", r, points)
+            xs, ys, stride = store.thinned(name, r, points)
             if xs:  # thinned by ``stride``: one drawn point stands for ``stride`` steps
                 out.append((r, xs, ys, stride))
         return out
     raw: list[tuple[int, list[int], list[float]]] = []
     for r in ranks:  # copies at most ``window`` points per rank
-        if store.count("loss", r) <= points:
-            xs, ys, _ = store.thinned("loss", r, points)
+        if store.count(name, r) <= points:
+            xs, ys, _ = store.thinned(name, r, points)
             raw.append((r, [int(x) for x in xs], ys))
         else:
-            steps, vals, _ = store.series("loss", r, last=window)
+            steps, vals, _ = store.series(name, r, last=window)
             raw.append((r, steps, vals))
     ends = [steps[-1] for _, steps, _ in raw if steps]
     if not ends:
@@ -418,16 +419,21 @@ def loss_chart(
     window: int = 0,
 ) -> LineChart:
     """Each rank's loss of the current run, or of its last ``window`` steps (at most
-    ~``points`` points, EMA-smoothed with ``alpha`` per step); beyond ``MAX_LINES`` ranks
-    the min/max band and median over all of them, plus one median line per host (2 to
-    ``MAX_LINES`` hosts); the last 8 knob changes as marks, the last 8 watchers' alarms
-    (``hvdnb.watch``) as marks of their own."""
+    ~``points`` points, EMA-smoothed with ``alpha`` per step); where no rank logged a
+    ``loss``, the loss a framework logged on its main process (``MAIN_LOSS``: the HF
+    Trainer's mean over ranks, ``accelerator.log``'s), one line "main process"; beyond
+    ``MAX_LINES`` ranks the min/max band and median over all of them, plus one median
+    line per host (2 to ``MAX_LINES`` hosts); the last 8 knob changes as marks, the last 8
+    watchers' alarms (``hvdnb.watch``) as marks of their own."""
     ranks = store.ranks() if ranks is None else ranks
     lines: list[Line] = []
     drawn: list[int] = []
     for r, xs, ys, stride in _loss_lines(store, ranks, points, window):
         lines.append((f"rank {r}", xs, ema(ys, alpha**stride if alpha else 0.0)))
         drawn.append(r)
+    if not lines:  # a framework that logs its loss on the main process only (HF Trainer)
+        for _, xs, ys, stride in _loss_lines(store, ranks, points, window, MAIN_LOSS):
+            lines.append(("main process", xs, ema(ys, alpha**stride if alpha else 0.0)))
     band = None
     if len(lines) > MAX_LINES:
         grid, stack = resample(lines, min(points, BAND_COLUMNS))

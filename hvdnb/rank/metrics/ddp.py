@@ -18,7 +18,7 @@ from hvdnb.rank.hooks import NcclSeconds
 from hvdnb.rank.metrics import fingerprint
 from hvdnb.rank.metrics.recorder import get_recorder
 
-__all__ = ["ddp_comm_hook"]
+__all__ = ["ddp_comm_hook", "timed_hook"]
 
 
 def ddp_comm_hook(model: Any, state: Any = None) -> Any:
@@ -62,11 +62,26 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
     -------
     the model, with the hook registered
     """
+    if getattr(model, "_hvdnb_timed", False):  # hvdnb timed this model already (on a rank,
+        return model  # every DDP model is: hvdnb.rank.frameworks.ddp_hooks)
+    # the class's method: on a rank the model's own is hvdnb's wrapper, which would time twice
+    type(model).register_comm_hook(model, state, timed_hook(model, state))
+    model._hvdnb_timed = True
+    return model
+
+
+def timed_hook(model: Any, state: Any = None, inner: Any = None) -> Any:
+    """The hook ``ddp_comm_hook`` registers: ``inner`` (default: torch's ``allreduce_hook``)
+    with each bucket timed as ``ddp_comm_hook`` says. A user's own ``inner`` is timed from
+    the hook's call to its future's completion, on CUDA too (NCCL's kernel time needs the
+    Work, which a user's hook keeps to itself)."""
     import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415  torch is heavy: loaded when first used
 
     rec = get_recorder()
-    backend = str(dist.get_backend(state) if state is not None else dist.get_backend())
+    backend = str(
+        dist.get_backend(state) if isinstance(state, dist.ProcessGroup) else dist.get_backend()
+    )
     # this step's clock: when the last bucket was launched (0: not yet), the previous
     # bucket's completion; the hook runs on the training thread, completions on Gloo's
     clock = {"last_launch": 0.0, "prev_done": 0.0}
@@ -75,6 +90,7 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
         (n, p) for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad
     )
     passes = [0]  # backward passes seen: the drift fingerprints' step count
+    call = inner if inner is not None else allreduce_hook
 
     # no annotations: DDP rejects a hook whose annotations are not exactly GradBucket and
     # torch.futures.Future (this module's are strings under `from __future__ import`)
@@ -87,9 +103,8 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
             passes[0] += 1
             fingerprint.on_step(passes[0], named)
         buf = bucket.buffer()
-        cuda = bool(buf.is_cuda)
         nbytes = float(buf.numel() * buf.element_size())
-        if cuda:  # allreduce_hook's own steps, keeping the Work for NCCL's kernel time
+        if buf.is_cuda and inner is None:  # allreduce_hook's own steps, keeping the Work
             group: Any = st if st is not None else dist.group.WORLD
             buf.div_(group.size())
             work = dist.all_reduce(buf, group=group, async_op=True)
@@ -101,7 +116,7 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
         if is_last:
             with lock:
                 clock["last_launch"] = t0
-        fut = allreduce_hook(st, bucket)
+        fut = call(st, bucket)
 
         def done(f: Any) -> Any:
             t1 = time.perf_counter()
@@ -119,5 +134,4 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
 
         return fut.then(done)
 
-    model.register_comm_hook(state, hook)
-    return model
+    return hook

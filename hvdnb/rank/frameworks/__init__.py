@@ -1,0 +1,54 @@
+"""The code users already have: PyTorch's DDP tutorial, Accelerate, the HF Trainer and
+Lightning, run unchanged on hvdnb's ranks, over the cluster's process group.
+
+One module per framework, each meeting it at its own seam where it has one:
+
+============================  =============================================================
+``torch_hooks``               ``init_process_group`` / ``destroy_process_group`` in a cell
+                              keep the cluster's group; ``torch.multiprocessing.spawn``
+                              runs its function once per rank (torch has no seam: a patch)
+``ddp_hooks``                 every DDP model's collective timings reach the panel, a
+                              user's own comm hook kept (a patch of DDP's constructor)
+``accelerate_hooks``          ``ACCELERATE_USE_CPU`` and ``FORK_LAUNCHED`` (Accelerate's own
+                              switches), ``notebook_launcher`` once per rank, a tracker
+``transformers_hooks``        a ``TrainerCallback`` in the Trainer's default callbacks:
+                              the logged loss and the panel's learning-rate knobs
+``lightning_hooks``           the ranks are torchrun's (``TORCHELASTIC_RUN_ID``: Lightning's
+                              ``TorchElasticEnvironment``), ``ddp_notebook`` / ``ddp_fork``
+                              re-registered in Lightning's strategy registry, a callback
+                              from Lightning's callbacks entry point
+============================  =============================================================
+
+``install`` runs once per rank, in the engine's bootstrap and an exported script's
+``init``, so a ``%dist restart`` (fresh engines) installs again. Outside a rank nothing is
+installed: the Lightning entry point returns no callback there. A framework's hooks are
+placed when it is first imported (``wrapt``'s post-import hooks), so a rank that never
+imports Accelerate never pays for it.
+
+Owns: the table of tested versions (``TESTED``) and the one warning for another version.
+Never: import a framework before the user does, or change anything outside a rank.
+"""
+
+from __future__ import annotations
+
+from hvdnb.rank.frameworks import (
+    accelerate_hooks,
+    ddp_hooks,
+    lightning_hooks,
+    torch_hooks,
+    transformers_hooks,
+)
+from hvdnb.rank.frameworks.common import Place, installed, new_cell, set_place
+
+__all__ = ["Place", "install", "installed", "new_cell"]
+
+
+def install(p: Place) -> None:
+    """Install every framework's hooks on this rank (once per process)."""
+    if not set_place(p):
+        return
+    torch_hooks.install(p)
+    ddp_hooks.install(p)
+    accelerate_hooks.install(p)
+    transformers_hooks.install(p)
+    lightning_hooks.install(p)
