@@ -184,6 +184,14 @@ def check(cells: Sequence[ExportCell]) -> None:
         bound = {
             s.get_name() for s in top if s.is_assigned() or s.is_imported() or s.is_namespace()
         }
+        # a function's `global W` then `W = ...` (PyTorch's DDP tutorial keeps results so)
+        # defines W once it is called
+        bound |= {
+            s.get_name()
+            for child in _walk(table)
+            for s in child.get_symbols()
+            if s.is_declared_global() and s.is_assigned()
+        }
         star = star or ("*" in code and re.search(r"import\s+\*", code) is not None)
         used = {s.get_name() for s in top if s.is_referenced()}
         missing = sorted(used - defined - bound)

@@ -370,3 +370,124 @@ def test_fabric(cluster):
     r = run(cluster, FABRIC.replace("DEVICES", str(n)))
     assert r.values == {rank: (n, rank, math.ceil(SAMPLES / 8 / n)) for rank in range(n)}
     same_weights_and_group_works(cluster)
+
+
+LIGHTNING_LR = (
+    DATA
+    + """
+import lightning as L
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.mse_loss(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+class Seen(L.Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(round(optimizer.param_groups[0]["lr"], 6))
+
+seen = Seen()
+trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy="ddp", max_steps=10, callbacks=[seen],
+                    enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                    enable_model_summary=False)
+trainer.fit(Lit(), DataLoader(TensorDataset(X, Y), batch_size=4))
+seen.lrs
+"""
+)
+
+HF_LR = (
+    HF_TRAINER.replace("logging_steps=1", "logging_steps=1, max_steps=10")
+    .replace(
+        "trainer = Trainer(model=Tiny(), args=args, train_dataset=Data())",
+        """from transformers import TrainerCallback
+class Seen(TrainerCallback):
+    def __init__(self):
+        self.lrs = []
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.lrs.append(round(optimizer.param_groups[0]["lr"], 6))
+seen = Seen()
+trainer = Trainer(model=Tiny(), args=args, train_dataset=Data(), callbacks=[seen])""",
+    )
+    .replace(
+        "(args.world_size, str(args.parallel_mode), type(trainer.model_wrapped).__name__, len(trainer.get_train_dataloader()))",
+        "seen.lrs",
+    )
+)
+
+
+@pytest.mark.parametrize("cell", [LIGHTNING_LR, HF_LR], ids=["lightning", "hf_trainer"])
+def test_the_panels_lr_knobs_drive_the_framework(cluster, cell):
+    """The panel's lr and warmup_steps, planned for step 5, drive the learning rate from
+    that step on, on every rank alike; before it the framework's own schedule rules."""
+    n = cluster.n
+    code = cell.replace("DEVICES", str(n))
+    before = run(cluster, code).values[0]  # announces the knobs; the framework's own lrs
+    hvdnb.set_knobs(lr=0.2, warmup_steps=8, at_step=5)
+    r = run(cluster, code)
+    want = before[:5] + [round(0.2 * min(1.0, (s + 1) / 8), 6) for s in range(5, 10)]
+    assert r.values == dict.fromkeys(range(n), want), (before, r.values)
+
+
+def test_an_exported_notebook_trains_distributed_under_mpiexec_and_torchrun(tmp_path):
+    """``%dist export`` of a notebook made of these cells: the script trains over 2 ranks
+    under mpiexec and under torchrun, as the notebook did (the hooks go in at the script's
+    ``hvdnb.rank.script.init``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nbformat
+
+    check = "print('same weights', " + SAME_WEIGHTS.strip().splitlines()[-1] + ")"
+    body = [  # the check in the same cell: the exporter cannot see the tutorial's `global W`
+        DDP_TUTORIAL + SAME_WEIGHTS + check,
+        ACCELERATE + "\nprint('accelerate sees', accelerator.num_processes)" + SAME_WEIGHTS + check,
+        lightning_cell("lightning", "2", "ddp_notebook")
+        + "\nprint('lightning sees', trainer.world_size)"
+        + SAME_WEIGHTS
+        + check,
+    ]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext hvdnb\n%dist start -n 2")] + [
+        nbformat.v4.new_code_cell("%%distributed\n" + code) for code in body
+    ]
+    path = tmp_path / "frameworks.ipynb"
+    nbformat.write(nb, path)
+    bin_ = Path(sys.executable).parent
+    env = dict(
+        os.environ,
+        PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}",
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        OMP_NUM_THREADS="1",
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    script = str(path.with_suffix(".py"))
+    for cmd in (
+        [str(bin_ / "mpiexec"), "-n", "2", sys.executable, script],
+        [str(bin_ / "torchrun"), "--standalone", "--nproc-per-node", "2", script],
+    ):
+        run_ = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path
+        )
+        assert run_.returncode == 0, f"{cmd[0]}:\n{run_.stdout[-3000:]}\n{run_.stderr[-3000:]}"
+        text = run_.stdout
+        assert text.count("same weights True") == 6, (cmd[0], text[-3000:])
+        assert text.count("accelerate sees 2") == 2 and text.count("lightning sees 2") == 2, text

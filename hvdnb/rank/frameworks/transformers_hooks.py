@@ -67,10 +67,12 @@ def _callback_class() -> Any:
             self.lr.at_step(int(state.global_step), opt)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            log(int(state.global_step), total_steps=int(state.max_steps or 0))
+            # the step that just finished: the Trainer has counted it already (global_step
+            # is 1 after the first), and knobs.step(s) at its start was told s
+            log(int(state.global_step) - 1, total_steps=int(state.max_steps or 0))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs and "loss" in logs and state.is_world_process_zero:
-                get_recorder().record(int(state.global_step), MAIN_LOSS, float(logs["loss"]))
+                get_recorder().record(int(state.global_step) - 1, MAIN_LOSS, float(logs["loss"]))
 
     return HvdnbCallback
