@@ -93,6 +93,10 @@ class Config:
     home: str = ""
     #: the run store's size bound in MB: past it, the oldest runs are deleted (0: no bound)
     runs_max_mb: float = 1024.0
+    #: 1: on each rank, the frameworks users already have (PyTorch's DDP tutorial,
+    #: Accelerate, the HF Trainer, Lightning) are met at their seams so that they run over
+    #: the cluster (``hvdnb.rank.frameworks``); 0: they see the ranks as torch does alone
+    frameworks: int = 1
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod

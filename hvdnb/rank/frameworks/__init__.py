@@ -31,6 +31,7 @@ Never: import a framework before the user does, or change anything outside a ran
 
 from __future__ import annotations
 
+from hvdnb.config import get_config
 from hvdnb.rank.frameworks import (
     accelerate_hooks,
     ddp_hooks,
@@ -44,8 +45,9 @@ __all__ = ["Place", "install", "installed", "new_cell"]
 
 
 def install(p: Place) -> None:
-    """Install every framework's hooks on this rank (once per process)."""
-    if not set_place(p):
+    """Install every framework's hooks on this rank (once per process; none with
+    ``HVDNB_FRAMEWORKS=0``)."""
+    if not get_config().frameworks or not set_place(p):
         return
     torch_hooks.install(p)
     ddp_hooks.install(p)
