@@ -129,6 +129,14 @@ def expect(stem: str, n: int) -> list[str]:
             "parameter server memory reached the panel: True",
             r"every run learned \(test accuracy > 0\.8\): True",
         ],
+        "10-frameworks": [
+            rf"DDP: world {n}, .* identical weights: True",
+            rf"Accelerate: {n} processes, DistributedType\.MULTI_CPU, .* identical weights: True",
+            rf"HF Trainer: world_size {n}, ParallelMode\.DISTRIBUTED, .* identical weights: True",
+            rf"Lightning: world_size {n}, DDPStrategy, .* identical weights: True",
+            "DDP and Lightning ended with the same weights: True",
+            "every framework's run reached the panel: True",
+        ],
     }
     return table[stem]
 
@@ -136,6 +144,8 @@ def expect(stem: str, n: int) -> list[str]:
 NEEDS_FIGURE = {"04-lr-at-scale", "05-model-parallel", "06-sync-vs-async"}
 #: notebooks that need TensorFlow (the ``tf`` extra): skipped, saying so, where it is missing
 NEEDS_TENSORFLOW = {"08-tensorflow-multiworker", "09-tf-parameter-server"}
+#: notebooks that need the frameworks extra (Accelerate, transformers, Lightning)
+NEEDS_FRAMEWORKS = {"10-frameworks"}
 MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES]
 
 
@@ -194,6 +204,10 @@ def test_notebook_runs_at_every_world_size(path: Path, n: int, tmp_path: Path) -
     ranks it needs) its first %%distributed cell refuses at once, saying how many and how."""
     if path.stem in NEEDS_TENSORFLOW and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed: pip install -e '.[tf]' (make test does)")
+    if path.stem in NEEDS_FRAMEWORKS and any(
+        importlib.util.find_spec(m) is None for m in ("accelerate", "transformers", "lightning")
+    ):
+        pytest.skip("a framework is missing: pip install -e '.[frameworks]' (make test does)")
     before = path.read_bytes()
     out = tmp_path / path.name
     args = ["run", str(path), "-n", str(n), "-o", str(out)]

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from hvdnb.notebook.metrics.store import MetricsStore
+from hvdnb.protocol.kinds import MAIN_LOSS
 
 __all__ = ["LiveLine"]
 
@@ -88,7 +89,7 @@ class LiveLine:
                 f"loss {min(losses.values()):.4g}-{max(losses.values()):.4g} ({len(losses)} ranks)"
             )
         else:
-            parts.append("loss n/a")
+            parts.append(self._main_loss())
         rate = st.throughput()
         parts.append(f"{rate:,.0f} samples/s" if rate is not None else "samples/s n/a")
         if st.breakdown():
@@ -100,6 +101,14 @@ class LiveLine:
         if alarms:
             parts.append(f"⚠ {alarms}")
         return " · ".join(parts)
+
+    def _main_loss(self) -> str:
+        """A framework's loss logged on its main process only (``MAIN_LOSS``), or n/a."""
+        for r in self.store.ranks():
+            _, vals, _ = self.store.series(MAIN_LOSS, r, last=1)
+            if vals and vals[-1] == vals[-1]:
+                return f"loss {vals[-1]:.4g} (main process)"
+        return "loss n/a"
 
 
 class _Line:
