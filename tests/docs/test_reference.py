@@ -55,9 +55,7 @@ def public(modname: str) -> list[str]:
         pytest.skip("tensorflow is not installed: pip install -e '.[tf]'")
     mod = importlib.import_module(modname)
     return [
-        n
-        for n in mod.__all__
-        if not n.startswith("_") and not inspect.ismodule(getattr(mod, n))
+        n for n in mod.__all__ if not n.startswith("_") and not inspect.ismodule(getattr(mod, n))
     ]
 
 
@@ -111,7 +109,9 @@ def test_every_config_field_is_documented() -> None:
     for name, doc in fields.items():
         if name == "extra":
             continue
-        assert doc, f"Config.{name} has no #: comment (the reference's text for HVDNB_{name.upper()})"
+        assert doc, (
+            f"Config.{name} has no #: comment (the reference's text for HVDNB_{name.upper()})"
+        )
         assert f"`HVDNB_{name.upper()}`" in page
 
 
@@ -121,8 +121,7 @@ def test_every_public_name_is_in_the_reference(modname: str) -> None:
     mod = importlib.import_module(modname)
     missing = [n for n in public(modname) if f"{modname}.{n}" not in names]
     assert not missing, (
-        f"{modname}: {missing} not in docs/reference/api/*.md; add an autodoc directive "
-        "for each"
+        f"{modname}: {missing} not in docs/reference/api/*.md; add an autodoc directive for each"
     )
     for n in public(modname):
         obj = getattr(mod, n)
