@@ -34,7 +34,7 @@ $(VENV)/.installed-lint: $(VENV)/.installed
 	$(PIP) -e ".[lint]"
 	touch $@
 
-LINT_PATHS := hvdnb kernels_ext tests bench examples
+LINT_PATHS := hvdnb kernels_ext tests bench examples docs/_ext docs/conf.py
 
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check $(LINT_PATHS)

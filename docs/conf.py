@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 project = "hvdnb"
 author = "hvdnb contributors"
-copyright = "hvdnb contributors"  # noqa: A001
+copyright = "hvdnb contributors"
 release = version = "0.1.0"
 
 extensions = [

@@ -148,9 +148,7 @@ def distributed_options_md() -> str:
     from hvdnb.notebook import magics  # noqa: PLC0415
 
     func = magics.DistMagics.distributed
-    rows = [
-        _option_row(a, a.help or "") for a in func.parser._actions if a.dest not in ("help",)
-    ]
+    rows = [_option_row(a, a.help or "") for a in func.parser._actions if a.dest not in ("help",)]
     return (
         f"```text\n{magics._CELL_USAGE}\n```\n\n"
         + _doc_of(func)
@@ -354,9 +352,7 @@ def setup(app: Any) -> dict[str, Any]:
         "hvdnb_repository_url", os.environ.get("HVDNB_DOCS_REPOSITORY", ""), "html"
     )
     app.add_config_value("hvdnb_repository_branch", "main", "html")
-    app.add_config_value(
-        "hvdnb_executed_dir", os.environ.get("HVDNB_EXECUTED_DIR", ""), "env"
-    )
+    app.add_config_value("hvdnb_executed_dir", os.environ.get("HVDNB_EXECUTED_DIR", ""), "env")
     app.add_config_value("hvdnb_execute_missing", True, "env")
     app.connect("builder-inited", _builder_inited)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
