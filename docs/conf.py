@@ -94,6 +94,8 @@ nb_merge_streams = True
 # a fence without a language is shown as text; notebook cells say ipython3
 highlight_language = "text"
 pygments_style = "friendly"
+# option names keep their two hyphens (no en dash) and quotes stay straight
+smartquotes = False
 
 # -- HTML ----------------------------------------------------------------------------------
 html_theme = "furo"
