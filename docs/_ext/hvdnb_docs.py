@@ -332,10 +332,12 @@ def write_generated() -> None:
             path.write_text(text)
 
 
-def _builder_inited(app: Any) -> None:
-    from sphinx.util import logging  # noqa: PLC0415
+def _say(text: str) -> None:
+    """Progress on stderr: shown under ``sphinx -q``, and no warning (``-W`` fails on those)."""
+    print(text, file=sys.stderr, flush=True)
 
-    logger = logging.getLogger("hvdnb_docs")
+
+def _builder_inited(app: Any) -> None:
     write_generated()
     executed = Path(app.config.hvdnb_executed_dir or EXECUTED_DEFAULT)
     stage_tutorials(
@@ -343,7 +345,7 @@ def _builder_inited(app: Any) -> None:
         app.config.hvdnb_repository_url,
         app.config.hvdnb_repository_branch,
         app.config.hvdnb_execute_missing,
-        log=logger.info,
+        log=_say,
     )
 
 
