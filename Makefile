@@ -14,7 +14,7 @@ CONSTRAINTS ?= -c constraints.txt
 PIP    := $(BIN)/python -m pip install -q $(CONSTRAINTS)
 PYTEST_ARGS ?=
 
-.PHONY: lab test lint demo bench install clean
+.PHONY: lab test lint docs demo bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,24 @@ $(VENV)/.installed-lint: $(VENV)/.installed
 	$(PIP) -e ".[lint]"
 	touch $@
 
-LINT_PATHS := hvdnb kernels_ext tests bench examples
+LINT_PATHS := hvdnb kernels_ext tests bench examples docs/_ext docs/conf.py
 
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy hvdnb kernels_ext
+
+# The documentation site (docs/, Sphinx + myst-nb) into build/docs/html; warnings are errors.
+# The tutorials are the notebooks' executed copies in $(EXECUTED) (the notebook tests write
+# them there; a missing or stale one is run first, on 2 local CPU ranks). Nothing is fetched.
+EXECUTED ?= $(CURDIR)/build/executed-notebooks
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	HVDNB_EXECUTED_DIR=$(EXECUTED) $(BIN)/python -m sphinx -W --keep-going -n -q -b html docs build/docs/html
+	@echo "docs: build/docs/html/index.html"
 
 install: $(VENV)/.installed
 	$(BIN)/hvdnb install-kernel
@@ -55,7 +67,7 @@ demo: $(VENV)/.installed
 	$(BIN)/hvdnb demo -n 2
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	HVDNB_EXECUTED_DIR=$(EXECUTED) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/bench_core.py

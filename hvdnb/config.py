@@ -44,7 +44,8 @@ class Config:
     #: a cell running this long gets its ranks' positions checked for a stall (0: never)
     stall_after: float = 5.0
     #: a cell's output shown in the notebook stops at this many MB (a browser tab slows
-    #: down past tens of MB): the rest goes to a file the cell names, with its last lines
+    #: down past tens of MB): the rest goes to a file the cell names, with its last 50 lines
+    #: shown; 0: no limit
     output_limit_mb: float = 5.0
     #: identical lines from several ranks are held this long to be merged (seconds)
     collapse_window: float = 0.25
@@ -71,7 +72,8 @@ class Config:
     #: parameters (``DistributedOptimizer``, ``ddp_comm_hook``), rounded to a power of two
     #: of optimizer steps so that every rank samples the same steps; 0: no fingerprints
     drift_interval: float = 1.0
-    #: hvdnb.torch: DistributedOptimizer fuses gradients into buckets of at most this many bytes
+    #: hvdnb.torch: DistributedOptimizer fuses gradients into buckets of at most this many bytes;
+    #: CPU buckets under MPI hold at most 4 MB unless it is set
     fusion_threshold: int = 64 * 1024 * 1024
     #: hvdnb.torch: with 2 ranks under MPI, allreduces up to this size travel with their header
     #: in one message exchange (cheaper than a header exchange, then MPI_Allreduce); 0 disables

@@ -123,7 +123,7 @@ class CellResult:
     stdout: dict[int, str] = field(default_factory=dict)
     stderr: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
-    #: per rank, the last metrics message it had sent when the cell ended: (pid, seq)
+    #: the last metrics message each rank had sent when the cell ended, as (pid, seq)
     metrics_marks: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @property

@@ -123,14 +123,23 @@ def _parser() -> argparse.ArgumentParser:
         prog="hvdnb", description="Interactive, Horovod-style distributed training."
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train a small model on N local ranks and print it")
+    d = sub.add_parser(
+        "demo",
+        help="train a small model on N local ranks and print it",
+        description="Short data-parallel training on N local ranks: each rank's loss, the "
+        "accuracy and the allreduce time per step, printed per rank.",
+    )
     d.add_argument("-n", type=int, default=None, help="ranks (default: GPUs, else 2)")
-    d.add_argument("--steps", type=int, default=100)
-    d.add_argument("--oversubscribe", action="store_true")
+    d.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    d.add_argument(
+        "--oversubscribe", action="store_true", help="allow more ranks than GPUs or cores"
+    )
     d.set_defaults(func=_demo)
     k = sub.add_parser("install-kernel", help='install the "Python 3 (hvdnb)" kernelspec')
     k.add_argument("--user", action="store_true", help="for this user, not this environment")
-    k.add_argument("--prefix", default=None)
+    k.add_argument(
+        "--prefix", default=None, help="install under this prefix (default: this environment)"
+    )
     k.set_defaults(func=_install_kernel)
     r = sub.add_parser(
         "run",
@@ -142,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         "notebook); 143 / 130 stopped by SIGTERM / SIGINT. Every way out stops the kernel "
         "and its cluster.",
     )
-    r.add_argument("notebook", type=Path)
+    r.add_argument("notebook", type=Path, help="the notebook to run (left unchanged)")
     r.add_argument("-n", type=int, default=None, help="ranks for %%dist start (default 2)")
     r.add_argument("-o", "--output", type=Path, default=None, help="where to save it")
     r.add_argument(
@@ -162,8 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "export",
         help="turn a notebook's %%distributed cells into a script for mpiexec, torchrun or Slurm",
+        description="Write a saved notebook's %%distributed cells as a script (in execution "
+        "order; failed ones, an error in their saved output, left out) for mpiexec, torchrun or "
+        "Slurm (plus an sbatch file); knob values from its `%dist knobs name=value` lines, "
+        "ranks from its `%dist start -n N`.",
     )
-    e.add_argument("notebook", type=Path)
+    e.add_argument("notebook", type=Path, help="a saved notebook (cells in execution order)")
     e.add_argument(
         "-o",
         "--output",
@@ -171,7 +184,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the script (default: the notebook's name with .py)",
     )
-    e.add_argument("--launcher", default="mpiexec", choices=["mpiexec", "torchrun", "slurm"])
+    e.add_argument(
+        "--launcher",
+        default="mpiexec",
+        choices=["mpiexec", "torchrun", "slurm"],
+        help="what the script is written for; slurm also writes an sbatch file",
+    )
     e.add_argument(
         "--cells",
         default="ok",

@@ -323,6 +323,15 @@ class DistMagics(Magics):
         return getattr(self, f"_{args.action}")(args)
 
     def _start(self, args: Any) -> None:
+        """Start the ranks: N engines under mpiexec (or Slurm, or a hostfile's hosts), each
+        with torch.distributed initialised, mpi4py's ``COMM_WORLD`` and the torchrun variables.
+
+        N defaults to ``$HVDNB_RANKS``, else the number of GPUs, else 2. More ranks than
+        cores (or GPUs) is refused unless ``--oversubscribe`` is given. The Slurm options
+        (``--partition``, ``--time``, ``--gpus-per-node``, ``--account``) go with
+        ``--launcher slurm``. The live panel opens beside the notebook.
+        """
+
         running = _cluster.current()
         if running is not None and running.running:
             raise UsageError(
@@ -357,13 +366,14 @@ class DistMagics(Magics):
         _show_panel(c)
 
     def _panel(self, args: Any) -> None:
-        """Show the live panel (loss, allreduce, step time, memory, knobs) again."""
+        """Open the live panel beside the notebook again (``--inline``: in this cell's output)."""
         from hvdnb.notebook.panel import show_panel  # noqa: PLC0415  the panel loads ipywidgets: only when it is shown
 
         show_panel(_cluster.current(), inline=args.inline)
 
     def _export(self, args: Any) -> None:
-        """Write the %%distributed cells of this session as a script (and an sbatch file)."""
+        """Write the ``%%distributed`` cells that ran in this session as a script (and, for
+        Slurm, an sbatch file)."""
 
         if len(args.values) != 1:
             raise UsageError(
@@ -419,7 +429,7 @@ class DistMagics(Magics):
         print(format_logs(c, ranks, lines))
 
     def _runs(self, args: Any) -> None:
-        """The run store's runs (``hvdnb.runs()``), or delete some."""
+        """The runs of every session in the run store (``hvdnb.runs()``), or delete some."""
 
         try:
             if args.delete:
@@ -432,7 +442,7 @@ class DistMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _compare(self, args: Any) -> None:
-        """Pin runs of the run store to the panel's runs chart (none: unpin)."""
+        """Pin runs of earlier sessions to the panel's runs chart (no id: unpin them)."""
 
         try:
             print(history.compare(list(args.values)))
@@ -440,7 +450,8 @@ class DistMagics(Magics):
             raise UsageError(str(exc).strip("'\"")) from None
 
     def _debug(self, args: Any) -> None:
-        """pdb on the frames of the last failed cell, on one rank."""
+        """pdb on the frames of the last failed cell on one rank (default: the lowest failing
+        rank)."""
 
         c = _cluster.current()
         if c is None or not c.running:
@@ -500,7 +511,8 @@ class DistMagics(Magics):
                 return
 
     def _knobs(self, args: Any) -> None:
-        """Show the knobs, or change them: the same validated request as the panel's."""
+        """Show the knobs, or change them on every rank at one step: the same validated
+        request as the panel's."""
 
         st = _store.attach(_cluster.current())
         # knobs made by the cell just run announce themselves on the side channel, which
@@ -558,6 +570,8 @@ class DistMagics(Magics):
                 print(f"  {line}")
 
     def _stop(self, args: Any) -> None:
+        """Stop engines, controller and mpiexec: nothing is left running."""
+
         c = _cluster.current()
         if c is None or not c.running:
             print("hvdnb: no cluster is running")
@@ -571,6 +585,14 @@ class DistMagics(Magics):
         print("hvdnb: cluster stopped")
 
     def _restart(self, args: Any) -> None:
+        """Stop every rank and start fresh ones: the same settings, except those given.
+
+        The new settings are checked first: a refused restart leaves the cluster running.
+        ``--tf-ps K`` gives the ranks TensorFlow parameter-server roles, ``--tf-ps 0`` takes
+        them away. To change the launcher, the hosts, ``--ip`` or the Slurm options,
+        ``%dist stop`` then ``%dist start``.
+        """
+
         c = _cluster.current()
         if c is None:
             raise UsageError("no cluster to restart: `%dist start -n 2` first")
@@ -595,6 +617,9 @@ class DistMagics(Magics):
         )
 
     def _status(self, args: Any) -> None:
+        """A table of the ranks: rank, host, pid, device, backend, state (dead ranks
+        included) and last cell."""
+
         c = _cluster.current()
         if c is None or not c.running:
             print("hvdnb: no cluster is running; `%dist start -n 2` starts one")

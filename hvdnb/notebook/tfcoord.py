@@ -239,7 +239,7 @@ class ClusterCoordinator:
 
     @property
     def steps(self) -> dict[int, int]:
-        """Steps done per worker rank: the finished steps collected so far."""
+        """The finished steps collected so far, per worker rank."""
         return self.book.steps
 
     @property

@@ -149,7 +149,13 @@ def allgather(
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
-    """Queue an ``allgather``; ``synchronize`` returns the gathered tensor."""
+    """Queue an ``allgather``; ``synchronize`` returns the gathered tensor.
+
+    SPMD contract: as ``allgather`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     tr, o = _allgather_op(tensor, name, process_set)
     return submit(tr, o)
 
@@ -172,7 +178,13 @@ def grouped_allgather_async(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Queue a ``grouped_allgather``; ``synchronize`` returns the list."""
+    """Queue a ``grouped_allgather``; ``synchronize`` returns the list.
+
+    SPMD contract: as ``grouped_allgather`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     names = grouped_names(process_set, name, Kind.ALLGATHER, len(tensors))
     return register(Group([allgather_async(t, nm, process_set) for t, nm in zip(tensors, names)]))
 
@@ -288,7 +300,13 @@ def broadcast_async(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Queue a ``broadcast``; ``synchronize`` returns root's tensor."""
+    """Queue a ``broadcast``; ``synchronize`` returns root's tensor.
+
+    SPMD contract: as ``broadcast`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     tr, o = _broadcast_op(tensor, root_rank, name, process_set, False)
     return submit(tr, o)
 
@@ -299,7 +317,13 @@ def broadcast_async_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Queue an in-place ``broadcast``; ``tensor`` holds root's values after ``synchronize``."""
+    """Queue an in-place ``broadcast``; ``tensor`` holds root's values after ``synchronize``.
+
+    SPMD contract: as ``broadcast`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     tr, o = _broadcast_op(tensor, root_rank, name, process_set, True)
     return submit(tr, o)
 
@@ -415,7 +439,13 @@ def alltoall_async(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Queue an ``alltoall``; ``synchronize`` returns what ``alltoall`` would."""
+    """Queue an ``alltoall``; ``synchronize`` returns what ``alltoall`` would.
+
+    SPMD contract: as ``alltoall`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     tr, o = _alltoall_op(tensor, splits, name, process_set)
     return submit(tr, o, (lambda r: r[0]) if splits is None else None)
 
@@ -512,7 +542,13 @@ def reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> int:
-    """Queue a ``reducescatter``; ``synchronize`` returns this rank's rows."""
+    """Queue a ``reducescatter``; ``synchronize`` returns this rank's rows.
+
+    SPMD contract: as ``reducescatter`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     tr, o, cut = _reducescatter_op(tensor, name, op, prescale_factor, postscale_factor, process_set)
     return submit(tr, o, cut)
 
@@ -542,7 +578,13 @@ def grouped_reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> int:
-    """Queue a ``grouped_reducescatter``; ``synchronize`` returns the list."""
+    """Queue a ``grouped_reducescatter``; ``synchronize`` returns the list.
+
+    SPMD contract: as ``grouped_reducescatter`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     names = grouped_names(process_set, name, Kind.REDUCESCATTER, len(tensors))
     return register(
         Group(

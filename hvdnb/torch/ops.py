@@ -233,7 +233,13 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """In-place ``allreduce_async``: after ``synchronize`` the tensor holds the result."""
+    """In-place ``allreduce_async``: after ``synchronize`` the tensor holds the result.
+
+    SPMD contract: as ``allreduce`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     return _allreduce_async(
         tensor, True, average, name, op, prescale_factor, postscale_factor, process_set
     )
@@ -338,7 +344,13 @@ def grouped_allreduce_async(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Queue a ``grouped_allreduce``; ``synchronize`` returns the list."""
+    """Queue a ``grouped_allreduce``; ``synchronize`` returns the list.
+
+    SPMD contract: as ``grouped_allreduce`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     hid: int = _grouped(
         tensors, False, average, name, op, prescale_factor, postscale_factor, process_set, True
     )
@@ -354,7 +366,13 @@ def grouped_allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Queue an in-place ``grouped_allreduce``."""
+    """Queue an in-place ``grouped_allreduce``.
+
+    SPMD contract: as ``grouped_allreduce`` (every rank, the same name, shapes and dtypes),
+    except that ranks may queue async ops in their own order: they are matched by
+    name. Every rank must reach ``synchronize`` (or another collective) on the
+    process set, which blocks until all ranks have arrived.
+    """
     hid: int = _grouped(
         tensors, True, average, name, op, prescale_factor, postscale_factor, process_set, True
     )

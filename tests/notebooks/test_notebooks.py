@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -162,6 +163,18 @@ def _hvdnb(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
+#: ``make docs`` renders the tutorials from executed copies: with HVDNB_EXECUTED_DIR set (``make
+#: test`` sets it), each notebook's successful run at this size is kept there
+DOCS_RANKS = 2
+
+
+def keep_for_docs(executed: Path, n: int) -> None:
+    folder = os.environ.get("HVDNB_EXECUTED_DIR")
+    if folder and n == DOCS_RANKS:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(executed, Path(folder) / executed.name)
+
+
 def _text(nb: nbformat.NotebookNode) -> str:
     parts = []
     for cell in nb.cells:
@@ -234,6 +247,7 @@ def test_notebook_runs_at_every_world_size(path: Path, n: int, tmp_path: Path) -
         assert re.search(pattern, text), f"{path.stem} at {n}: no match for {pattern!r} in:\n{text}"
     if path.stem in NEEDS_FIGURE:
         assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+    keep_for_docs(out, n)  # a run that showed what its lesson teaches
 
 
 @pytest.mark.mpi

@@ -28,19 +28,21 @@ def runs() -> Any:
 
     Returns
     -------
-    pandas.DataFrame, one row per run: ``id`` (for ``hvdnb.metrics(run=ID)`` and
-    ``%dist compare``), ``session``, ``run`` (its number in its session), ``notebook``,
-    ``cell``, ``started``, ``ended`` (datetimes; ``ended`` NaT: still running, or its
-    kernel died), ``ranks``, ``backend``, ``device``, ``knobs`` (at its start),
-    ``changes`` ((step, values, rank) of each knob change), ``steps``, ``last_loss`` (mean
-    over ranks), ``outcome`` (``done``, ``interrupted``, ``error``, ``stopped`` by a
-    watcher; None: unfinished), ``points``, ``source`` (``notebook`` or the imported
-    directory), and a ``knob.<name>`` column per knob
+    pandas.DataFrame
+        One row per run: ``id`` (for ``hvdnb.metrics(run=ID)`` and ``%dist compare``),
+        ``session``, ``run`` (its number in its session), ``notebook``, ``cell``,
+        ``started``, ``ended`` (datetimes; ``ended`` NaT: still running, or its kernel
+        died), ``ranks``, ``backend``, ``device``, ``knobs`` (at its start),
+        ``changes`` ((step, values, rank) of each knob change), ``steps``, ``last_loss`` (mean
+        over ranks), ``outcome`` (``done``, ``interrupted``, ``error``, ``stopped`` by a
+        watcher; None: unfinished), ``points``, ``source`` (``notebook`` or the imported
+        directory), and a ``knob.<name>`` column per knob.
 
     Raises
     ------
-    RuntimeError (``StoreUnavailable``)
-        the run store could not be opened this session (the warning said why)
+    RuntimeError
+        ``StoreUnavailable``: the run store could not be opened this session (the
+        warning said why).
 
     Examples
     --------
