@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hvdnb.extras import require
 from hvdnb.protocol.kinds import MAIN_LOSS
 from hvdnb.rank.frameworks.common import Place, note, on_import, setdefault_env, warn_version
 
@@ -80,12 +81,24 @@ def tracker() -> Any:
     Returns
     -------
     accelerate.tracking.GeneralTracker
+
+    Raises
+    ------
+    ModuleNotFoundError
+        accelerate is not installed (the message names ``pip install 'hvdnb[frameworks]'``).
+
+    Examples
+    --------
+    >>> accelerator = Accelerator(log_with=hvdnb.accelerate_tracker())   # doctest: +SKIP
+    >>> accelerator.init_trackers("my-run")                              # doctest: +SKIP
+    >>> accelerator.log({"loss": loss.item()}, step=step)                # doctest: +SKIP
     """
-    from accelerate.tracking import GeneralTracker  # noqa: PLC0415  accelerate is optional: only when asked for
+    tracking = require("accelerate.tracking", "hvdnb.accelerate_tracker")
+    GeneralTracker = tracking.GeneralTracker
 
     from hvdnb.rank.metrics.recorder import log  # noqa: PLC0415  the recorder, on first use
 
-    class HvdnbTracker(GeneralTracker):  # type: ignore[misc]
+    class HvdnbTracker(GeneralTracker):  # type: ignore[misc, valid-type]
         name = "hvdnb"
         requires_logging_directory = False
         main_process_only = True
