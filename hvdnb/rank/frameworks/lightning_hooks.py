@@ -134,10 +134,29 @@ def _callback_class(base: type, p: Place) -> Any:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None and hasattr(loss, "detach"):
                 loss = loss.detach()
-            log(self.batches, loss)
+            n = batch_len(batch)
+            if n is None:
+                log(self.batches, loss)
+            else:
+                log(self.batches, loss, samples=n)
             self.batches += 1
 
     return HvdnbCallback
+
+
+def batch_len(batch: Any) -> int | None:
+    """Samples in a batch: the length of its first tensor (a tensor, or the first of a
+    tuple, list or dict of them); None when it has none."""
+    first = batch
+    for _ in range(3):
+        if isinstance(first, dict):
+            first = next(iter(first.values()), None)
+        elif isinstance(first, (list, tuple)):
+            first = first[0] if first else None
+        else:
+            break
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else None
 
 
 def check_trainer(trainer: Any, p: Place) -> None:
