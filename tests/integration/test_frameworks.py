@@ -176,10 +176,17 @@ class Lit(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
-lit = Lit()
+class Seen(L.Callback):  # the losses as the user sees them, to check the panel's against
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+lit, seen = Lit(), Seen()
 trainer = L.Trainer(accelerator="cpu", devices={devices}{strat}, max_epochs={EPOCHS},
                     enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                    enable_model_summary=False)
+                    enable_model_summary=False, callbacks=[seen])
 trainer.fit(lit, DataLoader(TensorDataset(X, Y), batch_size={BATCH}))
 W = [p.detach().clone() for p in lit.parameters()]
 (trainer.world_size, type(trainer.strategy).__name__, trainer.num_training_batches)
@@ -245,6 +252,13 @@ def last_run(name: str) -> dict[int, int]:
     df = hvdnb.metrics().to_pandas()
     df = df[df.run == df.run.max()]
     return df[df.name == name].groupby("rank").size().to_dict()
+
+
+def last_values(name: str, rank: int) -> list[float]:
+    """The values of ``name`` on ``rank`` in the newest run, in step order."""
+    df = hvdnb.metrics().to_pandas()
+    df = df[(df.run == df.run.max()) & (df.name == name) & (df["rank"] == rank)]
+    return df.sort_values("step").value.tolist()
 
 
 def test_ddp_tutorial_runs_unchanged(cluster):
@@ -339,6 +353,8 @@ def test_hf_trainer(cluster):
     assert "{'loss'" in r.stdout[0] and all("{'loss'" not in r.stdout[k] for k in range(1, n))
     steps = EPOCHS * per_rank
     assert last_run("loss_main") == {0: steps}  # the Trainer's logged loss, rank 0 only
+    logged = run(cluster, "[h['loss'] for h in trainer.state.log_history if 'loss' in h]")
+    assert last_values("loss_main", 0) == pytest.approx(logged.values[0], rel=1e-6)
     assert last_run("time/step") == dict.fromkeys(range(n), steps - 1)  # every rank's steps
     same_weights_and_group_works(cluster)
 
@@ -351,6 +367,9 @@ def test_lightning(cluster, pkg, strategy):
     batches = math.ceil(SAMPLES / BATCH / n)
     assert r.values == dict.fromkeys(range(n), (n, "DDPStrategy", batches))
     assert last_run("loss") == dict.fromkeys(range(n), EPOCHS * batches)  # each rank's own
+    seen = run(cluster, "seen.losses").values  # what training_step returned, per rank
+    for rank in range(n):
+        assert last_values("loss", rank) == pytest.approx(seen[rank], rel=1e-6)
     same_weights_and_group_works(cluster)
 
 
