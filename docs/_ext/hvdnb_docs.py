@@ -111,10 +111,10 @@ def _doc_of(func: Any) -> str:
 
 
 def dist_actions() -> dict[str, Any]:
-    """``%dist``'s action table (``hvdnb.notebook.magics._ACTIONS``): the one list."""
-    from hvdnb.notebook import magics  # noqa: PLC0415
+    """``%dist``'s action table (``hvdnb.notebook.magic_options.ACTIONS``): the one list."""
+    from hvdnb.notebook import magic_options  # noqa: PLC0415
 
-    return dict(magics._ACTIONS)
+    return dict(magic_options.ACTIONS)
 
 
 def dist_actions_md() -> str:
@@ -145,12 +145,12 @@ def dist_actions_md() -> str:
 
 def distributed_options_md() -> str:
     """``%%distributed``'s usage, docstring and options, from its own parser."""
-    from hvdnb.notebook import magics  # noqa: PLC0415
+    from hvdnb.notebook import magic_options, magics  # noqa: PLC0415
 
     func = magics.DistMagics.distributed
     rows = [_option_row(a, a.help or "") for a in func.parser._actions if a.dest not in ("help",)]
     return (
-        f"```text\n{magics._CELL_USAGE}\n```\n\n"
+        f"```text\n{magic_options.CELL_USAGE}\n```\n\n"
         + _doc_of(func)
         + "\n"
         + _TABLE_HEAD

@@ -11,12 +11,8 @@ fails.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any
 
-from IPython.core import magic as _ipy_magic
-from IPython.core import magic_arguments as _ipy_args
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, magics_class
 from IPython.core.magic_arguments import parse_argstring
@@ -25,6 +21,19 @@ from hvdnb.notebook import cells
 from hvdnb.notebook import export as _export
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
+from hvdnb.notebook.magic_options import (
+    ACTIONS,
+    CELL_USAGE,
+    action_of,
+    argument,
+    cell_magic,
+    dist_options,
+    given_options,
+    line_magic,
+    magic_arguments,
+    refused,
+    usage,
+)
 from hvdnb.notebook.metrics import history
 from hvdnb.notebook.metrics import store as _store
 from hvdnb.notebook.metrics.knobreq import describe_change
@@ -37,237 +46,13 @@ from hvdnb.protocol.replies import DebugReply
 
 __all__ = ["DistMagics"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _Decorator(Protocol):
-    def __call__(self, func: _F, /) -> _F: ...
-
-
-# IPython's magic and option decorators carry no (or loose) annotations: typed here once
-# (each returns the function it decorates, marked as a magic or with its parser attached)
-argument = cast(Callable[..., _Decorator], _ipy_args.argument)
-magic_arguments = cast(Callable[[], _Decorator], _ipy_args.magic_arguments)
-line_magic = cast(_Decorator, _ipy_magic.line_magic)
-cell_magic = cast(_Decorator, _ipy_magic.cell_magic)
-
-
-@dataclass(frozen=True)
-class _Action:
-    """What one ``%dist`` action accepts: its options (argparse dests), whether it takes
-    positional values, and the usage line its refusals quote."""
-
-    options: frozenset[str]
-    values: bool
-    usage: str
-
-
-_START_OPTIONS = frozenset(
-    {
-        "n",
-        "backend",
-        "launcher",
-        "timeout",
-        "oversubscribe",
-        "hosts",
-        "ip",
-        "partition",
-        "time",
-        "gpus_per_node",
-        "account",
-        "tf_ps",
-    }
-)
-#: a restart re-makes the ranks where they ran: a new launcher, hostfile, address or Slurm
-#: job is a new cluster (``%dist stop`` then ``%dist start``)
-_RESTART_OPTIONS = frozenset({"n", "backend", "timeout", "oversubscribe", "tf_ps"})
-
-#: the one table of what each ``%dist`` action takes; every other option is refused by name
-_ACTIONS: dict[str, _Action] = {
-    "start": _Action(
-        _START_OPTIONS,
-        False,
-        "%dist start [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
-        "[--launcher mpi|slurm|...] [--hosts HOSTFILE] [--ip ADDRESS] [--partition P] "
-        "[--time T] [--gpus-per-node G] [--account A] [--tf-ps K]",
-    ),
-    "stop": _Action(frozenset(), False, "%dist stop"),
-    "restart": _Action(
-        _RESTART_OPTIONS,
-        False,
-        "%dist restart [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
-        "[--tf-ps K]",
-    ),
-    "status": _Action(frozenset(), False, "%dist status"),
-    "panel": _Action(frozenset({"inline"}), False, "%dist panel [--inline]"),
-    "knobs": _Action(
-        frozenset({"at_step", "after"}),
-        True,
-        "%dist knobs [name=value ...] [--at-step STEP] [--after SECONDS]",
-    ),
-    "watch": _Action(
-        frozenset(), True, "%dist watch [nan|spike|drift=warn|stop|off ...] [threshold=value ...]"
-    ),
-    "export": _Action(
-        frozenset({"launcher", "cells"}),
-        True,
-        "%dist export PATH [--launcher mpiexec|torchrun|slurm] [--cells ok|all]",
-    ),
-    "where": _Action(frozenset(), False, "%dist where"),
-    "debug": _Action(frozenset({"commands"}), True, "%dist debug [RANK] [-c COMMAND ...]"),
-    "logs": _Action(frozenset({"n"}), True, "%dist logs [RANK] [-n LINES]"),
-    "runs": _Action(frozenset({"delete", "n"}), True, "%dist runs [-n LAST] [--delete ID ...]"),
-    "compare": _Action(frozenset(), True, "%dist compare [ID ...]"),
-}
-
-_CELL_USAGE = "%%distributed [-t RANKS] [-o NAME] [--timeout SECONDS] [-q]"
-
-
-def _usage(exc: BaseException) -> UsageError:
-    return UsageError(str(exc))
-
-
-def _action_of(line: str) -> str:
-    """The action a ``%dist`` line names, read without argparse (for its refusals)."""
-    words = line.split()
-    for w in words:
-        if w in _ACTIONS:
-            return w
-    first = next((w for w in words if not w.startswith("-")), None)
-    return first if first is not None and words and words[0] == first else "status"
-
-
-def _refused(action: str, what: str) -> UsageError:
-    """One refusal of a ``%dist`` line: what was wrong, then that action's usage."""
-    usage = _ACTIONS[action].usage if action in _ACTIONS else "%dist ACTION [options]"
-    return UsageError(f"{what}. Usage: {usage}\nSee `%dist?` for every option.")
-
-
-def _given_options(parser: Any, args: Any) -> dict[str, str]:
-    """dest -> option name of every option given (one differs from its default)."""
-    out = {}
-    for act in parser._actions:  # argparse keeps no public list of its options
-        if not act.option_strings or act.dest == "help":
-            continue
-        if getattr(args, act.dest, act.default) != act.default:
-            out[act.dest] = max(act.option_strings, key=len)
-    return out
-
-
-#: %dist's options, in the order its help lists them: one parser for every action (each
-#: action takes the options ``_ACTIONS`` names; ``DistMagics.dist`` refuses the rest)
-_DIST_OPTIONS = [
-    argument(
-        "action",
-        nargs="?",
-        default="status",
-        help="start | stop | restart | status | panel | knobs | watch | export | where | debug | "
-        "logs | runs | compare (default: status)",
-    ),
-    argument(
-        "values",
-        nargs="*",
-        help="knobs: name=value pairs, e.g. warmup_steps=200; watch: watcher=action "
-        "(warn, stop, off) or threshold=value pairs, e.g. nan=stop spike_factor=5; "
-        "export: the script's path, e.g. train.py; debug, logs: the rank",
-    ),
-    argument(
-        "--at-step",
-        type=int,
-        default=None,
-        help="knobs: apply at this step (of the running loop, or of the next one)",
-    ),
-    argument(
-        "--after",
-        type=float,
-        default=None,
-        help="knobs: send the change this many seconds from now (returns at once)",
-    ),
-    argument(
-        "-c",
-        "--command",
-        action="append",
-        default=None,
-        dest="commands",
-        help="debug: run this pdb command and return (repeatable), instead of a prompt",
-    ),
-    argument("--delete", nargs="+", default=None, metavar="ID", help="runs: delete these runs"),
-    argument("--cells", default="ok", help="export: ok (default: leave failed cells out) or all"),
-    argument(
-        "--inline",
-        action="store_true",
-        help="panel: show it in this cell's output (classic Notebook, VS Code) "
-        "instead of beside the notebook",
-    ),
-    argument(
-        "-n",
-        type=int,
-        default=None,
-        help="start, restart: ranks to start (default: GPUs, else 2); logs: lines per rank (20)",
-    ),
-    argument(
-        "--backend",
-        default=None,
-        help="start, restart: torch.distributed backend: gloo, nccl, mpi or auto (default: nccl "
-        "with GPUs, else gloo)",
-    ),
-    argument(
-        "--launcher",
-        default=None,
-        help="start: ipyparallel engine launcher, mpi (default), or slurm, ssh, ... for other "
-        "hosts; export: mpiexec, torchrun or slurm (default: how the cluster was started)",
-    ),
-    argument(
-        "--timeout", type=float, default=None, help="start, restart: seconds to wait for the ranks"
-    ),
-    argument(
-        "--tf-ps",
-        type=int,
-        default=None,
-        help="start, restart: this many ranks serve as TensorFlow parameter servers, the rest "
-        "as workers; the notebook coordinates (hvdnb.tf_cluster_resolver()); restart "
-        "--tf-ps 0: no parameter servers again",
-    ),
-    argument(
-        "--oversubscribe",
-        action="store_true",
-        help="start, restart: allow more ranks than this host has cores (or GPUs)",
-    ),
-    argument(
-        "--hosts",
-        default=None,
-        metavar="HOSTFILE",
-        help="MPI hostfile (host[:slots] per line): one MPI job across those hosts",
-    ),
-    argument(
-        "--ip",
-        default=None,
-        help="address the controller listens on when ranks run on other hosts "
-        "(default: this host's address on the route to them; loopback for one host)",
-    ),
-    argument("--partition", default=None, help="Slurm partition (--launcher slurm)"),
-    argument("--time", default=None, help="Slurm time limit, e.g. 1:00:00 (--launcher slurm)"),
-    argument(
-        "--gpus-per-node", type=int, default=None, help="Slurm GPUs per node (--launcher slurm)"
-    ),
-    argument("--account", default=None, help="Slurm account (--launcher slurm)"),
-]
-
-
-def _dist_options(func: _F) -> _F:
-    """``func`` with ``_DIST_OPTIONS`` as IPython's ``@magic_arguments() @argument(...)``
-    stack would give it (the decorators apply bottom-up)."""
-    for option in reversed(_DIST_OPTIONS):
-        func = option(func)
-    return magic_arguments()(func)
-
 
 @magics_class
 class DistMagics(Magics):
     """The ``%dist`` line magic and the ``%%distributed`` cell magic."""
 
     @line_magic
-    @_dist_options
+    @dist_options
     def dist(self, line: str) -> Any:
         """Start, stop, restart or inspect the cluster of ranks.
 
@@ -299,18 +84,18 @@ class DistMagics(Magics):
         try:
             args = parse_argstring(self.dist, line)
         except UsageError as exc:
-            name = _action_of(line)
-            raise _refused(name, f"%dist {name}: {exc}") from None
-        action = _ACTIONS.get(args.action)
+            name = action_of(line)
+            raise refused(name, f"%dist {name}: {exc}") from None
+        action = ACTIONS.get(args.action)
         if action is None:
             raise UsageError(
-                f"unknown %dist action {args.action!r}: use one of {', '.join(_ACTIONS)}"
+                f"unknown %dist action {args.action!r}: use one of {', '.join(ACTIONS)}"
             )
         if args.values and not action.values:
-            raise _refused(
+            raise refused(
                 args.action, f"%dist {args.action} takes no values ({' '.join(args.values)!r})"
             )
-        given = _given_options(self.dist.parser, args)  # type: ignore[attr-defined]  # set by magic_arguments()
+        given = given_options(self.dist.parser, args)  # type: ignore[attr-defined]  # set by magic_arguments()
         extra = [name for dest, name in given.items() if dest not in action.options]
         if extra:
             why = ""
@@ -319,7 +104,7 @@ class DistMagics(Magics):
                     " (a restart starts the ranks where they ran: for another launcher, "
                     "hostfile, address or Slurm job, `%dist stop` then `%dist start`)"
                 )
-            raise _refused(args.action, f"%dist {args.action} takes no {', '.join(extra)}{why}")
+            raise refused(args.action, f"%dist {args.action} takes no {', '.join(extra)}{why}")
         return getattr(self, f"_{args.action}")(args)
 
     def _start(self, args: Any) -> None:
@@ -355,7 +140,7 @@ class DistMagics(Magics):
             )
             c.start()
         except (_cluster.ClusterError, ValueError) as exc:
-            raise _usage(exc) from None
+            raise usage(exc) from None
         where = f"; listening on {c.ip}" if c.multi_host else ""
         print(
             f"hvdnb: {c.n} rank{'s' if c.n != 1 else ''} ready in {c.start_seconds:.1f} s "
@@ -435,7 +220,7 @@ class DistMagics(Magics):
             if args.delete:
                 print(history.delete([*args.delete, *args.values]))
             elif args.values:
-                raise _refused("runs", "%dist runs takes ids only with --delete")
+                raise refused("runs", "%dist runs takes ids only with --delete")
             else:
                 print(history.runs_text(20 if args.n is None else args.n))
         except (RuntimeError, ValueError) as exc:
@@ -608,7 +393,7 @@ class DistMagics(Magics):
         except (_cluster.ClusterError, ValueError) as exc:
             if c.running:
                 raise UsageError(f"{exc}; the running cluster ({was}) was left as it was") from None
-            raise _usage(exc) from None
+            raise usage(exc) from None
         now = _describe_cluster(c)
         change = f" (was {was})" if now != was else ""
         print(
@@ -627,7 +412,7 @@ class DistMagics(Magics):
         try:
             print(health.status_report(c))
         except _cluster.ClusterError as exc:
-            raise _usage(exc) from None
+            raise usage(exc) from None
 
     @cell_magic
     @magic_arguments()
@@ -664,14 +449,14 @@ class DistMagics(Magics):
             args = parse_argstring(self.distributed, line)
         except UsageError as exc:
             raise UsageError(
-                f"%%distributed: {exc}. Usage: {_CELL_USAGE}\nSee `%%distributed?` for the options."
+                f"%%distributed: {exc}. Usage: {CELL_USAGE}\nSee `%%distributed?` for the options."
             ) from None
         if args.out is not None and not args.out.isidentifier():
-            raise UsageError(f"-o needs a variable name, not {args.out!r}. Usage: {_CELL_USAGE}")
+            raise UsageError(f"-o needs a variable name, not {args.out!r}. Usage: {CELL_USAGE}")
         if args.timeout is not None and not args.timeout > 0:
             raise UsageError(
                 f"--timeout must be a positive number of seconds, not {args.timeout}. "
-                f"Usage: {_CELL_USAGE}"
+                f"Usage: {CELL_USAGE}"
             )
         c = _cluster.current()
         if c is None or not c.running:
@@ -681,9 +466,9 @@ class DistMagics(Magics):
         try:
             result = cells.run_cell(c, cell, args.targets, timeout=args.timeout, quiet=args.quiet)
         except ValueError as exc:
-            raise _usage(exc) from None
+            raise usage(exc) from None
         except _cluster.ClusterError as exc:
-            raise _usage(exc) from None
+            raise usage(exc) from None
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = result.values
 

@@ -12,7 +12,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +144,25 @@ def lab_server(tmp_path_factory):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+@contextmanager
+def lab_page(lab: dict[str, Any], notebook: str) -> Iterator[Any]:
+    """A Chromium page on ``notebook`` in the lab server, once its kernel is idle (the
+    status bar's "| Idle": the toolbar can say idle before the kernel is) and JupyterLab's
+    news question is answered, so it covers nothing; the browser is closed after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        try:
+            page.goto(f"{lab['url']}/lab/tree/{notebook}?token={lab['token']}")
+            page.wait_for_selector("text=/\\| Idle/", timeout=90_000)
+            try:
+                page.locator(".jp-toast-button:has-text('No')").click(timeout=3000)
+            except Exception:
+                pass
+            yield page
+        finally:
+            browser.close()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.browser._lab import ARGS, ARTIFACTS, CHROMIUM, write_notebook
+from tests.browser._lab import ARTIFACTS, lab_page, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -120,80 +120,65 @@ def _wait_for(page, cell: str, check, what: str, seconds: float = 90) -> str:
 
 
 def test_frameworks_journey(lab):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        try:
-            page.goto(f"{lab['url']}/lab/tree/frameworks.ipynb?token={lab['token']}")
-            page.wait_for_selector("text=/\\| Idle/", timeout=90_000)
-            try:
-                page.locator(".jp-toast-button:has-text('No')").click(timeout=3000)
-            except Exception:
-                pass
-            cells = page.locator(".jp-Notebook .jp-Cell")
-            cells.nth(0).click()
-            page.keyboard.press("Shift+Enter")
-            page.wait_for_selector(".hvdnb-panel", timeout=120_000)
-            page.wait_for_function(
-                "() => ![...document.querySelectorAll('.jp-InputPrompt')][0]"
-                ".innerText.includes('*')",
-                timeout=120_000,
-            )
-            page.keyboard.press("Shift+Enter")  # the markdown
-            cells.nth(2).scroll_into_view_if_needed()
-            cells.nth(2).click()
-            page.keyboard.press("Shift+Enter")  # the HF Trainer, then Lightning queued
-            page.keyboard.press("Shift+Enter")
-            hf = ".jp-Notebook .jp-Cell:nth-child(3)"
-            line = _wait_for(
-                page,
-                hf,
-                lambda svg, line: "main process" in svg and "(main process)" in line,
-                "the Trainer's logged loss on the panel while it trains",
-            )
-            assert line.startswith("run 1") and "lr=0.01" in line, line
-            for name in ("lr", "warmup_steps"):  # the callback's knobs, as sliders
-                page.wait_for_selector(f".hvdnb-knob-{name} .noUi-handle", timeout=30_000)
-            page.evaluate(
-                "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
-                f"{hf} .hvdnb-liveline",
-            )
-            _shot(page, "1-hf-trainer-live")
-            light = ".jp-Notebook .jp-Cell:nth-child(4)"
-            # JupyterLab renders only the cells near the view: bring the Lightning cell in
-            cells.nth(3).scroll_into_view_if_needed()
-            line = _wait_for(
-                page,
-                light,
-                lambda svg, line: (
-                    "rank 0" in svg
-                    and "rank 1" in svg
-                    and "loss r0" in line
-                    and int((re.search(r"step (\d+)/", line) or [0, 0])[1]) >= 100
-                ),
-                "Lightning's per-rank loss on the panel while it trains",
-                seconds=150,
-            )
-            assert line.startswith("run 2") and "samples/s n/a" not in line, line
-            page.evaluate(
-                "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
-                f"{light} .hvdnb-liveline",
-            )
-            _shot(page, "2-lightning-live")
-            page.wait_for_function(
-                "() => ![...document.querySelectorAll('.jp-InputPrompt')][3]"
-                ".innerText.includes('*')",
-                timeout=150_000,
-            )
-            text = cells.nth(2).inner_text() + cells.nth(3).inner_text()
-            assert "hf world size 2" in text and "lightning world size 2" in text, text[-2000:]
-            runs = page.evaluate(
-                "() => [...document.querySelectorAll('.hvdnb-panel svg')]"
-                ".map(s => s.outerHTML).join(' ')"
-            )
-            assert "run 1" in runs and "run 2" in runs, "both runs on the runs chart"
-            _shot(page, "3-runs")
-        finally:
-            browser.close()
+    with lab_page(lab, "frameworks.ipynb") as page:
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        cells.nth(0).click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_selector(".hvdnb-panel", timeout=120_000)
+        page.wait_for_function(
+            "() => ![...document.querySelectorAll('.jp-InputPrompt')][0].innerText.includes('*')",
+            timeout=120_000,
+        )
+        page.keyboard.press("Shift+Enter")  # the markdown
+        cells.nth(2).scroll_into_view_if_needed()
+        cells.nth(2).click()
+        page.keyboard.press("Shift+Enter")  # the HF Trainer, then Lightning queued
+        page.keyboard.press("Shift+Enter")
+        hf = ".jp-Notebook .jp-Cell:nth-child(3)"
+        line = _wait_for(
+            page,
+            hf,
+            lambda svg, line: "main process" in svg and "(main process)" in line,
+            "the Trainer's logged loss on the panel while it trains",
+        )
+        assert line.startswith("run 1") and "lr=0.01" in line, line
+        for name in ("lr", "warmup_steps"):  # the callback's knobs, as sliders
+            page.wait_for_selector(f".hvdnb-knob-{name} .noUi-handle", timeout=30_000)
+        page.evaluate(
+            "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
+            f"{hf} .hvdnb-liveline",
+        )
+        _shot(page, "1-hf-trainer-live")
+        light = ".jp-Notebook .jp-Cell:nth-child(4)"
+        # JupyterLab renders only the cells near the view: bring the Lightning cell in
+        cells.nth(3).scroll_into_view_if_needed()
+        line = _wait_for(
+            page,
+            light,
+            lambda svg, line: (
+                "rank 0" in svg
+                and "rank 1" in svg
+                and "loss r0" in line
+                and int((re.search(r"step (\d+)/", line) or [0, 0])[1]) >= 100
+            ),
+            "Lightning's per-rank loss on the panel while it trains",
+            seconds=150,
+        )
+        assert line.startswith("run 2") and "samples/s n/a" not in line, line
+        page.evaluate(
+            "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
+            f"{light} .hvdnb-liveline",
+        )
+        _shot(page, "2-lightning-live")
+        page.wait_for_function(
+            "() => ![...document.querySelectorAll('.jp-InputPrompt')][3].innerText.includes('*')",
+            timeout=150_000,
+        )
+        text = cells.nth(2).inner_text() + cells.nth(3).inner_text()
+        assert "hf world size 2" in text and "lightning world size 2" in text, text[-2000:]
+        runs = page.evaluate(
+            "() => [...document.querySelectorAll('.hvdnb-panel svg')]"
+            ".map(s => s.outerHTML).join(' ')"
+        )
+        assert "run 1" in runs and "run 2" in runs, "both runs on the runs chart"
+        _shot(page, "3-runs")

@@ -157,13 +157,8 @@ W = [p.detach().clone() for p in trainer.model.parameters()]
 """
 
 
-def lightning_cell(pkg: str, devices: str, strategy: str | None) -> str:
-    strat = f", strategy={strategy!r}" if strategy else ""
-    return (
-        DATA
-        + f"""
-import {pkg} as L
-
+#: the LightningModule of every Lightning cell (``L`` is the package the cell imported)
+LIT = """
 class Lit(L.LightningModule):
     def __init__(self):
         super().__init__()
@@ -175,7 +170,16 @@ class Lit(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
+"""
 
+
+def lightning_cell(pkg: str, devices: str, strategy: str | None) -> str:
+    strat = f", strategy={strategy!r}" if strategy else ""
+    return (
+        DATA
+        + f"""
+import {pkg} as L
+{LIT}
 class Seen(L.Callback):  # the losses as the user sees them, to check the panel's against
     def __init__(self):
         self.losses = []
@@ -393,21 +397,9 @@ def test_fabric(cluster):
 
 LIGHTNING_LR = (
     DATA
+    + "\nimport lightning as L\n"
+    + LIT
     + """
-import lightning as L
-
-class Lit(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 1)
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return nn.functional.mse_loss(self.lin(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
 class Seen(L.Callback):
     def __init__(self):
         self.lrs = []
@@ -468,12 +460,19 @@ def test_an_exported_notebook_trains_distributed_under_mpiexec_and_torchrun(tmp_
 
     import nbformat
 
-    check = "print('same weights', " + SAME_WEIGHTS.strip().splitlines()[-1] + ")"
-    body = [  # the check in the same cell: the exporter cannot see the tutorial's `global W`
+    # one os.write per line: two ranks' print() calls (text, then newline) can interleave
+    def say(expr: str) -> str:
+        return f"\nimport os; os.write(1, ({expr} + chr(10)).encode())\n"
+
+    check = say("'same weights ' + str(" + SAME_WEIGHTS.strip().splitlines()[-1] + ")")
+    body = [  # each framework checked in its own cell
         DDP_TUTORIAL + SAME_WEIGHTS + check,
-        ACCELERATE + "\nprint('accelerate sees', accelerator.num_processes)" + SAME_WEIGHTS + check,
+        ACCELERATE
+        + say("'accelerate sees ' + str(accelerator.num_processes)")
+        + SAME_WEIGHTS
+        + check,
         lightning_cell("lightning", "2", "ddp_notebook")
-        + "\nprint('lightning sees', trainer.world_size)"
+        + say("'lightning sees ' + str(trainer.world_size)")
         + SAME_WEIGHTS
         + check,
     ]

@@ -11,7 +11,8 @@ import pytest
 from IPython.core.error import UsageError
 
 import hvdnb
-from hvdnb.notebook.magics import _ACTIONS, DistMagics
+from hvdnb.notebook.magic_options import ACTIONS as _ACTIONS
+from hvdnb.notebook.magics import DistMagics
 
 pytestmark = [pytest.mark.timeout(60)]
 
