@@ -509,3 +509,45 @@ def test_an_exported_notebook_trains_distributed_under_mpiexec_and_torchrun(tmp_
         text = run_.stdout
         assert text.count("same weights True") == 6, (cmd[0], text[-3000:])
         assert text.count("accelerate sees 2") == 2 and text.count("lightning sees 2") == 2, text
+
+
+FSDP2 = """
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+sharded, plain = make(), make()
+for layer in sharded:
+    if isinstance(layer, nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(sharded, mesh=mesh)
+ddp = DDP(plain)
+opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, ddp)]
+torch.manual_seed(1 + dist.get_rank())  # each rank its own batch
+for _ in range(3):
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    for m, opt in zip((sharded, ddp), opts):
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+local = sharded[0].weight.to_local().numel()
+full = [p.full_tensor() for p in sharded.parameters()]
+(local, all(torch.allclose(f, p, atol=1e-6) for f, p in zip(full, plain.parameters())))
+"""
+
+
+def test_fsdp2_shards_over_the_cluster_and_matches_ddp(cluster):
+    """FSDP2 (``fully_shard`` over a CPU device mesh) on the cluster's group: each rank
+    holds its share of a layer, and three steps give DDP's parameters (gloo's averaging
+    of sharded gradients was once wrong: pytorch#162338)."""
+    n = cluster.n
+    r = run(cluster, FSDP2)
+    chunk = math.ceil(32 / n)  # torch.chunk's rows per rank, the last one short
+    rows = {k: max(0, min(chunk, 32 - k * chunk)) for k in range(n)}
+    assert r.values == {k: (rows[k] * 16, True) for k in range(n)}, r.values

@@ -433,3 +433,34 @@ def test_to_trackio_nan_names_and_empty_rows(tmp_path, monkeypatch):
     old = sqlite3.connect(tmp_path / "td" / "old.db")
     assert [r[0] for r in old.execute("SELECT name FROM sqlite_master")] == ["metrics"]
     old.close()
+
+
+def _open_write_close(path: str) -> None:
+    """Another process (a notebook kernel, a batch import): open the store, write, close."""
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("CREATE TABLE IF NOT EXISTS other (x)")
+    con.execute("INSERT INTO other VALUES (1)")
+    con.close()
+
+
+def test_opening_the_store_again_keeps_the_open_connections_locks(home):
+    """A session keeps one connection open (its writer); opening the same store again in
+    the same process (``%dist runs``, ``import_runs``) must not drop that connection's
+    POSIX locks: closing any descriptor of the file drops all of them, and another process
+    closing its last connection then removed the -wal and -shm files from under ours ("disk
+    I/O error" on the next statement; seen in a whole suite run)."""
+    store = RunStore()
+    kept = store.connect()  # the session's writer connection
+    kept.execute("SELECT count(*) FROM runs").fetchone()
+    ctx = multiprocessing.get_context("spawn")
+    for _ in range(2):
+        again = store.connect()  # %dist runs, import_runs: a second connection, closed
+        again.close()
+        p = ctx.Process(target=_open_write_close, args=(str(store.path),))
+        p.start()
+        p.join(50)
+        assert p.exitcode == 0
+        assert kept.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    assert (home / "runs.sqlite-wal").exists() and (home / "runs.sqlite-shm").exists()
+    kept.close()

@@ -143,8 +143,15 @@ def _check_columns(con: sqlite3.Connection) -> None:
 def _connect(path: Path) -> sqlite3.Connection:
     """Open (creating 0600) and check ``path``; raises ``sqlite3.DatabaseError`` when it
     is not a usable run store (corrupt, locked past the busy timeout, not SQLite)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.close(fd)
+    # create it 0600, but never open and close an existing file by hand: closing any
+    # descriptor of a file drops every POSIX lock this process holds on it, the session's
+    # open connection's too; another process closing its own last connection then took
+    # itself for the last one and removed the -wal and -shm files from under ours, and
+    # the next statement here failed with "disk I/O error" (seen in a whole suite run)
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
     con = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
     try:
         con.execute("PRAGMA busy_timeout = 5000")
