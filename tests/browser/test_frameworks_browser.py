@@ -36,7 +36,7 @@ class Slow(nn.Module):
 class Data(torch.utils.data.Dataset):
     def __init__(self):
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(2400, 8, generator=g); self.y = self.x.sum(1, keepdim=True)
+        self.x = torch.randn(1280, 8, generator=g); self.y = self.x.sum(1, keepdim=True)
     def __len__(self):
         return len(self.x)
     def __getitem__(self, i):
@@ -66,7 +66,7 @@ class Lit(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
-X = torch.randn(2400, 8)
+X = torch.randn(1280, 8)
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
                     enable_progress_bar=False, logger=False, enable_checkpointing=False)
 trainer.fit(Lit(), DataLoader(TensorDataset(X, X.sum(1, keepdim=True)), batch_size=4))
