@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -147,10 +147,13 @@ def lab_server(tmp_path_factory):
 
 
 @contextmanager
-def lab_page(lab: dict[str, Any], notebook: str) -> Iterator[Any]:
+def lab_page(
+    lab: dict[str, Any], notebook: str, last: Callable[[Any], None] | None = None
+) -> Iterator[Any]:
     """A Chromium page on ``notebook`` in the lab server, once its kernel is idle (the
     status bar's "| Idle": the toolbar can say idle before the kernel is) and JupyterLab's
-    news question is answered, so it covers nothing; the browser is closed after."""
+    news question is answered, so it covers nothing; ``last(page)`` runs at the end, passed
+    or failed (a last screenshot), then the browser is closed."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -165,4 +168,6 @@ def lab_page(lab: dict[str, Any], notebook: str) -> Iterator[Any]:
                 pass
             yield page
         finally:
+            if last is not None:
+                last(page)
             browser.close()

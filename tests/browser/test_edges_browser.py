@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.browser._lab import ARGS, ARTIFACTS, CHROMIUM, write_notebook
+from tests.browser._lab import ARTIFACTS, lab_page, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -126,48 +126,34 @@ def _wait_header(page, pattern: str, timeout: float = 60) -> str:
 
 
 def test_one_rank_then_restart_with_options(edges):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        try:
-            page.goto(f"{edges['url']}/lab/tree/edges.ipynb?token={edges['token']}")
-            page.wait_for_selector("text=/\\| Idle/", timeout=90_000)
-            try:
-                page.locator(".jp-toast-button:has-text('No')").click(timeout=3000)
-            except Exception:
-                pass
-            out = _run(page, 0)
-            assert "hvdnb: 1 rank ready" in out, out
-            page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=60_000)
-            assert _header(page).startswith("hvdnb 1 rank"), _header(page)
-            _shot(page, "1-one-rank-started")
-            out = _run(page, 2)  # the training cell, below the fold
-            assert "[0] rank 0 of 1: 1500 steps" in out, out
-            _wait_header(page, r"step 1,?500(?!\d)")
-            head = _header(page)
-            assert head.startswith("hvdnb 1 rank") and re.search(r"step 1,?500(?!\d)", head), head
-            live = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".hvdnb-liveline")
-            assert "loss r0" in live.first.inner_text()
-            _shot(page, "2-one-rank-trained")
-            out = _run(page, 3)  # %dist restart -n 2: the option is honoured
-            assert re.search(r"hvdnb: 2 fresh ranks ready in [\d.]+ s", out), out
-            assert "was 1 rank" in out, out
-            _wait_header(page, r"hvdnb 2 ranks")
-            head = _header(page)
-            assert "no steps yet" in head and not re.search(r"step \d", head), head
-            view = page.locator(".hvdnb-panel .hvdnb-view").first.inner_text()
-            assert "earlier cluster: 1 rank" in view, view
-            _shot(page, "3-restarted-two-ranks")
-            out = _run(page, 4)
-            assert "[0] rank 0 of 2: 700 steps" in out and "[1] rank 1 of 2: 700 steps" in out, out
-            _wait_header(page, r"step 700(?!\d)")
-            head = _header(page)
-            assert head.startswith("hvdnb 2 ranks") and re.search(r"step 700(?!\d)", head), head
-            _shot(page, "4-two-ranks-trained")
-            _pin_the_one_rank_run(page)
-            _shot(page, "5-pinned-from-the-run-store")
-        finally:
-            _shot(page, "last")
-            browser.close()
+    with lab_page(edges, "edges.ipynb", last=lambda pg: _shot(pg, "last")) as page:
+        out = _run(page, 0)
+        assert "hvdnb: 1 rank ready" in out, out
+        page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=60_000)
+        assert _header(page).startswith("hvdnb 1 rank"), _header(page)
+        _shot(page, "1-one-rank-started")
+        out = _run(page, 2)  # the training cell, below the fold
+        assert "[0] rank 0 of 1: 1500 steps" in out, out
+        _wait_header(page, r"step 1,?500(?!\d)")
+        head = _header(page)
+        assert head.startswith("hvdnb 1 rank") and re.search(r"step 1,?500(?!\d)", head), head
+        live = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".hvdnb-liveline")
+        assert "loss r0" in live.first.inner_text()
+        _shot(page, "2-one-rank-trained")
+        out = _run(page, 3)  # %dist restart -n 2: the option is honoured
+        assert re.search(r"hvdnb: 2 fresh ranks ready in [\d.]+ s", out), out
+        assert "was 1 rank" in out, out
+        _wait_header(page, r"hvdnb 2 ranks")
+        head = _header(page)
+        assert "no steps yet" in head and not re.search(r"step \d", head), head
+        view = page.locator(".hvdnb-panel .hvdnb-view").first.inner_text()
+        assert "earlier cluster: 1 rank" in view, view
+        _shot(page, "3-restarted-two-ranks")
+        out = _run(page, 4)
+        assert "[0] rank 0 of 2: 700 steps" in out and "[1] rank 1 of 2: 700 steps" in out, out
+        _wait_header(page, r"step 700(?!\d)")
+        head = _header(page)
+        assert head.startswith("hvdnb 2 ranks") and re.search(r"step 700(?!\d)", head), head
+        _shot(page, "4-two-ranks-trained")
+        _pin_the_one_rank_run(page)
+        _shot(page, "5-pinned-from-the-run-store")

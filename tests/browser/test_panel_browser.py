@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser._lab import ARGS, ARTIFACTS, CHROMIUM, write_notebook
+from tests.browser._lab import ARTIFACTS, lab_page, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -263,168 +263,148 @@ def _shot_loss_chart(page, name: str) -> None:
 
 
 def test_live_tuning_journey(lab):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        try:
-            page.goto(f"{lab['url']}/lab/tree/panel.ipynb?token={lab['token']}")
-            # the toolbar can say idle before the kernel is: wait for the status bar
-            page.wait_for_selector("text=/\\| Idle/", timeout=90_000)
-            try:  # JupyterLab asks about news once: answer, so it covers nothing
-                page.locator(".jp-toast-button:has-text('No')").click(timeout=3000)
-            except Exception:
-                pass
-            cells = page.locator(".jp-Notebook .jp-Cell")
-            cells.nth(0).click()
-            page.keyboard.press("Shift+Enter")  # %dist start: the panel opens beside
-            page.wait_for_selector(".hvdnb-panel", timeout=120_000)
-            page.wait_for_function(
-                "() => ![...document.querySelectorAll('.jp-InputPrompt')][0]"
-                ".innerText.includes('*')",
-                timeout=120_000,
-            )
-            # in the side area, not in the notebook's cell output
-            assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0
-            assert page.locator(".jp-Notebook .hvdnb-show-panel").count() == 1
-            _shot(page, "1-started")
-            page.keyboard.press("Shift+Enter")  # the markdown cell
-            # the training cell, below the fold, then one queued behind it
-            cells.nth(2).scroll_into_view_if_needed()
-            cells.nth(2).click()
-            page.keyboard.press("Shift+Enter")
-            page.keyboard.press("Shift+Enter")  # queued behind it: a print ...
-            page.keyboard.press("Shift+Enter")  # ... and a second, short run
-            train = ".jp-Notebook .jp-Cell:nth-child(3)"
-            page.wait_for_selector(f"{train} .hvdnb-liveline", timeout=60_000)
-            # while it runs: the panel redraws, the line under the cell updates, and
-            # both are on screen together
-            seen: list[str] = []
-            lines: list[str] = []
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and (len(set(seen)) < 4 or len(set(lines)) < 3):
-                svg = _loss_svg(page)
-                if svg and "polyline" in svg and (not seen or svg != seen[-1]):
-                    seen.append(svg)
-                line = page.locator(f"{train} .hvdnb-liveline").first.inner_text()
-                if not lines or line != lines[-1]:
-                    lines.append(line)
-                time.sleep(0.3)
-            assert _cell_busy(page, 2), "the training cell ended before the checks"
-            assert len(set(seen)) >= 3, f"panel redrew {len(set(seen))} times while running"
-            assert len(set(lines)) >= 3, f"live line: {lines}"
-            assert lines[-1].startswith("run 1") and "loss r0" in lines[-1], lines[-1]
-            page.evaluate(
-                "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
-                f"{train} .hvdnb-liveline",
-            )  # updates replace the element: no locator
-            assert _on_screen(page, f"{train} .hvdnb-liveline"), "running cell off-screen"
-            assert _on_screen(page, ".hvdnb-panel .hvdnb-view"), "panel off-screen"
-            _shot(page, "2-live-beside-running-cell")
-            # three knob sliders, one per row: each track wide enough to aim at a value
-            # and each label whole (side by side at JupyterLab's default split, the
-            # tracks were 0 px wide and the labels cut to "warmup_s...")
-            for name in KNOBS:
-                page.wait_for_selector(f".hvdnb-knob-{name} .noUi-handle", timeout=30_000)
-            geometry = _slider_geometry(page)
-            for name in KNOBS:
-                g = geometry[name]
-                assert g["track"] > 80, f"{name}'s track is {g['track']:.0f} px wide: {geometry}"
-                assert g["label"] == name, geometry
-                assert g["labelScroll"] <= g["labelClient"], f"{name}'s label is cut: {g}"
-            page.locator(".hvdnb-panel .hvdnb-knob-lr").first.scroll_into_view_if_needed()
-            _shot(page, "3-knobs")
-            # drag each slider to a value while the cell still runs; both ranks apply it
-            # at one step (rank 0 picks the step)
-            applied: dict[str, tuple[int, float]] = {}
-            for name, target in KNOBS.items():
-                shown = _drag_to(page, name, target)
-                step, value = _wait_applied(page, name, shown)
-                applied[name] = (step, value)
-                assert _cell_busy(page, 2), "the change was applied only after the cell ended"
-                if name == "warmup_steps":
-                    _shot(page, "3-knob-applied")
-                    # the plot marks the step
-                    page.wait_for_selector(
-                        ".hvdnb-view .hvdnb-mark", state="attached", timeout=10_000
-                    )
-            applied_step = applied["warmup_steps"][0]
-            # the loss chart's ticks are round (1, 2 or 5 x 10^k apart), on both axes
-            ticks = page.evaluate(
-                "(sel) => { const s = document.querySelector(sel);"
-                " const t = (c) => [...s.querySelectorAll(c + ' text')].map(e => e.textContent);"
-                " return {x: t('.hvdnb-ticks-x'), y: t('.hvdnb-ticks-y')}; }",
-                _LOSS_SVG,
-            )
-            for axis in ("x", "y"):
-                values = [_tick_value(v) for v in ticks[axis]]
-                assert _is_125(values), f"{axis} ticks not round: {ticks[axis]}"
-            # hovering the loss chart shows the step and each rank's loss there
-            readout = _hover_loss(page)
-            assert readout.startswith("step ") and "rank 0" in readout and "rank 1" in readout
-            _shot(page, "hover")
-            _shot_loss_chart(page, "hover-chart")
-            # the cell ends, then the queued one runs (no message was lost)
-            page.wait_for_selector(
-                ".jp-OutputArea-output:has-text('after the training cell')",
-                state="attached",
-                timeout=180_000,
-            )
-            page.wait_for_selector("text=/applied \\[\\(/", state="attached", timeout=30_000)
-            out = cells.nth(2).locator(".jp-OutputArea").inner_text()
-            assert f"[0,1] applied [({applied_step}," in out, out
-            # each rank's own history: the three changes, each at the step the status
-            # said, with the value the slider showed
-            histories = {
-                int(m.group(1)): ast.literal_eval(m.group(2))
-                for m in re.finditer(r"rank (\d) history (\[.*\])", out)
-            }
-            assert set(histories) == {0, 1} and histories[0] == histories[1], out
-            got = {name: (st, v) for st, vals in histories[0] for name, v in vals.items()}
-            assert set(got) == set(KNOBS), got
-            for name, (st, v) in applied.items():
-                assert got[name][0] == st, (name, got[name], st)
-                assert math.isclose(got[name][1], v, rel_tol=1e-2), (name, got[name], v)
-            # a second run: overlaid on the runs chart, its knob values in the legend
-            page.wait_for_function(
-                "() => [...document.querySelectorAll('.hvdnb-runs .hvdnb-legend')]"
-                ".some(e => e.innerText.includes('run 2: batch_size=64'))",
-                timeout=120_000,
-            )
-            legend = page.locator(".hvdnb-runs").first.inner_text()
-            assert "run 1: batch_size=32 warmup_steps=20" in legend, legend
-            assert f"@ {applied_step}" in legend, legend  # run 1's change, in its label
-            runs_svg = page.evaluate("() => document.querySelector('.hvdnb-runs svg').outerHTML")
-            assert runs_svg.count("<polyline") >= 2, "the two runs are not both drawn"
-            page.locator(".hvdnb-runs").first.scroll_into_view_if_needed()
-            _shot(page, "4-runs-compared")
-            # one click closes the side panel (its tab), one click brings it back
-            page.locator(
-                ".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon"
-            ).first.click()
-            page.wait_for_selector(".hvdnb-panel", state="detached", timeout=10_000)
-            # click() scrolls it into view itself and re-finds the button when the cell's
-            # output is redrawn meanwhile (a separate scroll call fails if it is replaced)
-            cells.nth(0).locator(".hvdnb-show-panel").click()
-            page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=15_000)
-            assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0  # beside, again
-            assert _on_screen(page, ".hvdnb-panel .hvdnb-view")
-            _shot(page, "5-brought-back")
-            # a saved notebook keeps a picture of the panel in the %dist start cell
-            # the last click was in the side panel: make the notebook current, then save
-            page.locator(".lm-TabBar-tab:has-text('panel.ipynb')").first.click()
-            page.keyboard.press("Control+s")
-            nb_path = lab["root"] / "work" / "panel.ipynb"
-            deadline = time.monotonic() + 20
-            bundles: list[dict] = []
-            while time.monotonic() < deadline:
-                nb = json.loads(nb_path.read_text())
-                bundles = [o.get("data", {}) for o in nb["cells"][0].get("outputs", [])]
-                if any("image/png" in b for b in bundles):
-                    break
-                time.sleep(0.5)
-            assert any("image/png" in b for b in bundles), [list(b) for b in bundles]
-        finally:
-            _shot(page, "last")
-            browser.close()
+    with lab_page(lab, "panel.ipynb", last=lambda pg: _shot(pg, "last")) as page:
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        cells.nth(0).click()
+        page.keyboard.press("Shift+Enter")  # %dist start: the panel opens beside
+        page.wait_for_selector(".hvdnb-panel", timeout=120_000)
+        page.wait_for_function(
+            "() => ![...document.querySelectorAll('.jp-InputPrompt')][0].innerText.includes('*')",
+            timeout=120_000,
+        )
+        # in the side area, not in the notebook's cell output
+        assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0
+        assert page.locator(".jp-Notebook .hvdnb-show-panel").count() == 1
+        _shot(page, "1-started")
+        page.keyboard.press("Shift+Enter")  # the markdown cell
+        # the training cell, below the fold, then one queued behind it
+        cells.nth(2).scroll_into_view_if_needed()
+        cells.nth(2).click()
+        page.keyboard.press("Shift+Enter")
+        page.keyboard.press("Shift+Enter")  # queued behind it: a print ...
+        page.keyboard.press("Shift+Enter")  # ... and a second, short run
+        train = ".jp-Notebook .jp-Cell:nth-child(3)"
+        page.wait_for_selector(f"{train} .hvdnb-liveline", timeout=60_000)
+        # while it runs: the panel redraws, the line under the cell updates, and
+        # both are on screen together
+        seen: list[str] = []
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(set(seen)) < 4 or len(set(lines)) < 3):
+            svg = _loss_svg(page)
+            if svg and "polyline" in svg and (not seen or svg != seen[-1]):
+                seen.append(svg)
+            line = page.locator(f"{train} .hvdnb-liveline").first.inner_text()
+            if not lines or line != lines[-1]:
+                lines.append(line)
+            time.sleep(0.3)
+        assert _cell_busy(page, 2), "the training cell ended before the checks"
+        assert len(set(seen)) >= 3, f"panel redrew {len(set(seen))} times while running"
+        assert len(set(lines)) >= 3, f"live line: {lines}"
+        assert lines[-1].startswith("run 1") and "loss r0" in lines[-1], lines[-1]
+        page.evaluate(
+            "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
+            f"{train} .hvdnb-liveline",
+        )  # updates replace the element: no locator
+        assert _on_screen(page, f"{train} .hvdnb-liveline"), "running cell off-screen"
+        assert _on_screen(page, ".hvdnb-panel .hvdnb-view"), "panel off-screen"
+        _shot(page, "2-live-beside-running-cell")
+        # three knob sliders, one per row: each track wide enough to aim at a value
+        # and each label whole (side by side at JupyterLab's default split, the
+        # tracks were 0 px wide and the labels cut to "warmup_s...")
+        for name in KNOBS:
+            page.wait_for_selector(f".hvdnb-knob-{name} .noUi-handle", timeout=30_000)
+        geometry = _slider_geometry(page)
+        for name in KNOBS:
+            g = geometry[name]
+            assert g["track"] > 80, f"{name}'s track is {g['track']:.0f} px wide: {geometry}"
+            assert g["label"] == name, geometry
+            assert g["labelScroll"] <= g["labelClient"], f"{name}'s label is cut: {g}"
+        page.locator(".hvdnb-panel .hvdnb-knob-lr").first.scroll_into_view_if_needed()
+        _shot(page, "3-knobs")
+        # drag each slider to a value while the cell still runs; both ranks apply it
+        # at one step (rank 0 picks the step)
+        applied: dict[str, tuple[int, float]] = {}
+        for name, target in KNOBS.items():
+            shown = _drag_to(page, name, target)
+            step, value = _wait_applied(page, name, shown)
+            applied[name] = (step, value)
+            assert _cell_busy(page, 2), "the change was applied only after the cell ended"
+            if name == "warmup_steps":
+                _shot(page, "3-knob-applied")
+                # the plot marks the step
+                page.wait_for_selector(".hvdnb-view .hvdnb-mark", state="attached", timeout=10_000)
+        applied_step = applied["warmup_steps"][0]
+        # the loss chart's ticks are round (1, 2 or 5 x 10^k apart), on both axes
+        ticks = page.evaluate(
+            "(sel) => { const s = document.querySelector(sel);"
+            " const t = (c) => [...s.querySelectorAll(c + ' text')].map(e => e.textContent);"
+            " return {x: t('.hvdnb-ticks-x'), y: t('.hvdnb-ticks-y')}; }",
+            _LOSS_SVG,
+        )
+        for axis in ("x", "y"):
+            values = [_tick_value(v) for v in ticks[axis]]
+            assert _is_125(values), f"{axis} ticks not round: {ticks[axis]}"
+        # hovering the loss chart shows the step and each rank's loss there
+        readout = _hover_loss(page)
+        assert readout.startswith("step ") and "rank 0" in readout and "rank 1" in readout
+        _shot(page, "hover")
+        _shot_loss_chart(page, "hover-chart")
+        # the cell ends, then the queued one runs (no message was lost)
+        page.wait_for_selector(
+            ".jp-OutputArea-output:has-text('after the training cell')",
+            state="attached",
+            timeout=180_000,
+        )
+        page.wait_for_selector("text=/applied \\[\\(/", state="attached", timeout=30_000)
+        out = cells.nth(2).locator(".jp-OutputArea").inner_text()
+        assert f"[0,1] applied [({applied_step}," in out, out
+        # each rank's own history: the three changes, each at the step the status
+        # said, with the value the slider showed
+        histories = {
+            int(m.group(1)): ast.literal_eval(m.group(2))
+            for m in re.finditer(r"rank (\d) history (\[.*\])", out)
+        }
+        assert set(histories) == {0, 1} and histories[0] == histories[1], out
+        got = {name: (st, v) for st, vals in histories[0] for name, v in vals.items()}
+        assert set(got) == set(KNOBS), got
+        for name, (st, v) in applied.items():
+            assert got[name][0] == st, (name, got[name], st)
+            assert math.isclose(got[name][1], v, rel_tol=1e-2), (name, got[name], v)
+        # a second run: overlaid on the runs chart, its knob values in the legend
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.hvdnb-runs .hvdnb-legend')]"
+            ".some(e => e.innerText.includes('run 2: batch_size=64'))",
+            timeout=120_000,
+        )
+        legend = page.locator(".hvdnb-runs").first.inner_text()
+        assert "run 1: batch_size=32 warmup_steps=20" in legend, legend
+        assert f"@ {applied_step}" in legend, legend  # run 1's change, in its label
+        runs_svg = page.evaluate("() => document.querySelector('.hvdnb-runs svg').outerHTML")
+        assert runs_svg.count("<polyline") >= 2, "the two runs are not both drawn"
+        page.locator(".hvdnb-runs").first.scroll_into_view_if_needed()
+        _shot(page, "4-runs-compared")
+        # one click closes the side panel (its tab), one click brings it back
+        page.locator(".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon").first.click()
+        page.wait_for_selector(".hvdnb-panel", state="detached", timeout=10_000)
+        # click() scrolls it into view itself and re-finds the button when the cell's
+        # output is redrawn meanwhile (a separate scroll call fails if it is replaced)
+        cells.nth(0).locator(".hvdnb-show-panel").click()
+        page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=15_000)
+        assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0  # beside, again
+        assert _on_screen(page, ".hvdnb-panel .hvdnb-view")
+        _shot(page, "5-brought-back")
+        # a saved notebook keeps a picture of the panel in the %dist start cell
+        # the last click was in the side panel: make the notebook current, then save
+        page.locator(".lm-TabBar-tab:has-text('panel.ipynb')").first.click()
+        page.keyboard.press("Control+s")
+        nb_path = lab["root"] / "work" / "panel.ipynb"
+        deadline = time.monotonic() + 20
+        bundles: list[dict] = []
+        while time.monotonic() < deadline:
+            nb = json.loads(nb_path.read_text())
+            bundles = [o.get("data", {}) for o in nb["cells"][0].get("outputs", [])]
+            if any("image/png" in b for b in bundles):
+                break
+            time.sleep(0.5)
+        assert any("image/png" in b for b in bundles), [list(b) for b in bundles]
