@@ -38,6 +38,7 @@ from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import CellReply, EngineInfo
 from hvdnb.rank import channel, debugger, frameworks, hooks, rendezvous, tfconfig
 from hvdnb.rank import nvtx as _nvtx
+from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 from hvdnb.rank.metrics import fingerprint, recorder, stop
 
 __all__ = [
@@ -411,7 +412,7 @@ def _release_peers() -> None:
         import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
         if dist.is_initialized() and dist.get_world_size() > 1:
-            rendezvous.destroy_group()
+            destroy_default_group()  # torch's own: a user's call keeps the group
     except Exception:  # the cell already failed; never mask its error with ours
         pass
 

@@ -38,7 +38,6 @@ from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 
 __all__ = [
     "World",
-    "destroy_group",
     "discover",
     "init_process_group",
     "place",
@@ -584,12 +583,6 @@ def place(w: World, device: str) -> Place:
 
     backend = str(dist.get_backend()) if dist.is_initialized() else ""
     return Place(w.rank, w.size, w.local_rank, w.local_size, w.cross_size, device, backend)
-
-
-def destroy_group() -> None:
-    """Destroy the default group with torch's own call (a user's ``destroy_process_group()``
-    in a cell keeps it: ``hvdnb.rank.frameworks.torch_hooks``)."""
-    destroy_default_group()
 
 
 def generation() -> int:
