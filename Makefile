@@ -37,7 +37,10 @@ $(VENV)/.installed-lint: $(VENV)/.installed
 
 LINT_PATHS := hvdnb kernels_ext tests bench examples docs/_ext docs/conf.py
 
-lint: $(VENV)/.installed-lint
+# mypy reads the libraries the project runs with (the test, tf and frameworks extras): a
+# class built on transformers' TrainerCallback is typed only where transformers is installed,
+# so lint on a clean clone and on a developer's tree must see the same environment
+lint: $(VENV)/.installed-lint $(VENV)/.installed-test
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy hvdnb kernels_ext
