@@ -26,9 +26,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 
 # the tf extra too, so that the suite runs notebook 08 and the TensorFlow tests (they skip
 # where TensorFlow is missing); about a minute with pip's cache warm; and the frameworks
-# extra (Accelerate, transformers, Lightning), whose integrations the suite runs
+# extra (Accelerate, transformers, Lightning), whose integrations the suite runs; and the
+# docs extra: tests/docs reads the reference through Sphinx's own source analyser
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e ".[test,tf,frameworks]"
+	$(PIP) -e ".[test,tf,frameworks,docs]"
 	touch $@
 
 $(VENV)/.installed-lint: $(VENV)/.installed

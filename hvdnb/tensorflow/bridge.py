@@ -27,10 +27,44 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import torch
+from tensorflow.python.eager.context import context as _context
 
 from hvdnb.torch.rounds import CollectiveMismatchError
 
-__all__ = ["call", "from_torch", "raw_view", "to_torch", "translate"]
+__all__ = ["call", "could_record", "from_torch", "raw_view", "to_torch", "translate"]
+
+try:  # TensorFlow's own test of "is any tape or forward accumulator active" (0.1 us)
+    from tensorflow.python.eager.record import could_possibly_record as _could_record
+except ImportError:  # pragma: no cover  another TensorFlow layout: always assume a tape
+
+    def _could_record() -> bool:
+        return True
+
+
+try:  # the eager tensor type, built over a numpy array without TensorFlow's defensive copy
+    from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
+except ImportError:  # pragma: no cover
+    _EagerTensor = None
+
+
+def could_record() -> bool:
+    """True when a ``tf.GradientTape`` (or forward accumulator) could record an op now."""
+    return bool(_could_record())
+
+
+def _eager_result(a: np.ndarray, dtype: tf.DType) -> tf.Tensor:
+    """An eager CPU tensor over ``a``, a result array nothing else holds.
+
+    ``tf.convert_to_tensor`` copies every numpy array first (the caller might change it
+    later) and costs ~18 us for 4 KB; a collective's fresh result has no other owner, so
+    the tensor takes it as it is (TensorFlow copies only a misaligned buffer).
+    """
+    if _EagerTensor is None or a.dtype != dtype.as_numpy_dtype:
+        return tf.convert_to_tensor(a, dtype=dtype)
+    ctx = _context()
+    ctx.ensure_initialized()
+    return _EagerTensor(a, ctx.device_name, dtype.as_datatype_enum)
+
 
 #: the last collective built in each v1 graph (see ``call``)
 _LAST: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -102,7 +136,7 @@ def call(
             raise err from exc
         dev = getattr(inputs[0], "device", "") if inputs else ""
         if not dev or "CPU" in dev:
-            return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+            return [_eager_result(o, d) for o, d in zip(outs, touts)]
         with tf.device(dev):  # a GPU input's result goes back to its device
             return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
 

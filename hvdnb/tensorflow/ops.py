@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdnb.torch as ht
-from hvdnb.tensorflow.bridge import call, from_torch, raw_view, to_torch
+from hvdnb.tensorflow.bridge import call, could_record, from_torch, raw_view, to_torch
 from hvdnb.tensorflow.compression import Compression
 from hvdnb.torch.ops import resolve_op
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
@@ -61,8 +61,14 @@ def _tensor(x: Any) -> tf.Tensor:
 def _differentiable(
     forward: Callable[..., Any], backward: Callable[..., Any], *xs: tf.Tensor
 ) -> Any:
-    """``forward(*xs)`` with ``backward(*dys)`` as its gradient (integers: no gradient)."""
-    if not any(_float(x) for x in xs):
+    """``forward(*xs)`` with ``backward(*dys)`` as its gradient (integers: no gradient).
+
+    Eagerly, with no tape or forward accumulator that could record the call, there is no
+    gradient to attach: ``forward`` runs bare (``tf.custom_gradient`` costs ~0.1-0.3 ms a
+    call, more than the collective; ``bench/bench_tf.py``). In a graph it is always
+    attached: a tape outside the ``tf.function`` may differentiate it later.
+    """
+    if not any(_float(x) for x in xs) or (tf.executing_eagerly() and not could_record()):
         return forward(*xs)
 
     @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow: unannotated

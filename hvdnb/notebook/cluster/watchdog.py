@@ -3,7 +3,7 @@
 
 A kernel killed with SIGKILL (or by the OOM killer) runs no atexit hook, and ipyparallel
 leaves its controller, mpiexec and the engines running. Each started cluster gets one of
-these tiny processes (stdlib only, in its own session): it polls the kernel twice a second
+these tiny processes (stdlib only, in its own session): it polls the kernel ten times a second
 and, once the kernel is gone, terminates the process groups it was given (SIGTERM, then
 SIGKILL after 2 s), runs the given cancel commands (``scancel JOBID`` for a Slurm
 cluster, whose ranks run on other machines) and removes the files the cluster would have
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     while _alive(kernel) and os.getppid() == kernel:
         if not any(_alive(p) for p in pids):
             return 0  # the cluster stopped first: nothing to guard
-        time.sleep(0.5)
+        time.sleep(0.1)
     for cmd in cancels:  # e.g. scancel JOBID: the ranks run on other machines
         try:
             subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
