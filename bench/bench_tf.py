@@ -15,7 +15,8 @@ per rank, SGD, one intra-op thread per rank, every step a ``tf.function``:
 Then the per-call allreduce, the choice behind ``hvdnb.tensorflow`` (run on hvdnb.torch's
 negotiated MPI transport, or on TensorFlow's collectives): ``hvd.allreduce`` eagerly and
 inside ``tf.function`` against the strategy's ``all_reduce`` inside ``tf.function`` and a
-bare mpi4py ``Allreduce``, at 4 KB and at the MLP's gradient size. Variants are interleaved
+bare mpi4py ``Allreduce``, at 4 KB and at the MLP's gradient size; beside them a
+``tf.function`` that only adds 0, the floor any call inside ``tf.function`` pays on the box. Variants are interleaved
 block by block (machine noise hits them equally); each number is the median over blocks of
 the slower rank's mean. Writes ``bench/results/tf.json`` on rank 0.
 """
@@ -187,9 +188,14 @@ def _allreduces(numel: int) -> dict[str, Callable[[], Any]]:
     def hvd_fn() -> Any:
         return hvd.allreduce(x, op=hvd.Sum, name=name + ".fn")
 
+    @tf.function
+    def floor_fn() -> Any:  # what calling any tf.function costs on this box
+        return x + 0.0
+
     calls: dict[str, Callable[[], Any]] = {
         "hvdnb eager": lambda: hvd.allreduce(x, op=hvd.Sum, name=name),
         "hvdnb tf.function": hvd_fn,
+        "empty tf.function (x + 0)": floor_fn,
     }
     if STRATEGY is not None:
 

@@ -79,6 +79,35 @@ def _differentiable(
 
 
 # -- allreduce -------------------------------------------------------------------------------
+#: a named call site's buffer (name, dtype, shape, op, scales, process set -> torch tensor and
+#: its numpy view): small arrays are copied in and reduced there in place, so hvdnb.torch's
+#: plan for the site (keyed by the buffer's address) is built once. A TensorFlow input has no
+#: stable address: ``.numpy()`` and ``numpy_function`` hand over a new copy each call, and a
+#: plan per call cost 40-90 us of a 100 us call (``bench/bench_tf.py``).
+_STAGING: dict[tuple[Any, ...], tuple[Any, np.ndarray]] = {}
+_STAGE_MAX = 64 << 10  # bytes: larger arrays go through the general path as they are
+_STAGE_SITES = 256  # call sites kept (cleared when full, as hvdnb.torch's plans are)
+
+
+def _staged_allreduce(
+    a: np.ndarray, name: str, op: int, pre: float, post: float, ps: ProcessSet
+) -> np.ndarray:
+    """Allreduce ``a`` through its call site's buffer; a new array holds the result."""
+    key = (name, a.dtype, a.shape, op, pre, post, ps)
+    got = _STAGING.pop(key, None)  # taken while in use: a concurrent same-site call makes its own
+    if got is None:
+        view = np.empty_like(a, order="C")
+        got = (to_torch(view), view)
+    t, view = got
+    np.copyto(view, a)
+    ht.allreduce_(t, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
+    out = view.copy()
+    if len(_STAGING) >= _STAGE_SITES:
+        _STAGING.clear()
+    _STAGING[key] = got
+    return out
+
+
 def _reduce_arrays(
     arrays: Sequence[np.ndarray], name: str | None, op: int, pre: float, post: float, ps: ProcessSet
 ) -> list[np.ndarray]:
@@ -93,6 +122,10 @@ def _reduce_arrays(
         if len(idx) == 1 or op == Adasum:
             for i in idx:
                 nm = gname if gname is None or len(idx) == 1 else f"{gname}.{i}"
+                a = arrays[i]
+                if nm is not None and op != Adasum and 0 < a.nbytes <= _STAGE_MAX:
+                    out[i] = _staged_allreduce(a, nm, op, pre, post, ps)
+                    continue
                 r = ht.allreduce(
                     to_torch(arrays[i]),
                     name=nm,

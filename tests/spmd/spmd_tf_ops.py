@@ -80,6 +80,29 @@ if N & (N - 1) == 0:
         lambda: hvd.allreduce(tf.ones([4]), op=hvd.Adasum),
         lambda r: close(r, np.ones(4)),
     )
+
+
+# -- a named call site, again and again: small tensors travel through the site's own buffer
+# (its plan is built once); every result is a tensor of its own, never that buffer
+def named_site():
+    outs = [hvd.allreduce(tf.fill([256], float(R + k)), op=hvd.Sum, name="site") for k in range(3)]
+    return tf.stack(outs)
+
+
+both(
+    "named site, three calls",
+    named_site,
+    lambda r: close(r, np.stack([np.full([256], N * (N - 1) / 2 + N * k) for k in range(3)])),
+)
+kept = hvd.allreduce(tf.fill([4], float(R)), op=hvd.Max, name="kept")
+hvd.allreduce(tf.fill([4], 100.0 + R), op=hvd.Max, name="kept")
+close(kept, np.full([4], N - 1.0))  # the first result is not the buffer the second reused
+with tf.GradientTape() as tape_named:  # under a tape the same site is differentiable
+    v = tf.constant([1.0, 2.0])
+    tape_named.watch(v)
+    y = tf.reduce_sum(hvd.allreduce(v * float(R + 1), op=hvd.Sum, name="kept.grad"))
+close(tape_named.gradient(y, v), np.full([2], N * (R + 1.0)))
+
 # -- grouped: mixed dtypes, one call
 both(
     "grouped",
@@ -208,5 +231,14 @@ except tf.errors.OpError as exc:  # from the graph: TensorFlow wraps it, the mes
     raised = str(exc)
 assert (raised is None) if N == 1 else (raised is not None and "disagree" in raised), raised
 close(hvd.allreduce(tf.ones([2]), op=hvd.Sum), np.full([2], N))
+# a named site whose ranks disagree (one site buffer per shape): the same error everywhere,
+# then the site works again
+try:
+    hvd.allreduce(tf.ones([3 + R]), name="site.mismatch")
+    site_err = None
+except tf.errors.FailedPreconditionError as exc:
+    site_err = str(exc)
+assert (site_err is None) if N == 1 else (site_err is not None and "shape" in site_err), site_err
+close(hvd.allreduce(tf.ones([3]), op=hvd.Sum, name="site.mismatch"), np.full([3], N))
 assert int(hvd.join()) in range(N)
 print(f"OK spmd_tf_ops (rank {R} of {N})")
