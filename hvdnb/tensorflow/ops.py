@@ -101,7 +101,7 @@ def _staged_allreduce(
     t, view = got
     np.copyto(view, a)
     ht.allreduce_(t, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
-    out = view.copy()
+    out: np.ndarray = view.copy()
     if len(_STAGING) >= _STAGE_SITES:
         _STAGING.clear()
     _STAGING[key] = got
