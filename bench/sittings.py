@@ -44,7 +44,9 @@ def _sitting(bench: str, ranks: int, k: int) -> dict[str, Any]:
     script = HERE / ("bench_tf.py" if bench == "tf" else "bench_percall.py")
     cmd = [_mpiexec(), "-n", str(ranks), sys.executable, str(script), "--out", str(out)]
     print(f"sitting {k}: {' '.join(cmd[3:])}", flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if res.returncode != 0:  # TensorFlow's start-up chatter is kept out unless it failed
+        sys.exit(f"sitting {k} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     return json.loads(out.read_text())
 
 

@@ -312,11 +312,13 @@ def _run_plan(p: _Plan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None:
         if p.scale != 1.0:
             np.multiply(p.mine, p.scale, p.mine)
         return t
-    # the result in its own shape: torch.from_numpy(res) then needs no view (1.5 us)
-    res = np.empty(p.shape, p.mine.dtype)
-    p.ufunc(p.mine_nd, p.peer_nd, out=res)
+    # the result in its own shape (torch.from_numpy(res) then needs no view, 1.5 us), made
+    # by the ufunc itself: 0.24 us less than np.empty then out=
+    res = p.ufunc(p.mine_nd, p.peer_nd)
+    if not p.shape:  # a 0-d reduction gives a numpy scalar
+        res = np.asarray(res)
     if p.scale != 1.0:
-        np.multiply(res, p.scale, out=res)
+        np.multiply(res, p.scale, res)
     return torch.from_numpy(res)
 
 
@@ -411,17 +413,17 @@ def planned_allreduce(
         if p is None:
             return None
         r: torch.Tensor | None
-        if type(p) is TorchPlan:
+        if type(p) is _Plan:  # the most frequent: small, two ranks
+            r = _run_plan(p, t, inplace)
+            if r is None:
+                peer = p.tr.rbuf[:HDR_BYTES].tobytes()
+                _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
+        elif type(p) is TorchPlan:
             got = run_blocking(p, t, inplace)
             if isinstance(got, list):
                 _LAST[0], r = got, None
             else:
                 r = got
-        elif type(p) is _Plan:
-            r = _run_plan(p, t, inplace)
-            if r is None:
-                peer = p.tr.rbuf[:HDR_BYTES].tobytes()
-                _LAST[0] = [p.hdr, peer] if p.tr.rank == 0 else [peer, p.hdr]
         elif type(p) is _TreePlan:
             r = _run_tree(p, t, inplace)
         else:
