@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
@@ -58,6 +61,18 @@ def dist2(shell):
     assert cluster is not None and cluster.running
     yield cluster
     cluster.stop()
+
+
+def hvdnb_export(path: Path | str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``hvdnb export PATH`` as a user runs it (this Python, its own process); the caller
+    asserts on the result."""
+    return subprocess.run(
+        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 def alive(pids: list[int], within: float = 5.0) -> list[int]:

@@ -23,6 +23,7 @@ from IPython.core.error import UsageError
 
 from hvdnb.notebook import cells
 from hvdnb.notebook.export import from_notebook
+from tests.conftest import hvdnb_export
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -182,13 +183,7 @@ def test_hvdnb_export_reads_a_saved_notebook(tmp_path):
     ]
     path = tmp_path / "saved.ipynb"
     nbformat.write(nb, path)
-    res = subprocess.run(
-        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=60,
-    )
+    res = hvdnb_export(path, _env())
     assert res.returncode == 0, res.stderr
     assert "run it with: mpiexec -n 3 python" in res.stdout
     cells_, knobs, n = from_notebook(path)
@@ -202,13 +197,7 @@ def test_hvdnb_export_reads_a_saved_notebook(tmp_path):
         env=_env(),
     )
     assert run.returncode == 0 and run.stdout.count("rank 0 says 0.05") == 1, run
-    bad = subprocess.run(
-        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(tmp_path / "no.ipynb")],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=60,
-    )
+    bad = hvdnb_export(tmp_path / "no.ipynb", _env())
     assert bad.returncode == 2 and "no such notebook" in bad.stderr
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import hvdnb
 from hvdnb import DistributedCellError
+from tests.conftest import hvdnb_export
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -489,13 +490,7 @@ def test_an_exported_notebook_trains_distributed_under_mpiexec_and_torchrun(tmp_
         PYTHONPATH=str(Path(__file__).resolve().parents[2]),
         OMP_NUM_THREADS="1",
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    res = hvdnb_export(path, env)
     assert res.returncode == 0, res.stderr
     script = str(path.with_suffix(".py"))
     for cmd in (

@@ -20,6 +20,7 @@ import pytest
 
 import hvdnb
 from hvdnb.protocol import jsonl
+from tests.conftest import hvdnb_export
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -78,13 +79,7 @@ def test_every_step_of_every_rank_is_in_the_metrics_files(tmp_path):
     nbformat.write(nb, path)
     metrics = tmp_path / "metrics"
     env = _env(metrics)
-    res = subprocess.run(
-        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    res = hvdnb_export(path, env)
     assert res.returncode == 0, res.stderr
     run = subprocess.run(
         [str(BIN / "mpiexec"), "-n", "2", sys.executable, str(path.with_suffix(".py"))],
