@@ -13,23 +13,40 @@ TORCH       ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 PIP    := $(BIN)/python -m pip install -q $(CONSTRAINTS)
 PYTEST_ARGS ?=
+# more pip options for the install step (the suite passes --no-compile when it builds a fresh
+# copy of this environment: byte-compiling is an install-time cost, not what it checks)
+PIP_OPTS ?=
 
 .PHONY: lab test lint docs demo bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# hvdnb with the `lessons` extra: everything the ten teaching notebooks import (scikit-learn,
+# TensorFlow with tf-keras, Accelerate, transformers, Lightning), so that every lesson runs with
+# no install step left for run time. A TensorFlow already in the environment (a GPU build the
+# user installed, or one of another release) is kept: then the lessons' other packages go in
+# beside it, with the tf-keras release that matches it (--no-deps: tf-keras names the
+# `tensorflow` distribution, which would go in over a tensorflow-gpu or tf-nightly).
+OWN_TF := import importlib.metadata as m; d = m.packages_distributions().get("tensorflow"); \
+	print(".".join(m.version(d[0]).split(".")[:2]) if d else "")
+
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) "$(TORCH)"
-	$(PIP) -e .
+	@tf="$$($(BIN)/python -c '$(OWN_TF)')"; set -ex; \
+	if [ -n "$$tf" ]; then \
+		echo "make: keeping the TensorFlow $$tf in $(VENV); the lessons' other packages go in beside it"; \
+		$(PIP) $(PIP_OPTS) -e ".[lessons-torch]"; \
+		$(PIP) $(PIP_OPTS) --no-deps "tf-keras==$$tf.*"; \
+	else \
+		$(PIP) $(PIP_OPTS) -e ".[lessons]"; \
+	fi
 	touch $@
 
-# the tf extra too, so that the suite runs notebook 08 and the TensorFlow tests (they skip
-# where TensorFlow is missing); about a minute with pip's cache warm; and the frameworks
-# extra (Accelerate, transformers, Lightning), whose integrations the suite runs; and the
-# docs extra: tests/docs reads the reference through Sphinx's own source analyser
+# the test tools; the docs extra too: tests/docs reads the reference through Sphinx's own
+# source analyser
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e ".[test,tf,frameworks,docs]"
+	$(PIP) -e ".[test,docs]"
 	touch $@
 
 $(VENV)/.installed-lint: $(VENV)/.installed

@@ -6,6 +6,13 @@ names the command that installs it: hvdnb's own imports (``require``), a ``%%dis
 cell's error (``hvdnb.notebook.cells.DistributedCellError``) and an ordinary cell of the
 notebook kernel (``hvdnb.notebook.importhint``) read this table.
 
+The command fits where hvdnb runs from. In a clone of the repository (an editable install,
+as ``make lab`` makes) ``pip install 'hvdnb[tf]'`` would look for hvdnb on PyPI, so the
+command names the clone: ``pip install -e '/path/to/clone[tf]'``. A module that a lesson
+(``notebooks/``) imports is in the ``lessons`` extra too, and its hint says that ``make lab``
+installs everything the lessons use: a student who meets it in a lesson is told the one
+command that makes every lesson run, never the test extra.
+
 Owns: ``OPTIONAL`` and the hint text. Never: import an optional module at import time, or
 hide a missing module an optional *probe* may do without (NVML: a missing reading shows
 "n/a"; see ``hvdnb.host`` and ``hvdnb.rank.metrics.memory``).
@@ -16,6 +23,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Final
 
@@ -26,7 +34,9 @@ __all__ = [
     "hint",
     "hint_for_error",
     "install_command",
+    "pip_target",
     "require",
+    "source_tree",
 ]
 
 
@@ -41,30 +51,57 @@ class OptionalModule:
         the extra lists, as keras with tensorflow-cpu)
     more : distributions to install beside the extra (not in it)
     what : what it is for, for the message
+    lesson : a teaching notebook imports it (the ``lessons`` extra installs it too)
     """
 
     extra: str
     package: str | None
     more: tuple[str, ...] = ()
     what: str = ""
+    lesson: bool = False
 
     @property
     def command(self) -> str:
-        return " ".join(["pip install", f"'hvdnb[{self.extra}]'", *self.more])
+        return " ".join(["pip install", pip_target(self.extra), *self.more])
+
+
+def source_tree() -> Path | None:
+    """The clone hvdnb runs from (an editable install: ``pyproject.toml`` and the
+    ``Makefile`` beside the package), or None for an installed wheel."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "Makefile").is_file() and (root / "pyproject.toml").is_file():
+        return root
+    return None
+
+
+def pip_target(extra: str) -> str:
+    """What ``pip install`` takes to add ``extra``: the clone, editable, when hvdnb runs
+    from one (``-e '/path/to/clone[tf]'``), else ``'hvdnb[tf]'``."""
+    root = source_tree()
+    return f"-e '{root}[{extra}]'" if root is not None else f"'hvdnb[{extra}]'"
 
 
 #: top-level import name -> what installs it
 OPTIONAL: Final[dict[str, OptionalModule]] = {
-    "tensorflow": OptionalModule("tf", "tensorflow-cpu", what="TensorFlow, CPU build"),
-    "keras": OptionalModule("tf", None, what="Keras, installed with tensorflow-cpu"),
-    "tf_keras": OptionalModule("tf", "tf-keras", what="Keras 2 for TF_USE_LEGACY_KERAS=1"),
-    "accelerate": OptionalModule("frameworks", "accelerate", what="Hugging Face Accelerate"),
-    "transformers": OptionalModule("frameworks", "transformers", what="Hugging Face transformers"),
-    "lightning": OptionalModule("frameworks", "lightning", what="Lightning"),
-    "pytorch_lightning": OptionalModule("frameworks", "pytorch-lightning", what="Lightning"),
-    "lightning_fabric": OptionalModule("frameworks", None, what="Lightning Fabric"),
+    "tensorflow": OptionalModule("tf", "tensorflow", what="TensorFlow", lesson=True),
+    "keras": OptionalModule("tf", None, what="Keras, installed with TensorFlow", lesson=True),
+    "tf_keras": OptionalModule(
+        "tf", "tf-keras", what="Keras 2 for TF_USE_LEGACY_KERAS=1", lesson=True
+    ),
+    "accelerate": OptionalModule(
+        "frameworks", "accelerate", what="Hugging Face Accelerate", lesson=True
+    ),
+    "transformers": OptionalModule(
+        "frameworks", "transformers", what="Hugging Face transformers", lesson=True
+    ),
+    "lightning": OptionalModule("frameworks", "lightning", what="Lightning", lesson=True),
+    "pytorch_lightning": OptionalModule(
+        "frameworks", "pytorch-lightning", what="Lightning", lesson=True
+    ),
+    "lightning_fabric": OptionalModule("frameworks", None, what="Lightning Fabric", lesson=True),
     "pynvml": OptionalModule("gpu", "nvidia-ml-py", what="NVML: GPU memory and utilisation"),
-    "sklearn": OptionalModule("test", "scikit-learn", what="scikit-learn"),
+    # the lessons' data set (load_digits); nothing of hvdnb's own imports it
+    "sklearn": OptionalModule("lessons", "scikit-learn", what="scikit-learn", lesson=True),
     "tensorboard": OptionalModule("test", "tensorboard", what="TensorBoard's event files"),
     "playwright": OptionalModule("test", "playwright", what="browser tests"),
     "pytest": OptionalModule("test", "pytest", what="the test suite"),
@@ -94,7 +131,20 @@ def hint(module: str) -> str | None:
         return None
     top, opt = e
     gpu = "; on a GPU node install your own TensorFlow" if opt.extra == "tf" else ""
-    return f"hvdnb: {top} ({opt.what}) is optional; install it with: {opt.command}{gpu}"
+    if not opt.lesson:
+        return f"hvdnb: {top} ({opt.what}) is optional; install it with: {opt.command}{gpu}"
+    alone = "" if opt.extra == "lessons" else f"; {top} alone: {opt.command}"
+    return (
+        f"hvdnb: {top} ({opt.what}) is not installed; everything the lessons import comes "
+        f"with {_lessons_command()}{alone}{gpu}"
+    )
+
+
+def _lessons_command() -> str:
+    root = source_tree()
+    if root is None:
+        return f"pip install {pip_target('lessons')}"
+    return f"`make lab` in {root}, or in this environment: pip install {pip_target('lessons')}"
 
 
 #: Keras 3's ``fit`` under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585): the
@@ -104,7 +154,7 @@ _KERAS3_PER_REPLICA = re.compile(r"PerReplica.*unsupported type|unsupported type
 #: the line added to that error: the fix, never applied silently (hvdnb does not change Keras)
 KERAS3_FIT_HINT = (
     "hvdnb: Keras 3's model.fit does not run under MultiWorkerMirroredStrategy "
-    "(keras-team/keras#20585); use Keras 2: pip install 'hvdnb[tf]' (tf-keras), then put "
+    f"(keras-team/keras#20585); use Keras 2: pip install {pip_target('tf')} (tf-keras), then put "
     "os.environ['TF_USE_LEGACY_KERAS'] = '1' at the top of the cell, before `import "
     "tensorflow`, and build the model with tf.keras, not `import keras` (if the ranks "
     "imported TensorFlow already: %dist restart first)"

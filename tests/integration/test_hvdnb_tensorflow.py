@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 import hvdnb
+from hvdnb.extras import pip_target
 from tests.spmd.test_spmd import HANG_S, MPIEXEC, _env, _report, mpiexec
 
-INSTALL = "pip install 'hvdnb[tf]'"
+INSTALL = f"pip install {pip_target('tf')}"
 
 
 def _need(module: str) -> None:
@@ -76,7 +77,7 @@ def test_missing_tf_keras_names_the_install_command() -> None:
     _need("tensorflow")
     out = _import_without("tf_keras", "hvdnb.tensorflow.keras", timeout=120)
     assert "ERR hvdnb.tensorflow.keras needs tf_keras" in out.stdout, out.stdout + out.stderr
-    assert "hvdnb[tf]" in out.stdout, out.stdout
+    assert INSTALL in out.stdout, out.stdout
 
 
 # -- Horovod's TF2 examples, unchanged -------------------------------------------------------

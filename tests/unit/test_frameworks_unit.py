@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from hvdnb.extras import pip_target
 from hvdnb.rank.frameworks import common
 
 
@@ -21,7 +22,7 @@ def test_a_version_outside_the_tested_range_warns_once(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("hvdnb: accelerate") == 1, err
     assert f"accelerate {version('accelerate')} is installed" in err and ">=0.1,<0.2" in err
-    assert "pip install 'hvdnb[frameworks]'" in err
+    assert f"pip install {pip_target('frameworks')}" in err
     monkeypatch.setitem(common.TESTED, "accelerate", ("0", "999"))  # inside: nothing said
     monkeypatch.setattr(common, "_WARNED", set())
     common.warn_version("accelerate")
@@ -65,7 +66,7 @@ def test_a_missing_framework_names_the_extra(module):
     from hvdnb.extras import hint_for_error
 
     line = hint_for_error("ModuleNotFoundError", f"No module named '{module}'")
-    assert line is not None and "pip install 'hvdnb[frameworks]'" in line
+    assert line is not None and f"pip install {pip_target('frameworks')}" in line
 
 
 def _ingest(st, rank: int, seq: int, cols: dict) -> None:

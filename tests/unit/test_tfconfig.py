@@ -172,7 +172,7 @@ def test_keras_callback_without_keras_says_what_to_install(monkeypatch):
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     hkeras._callback_class.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r"hvdnb\[tf\]"):
+        with pytest.raises(ImportError, match=r"\[tf\]"):
             hvdnb.keras_callback()
     finally:
         hkeras._callback_class.cache_clear()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdnb.config import get_config
+from hvdnb.extras import install_command
 from hvdnb.host import cores, gpu_count, is_loopback, reachable_addr
 
 __all__ = [
@@ -178,7 +179,7 @@ def _check_tf_ps(k: Any, n: int) -> int:
     if importlib.util.find_spec("tensorflow") is None:
         raise ClusterError(
             "--tf-ps needs TensorFlow, in this kernel (the coordinator) and on the ranks: "
-            "pip install 'hvdnb[tf]'"
+            f"{install_command('tensorflow')}"
         )
     return k
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from hvdnb.extras import pip_target
+
 __all__ = [
     "TESTED",
     "Place",
@@ -107,7 +109,7 @@ def warn_version(dist: str) -> None:
     _WARNED.add(dist)
     print(
         f"hvdnb: {dist} {v} is installed; hvdnb's integration was tested with {dist} "
-        f">={lo},<{hi} (pip install 'hvdnb[frameworks]' installs that range)",
+        f">={lo},<{hi} (pip install {pip_target('frameworks')} installs that range)",
         file=sys.stderr,
         flush=True,
     )
