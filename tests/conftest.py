@@ -63,6 +63,30 @@ def dist2(shell):
     cluster.stop()
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def lessons_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The environment ``make lab`` installs, built for real: its install step (``make
+    install``: a fresh ``python -m venv``, torch, hvdnb with the ``lessons`` extra, the
+    kernelspec) into a new folder, with nothing from this test environment. Returns its
+    ``bin`` folder. pip reads its cache and configured indexes as a user's would;
+    ``--no-compile`` skips byte-compiling (an install-time cost, not what is checked)."""
+    venv = tmp_path_factory.mktemp("make-lab") / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1")
+    res = subprocess.run(
+        ["make", "-C", str(ROOT), "install", f"VENV={venv}", "PIP_OPTS=--no-compile"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, f"make install failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    return venv / "bin"
+
+
 def hvdnb_export(path: Path | str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``hvdnb export PATH`` as a user runs it (this Python, its own process); the caller
     asserts on the result."""
