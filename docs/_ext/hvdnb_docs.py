@@ -229,8 +229,29 @@ def _sources(nb: dict[str, Any]) -> list[str]:
     ]
 
 
+def failed_cells(nb: dict[str, Any]) -> list[str]:
+    """Each code cell of an executed notebook that raised (an ``error`` output), unless it is
+    tagged ``raises-exception`` (a lesson that shows an error on purpose), as
+    ``cell N (first line): Ename: evalue``; N counts the notebook's cells from 1."""
+    failed = []
+    for i, cell in enumerate(nb["cells"], 1):
+        if cell["cell_type"] != "code":
+            continue
+        if "raises-exception" in cell.get("metadata", {}).get("tags", []):
+            continue
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+                first = (src.strip().splitlines() or [""])[0]
+                failed.append(f"cell {i} ({first!r}): {out.get('ename')}: {out.get('evalue')}")
+                break
+    return failed
+
+
 def executed_copy(src: Path, executed: Path) -> Path | None:
-    """The executed copy of ``src`` in ``executed`` if its code is the committed code."""
+    """The executed copy of ``src`` in ``executed`` if its code is the committed code and it
+    ran: it has outputs and no cell raised (``failed_cells``). A copy that ``hvdnb run -o``
+    left from a failed run is never taken."""
     cand = executed / src.name
     if not cand.exists():
         return None
@@ -240,11 +261,16 @@ def executed_copy(src: Path, executed: Path) -> Path | None:
         return None
     same = _sources(ran) == _sources(json.loads(src.read_text()))
     has_outputs = any(c.get("outputs") for c in ran["cells"] if c["cell_type"] == "code")
-    return cand if same and has_outputs else None
+    return cand if same and has_outputs and not failed_cells(ran) else None
 
 
-def _execute(src: Path, executed: Path, ranks: int, log: Any) -> Path | None:
-    """Run ``src`` headless on a local CPU cluster (``hvdnb run``) into ``executed``."""
+class TutorialNotRun(RuntimeError):
+    """A lesson has no executed copy in which every cell ran: ``make docs`` stops, naming it."""
+
+
+def _execute(src: Path, executed: Path, ranks: int, log: Any) -> Path:
+    """Run ``src`` headless on a local CPU cluster (``hvdnb run``) into ``executed``; raise
+    ``TutorialNotRun`` naming the notebook and the cell when it fails."""
     executed.mkdir(parents=True, exist_ok=True)
     out = executed / src.name
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_WAIT_POLICY="PASSIVE")
@@ -254,9 +280,17 @@ def _execute(src: Path, executed: Path, ranks: int, log: Any) -> Path | None:
     res = subprocess.run(
         [*cmd, "-o", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
-    if res.returncode != 0:
-        log(f"hvdnb docs: {src.name} failed to run (exit {res.returncode}):\n{res.stderr[-2000:]}")
-        return None
+    try:
+        failed = failed_cells(json.loads(out.read_text()))
+    except (OSError, ValueError):
+        failed = []
+    if res.returncode != 0 or failed:
+        where = "; ".join(failed) or f"hvdnb run exited {res.returncode}"
+        raise TutorialNotRun(
+            f"notebooks/{src.name} did not run: {where}. Its page is not built from a failed "
+            f"run; fix it (hvdnb run notebooks/{src.name} -n {ranks} shows the error), or tag "
+            f"a cell that raises on purpose 'raises-exception'.\n{res.stderr[-2000:]}"
+        )
     return out
 
 
@@ -273,9 +307,10 @@ def stage_tutorials(
 ) -> list[Path]:
     """Copy every numbered notebook's executed copy into the docs' tutorials folder.
 
-    A notebook without an up-to-date executed copy is run first when ``execute`` is true;
-    one that cannot be run is rendered without outputs and says so at its top. With a
-    repository address, each gets a link that opens it on Binder.
+    A notebook without an up-to-date executed copy in which every cell ran is run first when
+    ``execute`` is true. One that still has none stops the build (``TutorialNotRun``, naming
+    the notebook and the cell): a tutorial page never shows a traceback, nor a lesson without
+    its outputs. With a repository address, each gets a link that opens it on Binder.
     """
     if TUTORIALS.exists():
         shutil.rmtree(TUTORIALS)
@@ -284,24 +319,24 @@ def stage_tutorials(
     for src in sorted(NOTEBOOKS.glob("[0-9][0-9]-*.ipynb")):
         ran = executed_copy(src, executed)
         if ran is None and execute:
-            ran = _execute(src, executed, 2, log)
-            ran = executed_copy(src, executed) if ran is not None else None
-        nb = json.loads((ran or src).read_text())
+            _execute(src, executed, 2, log)
+            ran = executed_copy(src, executed)
+        if ran is None:
+            raise TutorialNotRun(
+                f"notebooks/{src.name} has no executed copy in {executed} in which every cell "
+                f"ran, and executing is off (hvdnb_execute_missing): run it with hvdnb run "
+                f"notebooks/{src.name} -n 2 -o {executed / src.name}"
+            )
+        nb = json.loads(ran.read_text())
         notes = []
         if repo:
             notes.append(
                 f"[Open this notebook on Binder]({binder_url(repo, branch, src.name)}) "
                 "(2 CPU ranks on Binder's machine)."
             )
-        if ran is None:
-            notes.append(
-                "*Shown without outputs: it could not be executed for this build (the `tf` "
-                "extra is needed for notebooks 08 and 09).*"
-            )
-        else:
-            notes.append(
-                f"*Outputs of a real run on 2 CPU ranks (`hvdnb run notebooks/{src.name} -n 2`).*"
-            )
+        notes.append(
+            f"*Outputs of a real run on 2 CPU ranks (`hvdnb run notebooks/{src.name} -n 2`).*"
+        )
         note = {
             "cell_type": "markdown",
             "id": "hvdnb-docs-note",
