@@ -9,6 +9,11 @@ every 0.25 s:
   shared between processes (torch's and TensorFlow's libraries, mapped by every rank) are
   split among them, so the sum counts each page once. This is the figure to hold against
   a container's limit.
+- ``anon``: anonymous memory summed over the tree, shared pages split as for PSS
+  (``Pss_Anon:`` in smaps_rollup; a forked process shares its parent's pages): the
+  heap, tensors, Python objects. Unlike library code and other file-backed pages (which the
+  kernel can drop and read again under a container's limit), it cannot be reclaimed without
+  swap: it is what runs a container out of memory.
 - ``RSS``: resident set size summed over the tree: shared pages counted once per process, an
   upper bound.
 
@@ -42,17 +47,30 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
         return []
 
 
-def _sample(procs: list[psutil.Process]) -> tuple[int, int, int]:
-    pss = rss = n = 0
+def _rollup(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` in bytes (Rss, Pss, Anonymous, ...)."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+def _sample(procs: list[psutil.Process]) -> tuple[int, int, int, int]:
+    pss = rss = anon = n = 0
     for p in procs:
         try:
-            info = p.memory_full_info()
-        except psutil.Error:
+            r = _rollup(p.pid)
+        except OSError:
             continue
-        pss += getattr(info, "pss", info.rss)
-        rss += info.rss
+        pss += r.get("Pss", 0)
+        rss += r.get("Rss", 0)
+        anon += r.get("Pss_Anon", r.get("Anonymous", 0))
         n += 1
-    return pss, rss, n
+    return pss, rss, anon, n
 
 
 def measure(notebook: Path, ranks: int) -> dict:
@@ -70,15 +88,16 @@ def measure(notebook: Path, ranks: int) -> dict:
             text=True,
         )
         root = psutil.Process(proc.pid)
-        peak = {"pss": 0, "rss": 0, "procs": 0}
+        peak = {"pss": 0, "rss": 0, "anon": 0, "procs": 0}
         stop = threading.Event()
 
         def sampler() -> None:
             while not stop.is_set():
-                pss, rss, n = _sample(_tree(root))
+                pss, rss, anon, n = _sample(_tree(root))
                 if pss > peak["pss"]:
                     peak.update(pss=pss, procs=n)
                 peak["rss"] = max(peak["rss"], rss)
+                peak["anon"] = max(peak["anon"], anon)
                 stop.wait(0.25)
 
         th = threading.Thread(target=sampler, daemon=True)
@@ -93,6 +112,7 @@ def measure(notebook: Path, ranks: int) -> dict:
         "seconds": round(time.perf_counter() - t0, 1),
         "peak_pss_mib": round(peak["pss"] / 2**20),
         "peak_rss_mib": round(peak["rss"] / 2**20),
+        "peak_anon_mib": round(peak["anon"] / 2**20),
         "processes": peak["procs"],
         "stderr": "" if proc.returncode == 0 else err[-1500:],
     }
@@ -106,14 +126,18 @@ def main() -> None:
     args = ap.parse_args()
     paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
     rows = []
-    print("| lesson | ranks | ran | time | peak PSS (all processes) | peak RSS sum | processes |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| lesson | ranks | ran | time | peak PSS (all processes) | peak anonymous | "
+        "peak RSS sum | processes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for p in paths:
         r = measure(p.resolve(), args.ranks)
         rows.append(r)
         print(
             f"| {r['notebook']} | {r['ranks']} | {'yes' if r['ok'] else 'FAILED'} | "
-            f"{r['seconds']} s | {r['peak_pss_mib']:,} MiB | {r['peak_rss_mib']:,} MiB | "
+            f"{r['seconds']} s | {r['peak_pss_mib']:,} MiB | {r['peak_anon_mib']:,} MiB | "
+            f"{r['peak_rss_mib']:,} MiB | "
             f"{r['processes']} |",
             flush=True,
         )
