@@ -402,7 +402,9 @@ class _CellRun:
         limit = int(cfg.output_limit_mb * 1e6) if cfg.output_limit_mb > 0 else None
         state_dir = getattr(cluster, "state_dir", None) or tempfile.gettempdir()
         spill = os.path.join(state_dir, "output", f"cell{sent.cell_no}.txt")
-        self.streamer = Streamer(self.metadata, sent.ranks, cfg.collapse_window, limit, spill)
+        self.streamer = Streamer(sent.ranks, cfg.collapse_window, limit, spill, cell=sent.cell_no)
+        if stream:
+            self.streamer.attach(list(sent.ar._children), self.metadata)
         self.policy = CellWait(sent.ranks, sent.t0, timeout, cfg.stall_after)
         self.watch = StallWatch(cluster, sent.ranks, cfg.stall_after)
         self.prompt = _PdbPrompt(cluster)
@@ -508,6 +510,7 @@ class _CellRun:
             store.wait_for(result.metrics_marks, timeout=1.0)
         if self.stream:
             self.streamer.pump(final=True)
+        self.streamer.detach()
         _show_alarms(store, True)
         store.end_cell(outcome_of(result.errors))  # how the run ended, for the run store
         _run_hooks(True)

@@ -57,6 +57,12 @@ def per_rank_lines(text: str, pattern: str) -> dict[int, list[int]]:
     return got
 
 
+#: torch's rank prefix on the lines its C++ core and ``torch.distributed`` log
+_TORCH_RANK_PREFIX = re.compile(r"\[rank\d+\]:")
+#: a glog header's date and time: ``[W1128 08:43:21.812345961 reducer.cpp:1431]``
+_GLOG_TIME = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ ")
+
+
 @dataclass
 class _Pending:
     stream: str
@@ -113,6 +119,13 @@ class OutputCollapser:
         self.poll(now)
 
     def _add(self, rank: int, stream: str, line: str, now: float) -> None:
+        if line.startswith("[rank"):
+            # torch's per-rank log prefix (TORCH_CPP_LOG / c10 warnings: "[rank0]:[W...]"):
+            # the tag names the ranks, so the same message from every rank is one line
+            m = _TORCH_RANK_PREFIX.match(line)
+            if m is not None:
+                # and its glog header's time, which differs per rank: the message is the same
+                line = _GLOG_TIME.sub(r"[\1 ", line[m.end() :], count=1)
         k = self._seen[(rank, stream, line)]
         self._seen[(rank, stream, line)] = k + 1
         key: tuple[object, ...] = (stream, line, k)
@@ -197,6 +210,16 @@ class OutputCollapser:
                 self._emit(entry)
             else:
                 break
+
+    def release(self) -> None:
+        """Emit every complete line held, in order, without waiting for other ranks (what a
+        rank printed before a display of its own must come before it); partial lines stay."""
+        self.poll(float("inf"))
+
+    def take_partial(self, rank: int, stream: str) -> str:
+        """Hand over ``rank``'s unfinished line on ``stream`` (it is drawn elsewhere: a
+        progress bar's line, on the rank's screen)."""
+        return self._partial.pop((rank, stream), "")
 
     def flush(self) -> None:
         """Emit everything held, partial lines included (the cell has ended)."""

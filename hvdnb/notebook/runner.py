@@ -314,6 +314,10 @@ class CellRun:
     displays: int  #: display_data / update_display_data messages
     #: the latest text/plain of each display (by display id; ``%%px`` shows output so)
     displayed: dict[str, str] = field(default_factory=dict)
+    #: every display message's content, in order (display_data, update_display_data)
+    display_msgs: list[dict[str, Any]] = field(default_factory=list)
+    #: the comms opened (``comm_open`` contents: widgets made on a rank arrive so)
+    comm_opens: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Kernel:
@@ -346,6 +350,8 @@ class Kernel:
         error = None
         displays = 0
         displayed: dict[str, str] = {}
+        display_msgs: list[dict[str, Any]] = []
+        comm_opens: list[dict[str, Any]] = []
         while True:
             try:
                 msg = self.kc.get_iopub_msg(timeout=timeout)
@@ -364,12 +370,27 @@ class Kernel:
                     first = time.perf_counter() - t0
                 key = (content.get("transient") or {}).get("display_id") or f"#{displays}"
                 displayed[key] = content.get("data", {}).get("text/plain", "")
+                display_msgs.append({"msg_type": kind, **content})
+            elif kind == "comm_open":
+                comm_opens.append(content)
             elif kind == "error":
                 error = f"{content['ename']}: {content['evalue']}"
             elif kind == "status" and content["execution_state"] == "idle":
                 return CellRun(
-                    time.perf_counter() - t0, first, "".join(text), error, displays, displayed
+                    time.perf_counter() - t0,
+                    first,
+                    "".join(text),
+                    error,
+                    displays,
+                    displayed,
+                    display_msgs,
+                    comm_opens,
                 )
+
+    def send_comm(self, comm_id: str, data: dict[str, Any]) -> None:
+        """A ``comm_msg`` from the front end (as JupyterLab sends a widget's change)."""
+        msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        self.kc.shell_channel.send(msg)
 
     def close(self) -> None:
         """Stop the notebook's cluster (if any) and the kernel."""

@@ -1,10 +1,23 @@
-"""A running cell's output, from the client's buffers to the notebook: merged, live, capped.
+"""A running cell's output, from the ranks' messages to the notebook: merged, live, capped.
 
-Owns: reading each rank's accumulated stdout/stderr (and displays) from the ipyparallel
-client's metadata as they arrive, feeding them to ``OutputCollapser`` (``output.py``) and
-writing what it emits to the cell's streams; past ``HVDNB_OUTPUT_LIMIT_MB`` a cell's output
-goes on into a file, and the notebook gets one note and the last lines. Never: block on a
-rank, reorder a rank's lines, or hold more than the output limit in the browser.
+Owns: taking each rank's output messages as the client receives them (an iopub callback on
+each rank's message future, as ipyparallel's own ``stream_output`` does), in order, and
+drawing them in the notebook as a local kernel would:
+
+- plain lines go to ``OutputCollapser`` (``output.py``), which merges the same line from
+  several ranks into one tagged line;
+- text that redraws its line (a progress bar: ``\r``, ``\b``, cursor moves) is drawn on the
+  rank's own screen (``terminal.Screen``), shown as one display per rank and bar, updated in
+  place while the cell runs and left at its final state;
+- displays keep their ids, so ``display(..., display_id=True)`` and its ``update`` work;
+  each rank's ids are its own (``hvdnb-r<rank>-<id>``): two ranks using the same id never
+  overwrite each other's;
+- a rank's ``clear_output`` clears what that rank drew (its displays), never another rank's;
+  with ``wait=True`` its next display replaces them, the live-plot habit.
+
+Past ``HVDNB_OUTPUT_LIMIT_MB`` a cell's text goes on into a file, and the notebook gets one
+note and the last lines. Never: block on a rank, reorder a rank's lines, or hold more than
+the output limit in the browser.
 """
 
 from __future__ import annotations
@@ -13,11 +26,49 @@ import collections
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from hvdnb.notebook.output import OutputCollapser
+from hvdnb.notebook.terminal import Screen, redraws
 
 __all__ = ["Streamer"]
+
+#: the iopub messages of a rank that the cell draws (widgets' comm messages are relayed by
+#: ipyparallel's client itself; errors and values come with the rank's reply)
+DRAWN = frozenset({"stream", "display_data", "update_display_data", "clear_output"})
+
+
+@dataclass
+class _Live:
+    """A rank's redrawing text (a bar) on its screen, and the display that shows it."""
+
+    screen: Screen
+    display_id: str
+    shown: bool = False
+    dirty: bool = True
+
+
+@dataclass
+class _RankDrawing:
+    """What one rank has drawn in this cell: its displays since its last clear, a
+    ``clear_output(wait=True)`` waiting for the next display, and its display ids."""
+
+    shown: list[str] = field(default_factory=list)
+    clear_pending: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)  # the rank's id -> ours
+
+
+def _publish(data: dict[str, Any], metadata: dict[str, Any], display_id: str, update: bool) -> None:
+    from IPython.display import publish_display_data  # noqa: PLC0415  IPython: only inside a kernel
+
+    publish_display_data(data, metadata, transient={"display_id": display_id}, update=update)
+
+
+def _starts_redrawing(text: str) -> bool:
+    """The text goes on drawing over the screen (a bar's next state) rather than starting
+    new plain lines."""
+    return text[:1] in ("\r", "\x08", "\x1b") and not text.startswith("\r\n")
 
 
 class Streamer:
@@ -30,25 +81,59 @@ class Streamer:
 
     def __init__(
         self,
-        metadata: list[Any],
         ranks: list[int],
         window: float,
         limit: int | None = None,
         spill: str | None = None,
         tail: int = 50,
+        cell: int = 0,
     ) -> None:
-        # hold the metadata dicts themselves: ipyparallel drops them from client.metadata
-        # as soon as a result's output is complete
-        self.pairs = list(zip(ranks, metadata))
-        self.offsets: dict[tuple[int, str], int] = {}
-        self.n_outputs: dict[int, int] = {}
+        self.ranks = list(ranks)
+        self.cell = cell
+        #: (rank, msg_type, content), appended by the client's thread, drained by ``pump``
+        self.inbox: collections.deque[tuple[int, str, dict[str, Any]]] = collections.deque()
+        self._callbacks: list[tuple[Any, Any]] = []
         self.collapser = OutputCollapser(ranks, self._write, window)
+        self.live: dict[tuple[int, str], _Live] = {}
+        self.drawing: dict[int, _RankDrawing] = {r: _RankDrawing() for r in ranks}
+        self._made = 0  # displays made in this cell (their ids)
         self.limit, self.spill_path = limit, spill
         self.shown = 0  # bytes written to the notebook
         self.held = 0  # lines past the limit (in the file only)
         self._head: list[tuple[str, str]] = []  # what was shown, for the file
         self._spill: Any = None
         self._tail: collections.deque[tuple[str, str]] = collections.deque(maxlen=tail)
+
+    # ------------------------------------------------------------------ intake
+    def receive(self, rank: int, msg_type: str, content: dict[str, Any]) -> None:
+        """One output message of ``rank`` (any thread; drawn at the next ``pump``)."""
+        if msg_type in DRAWN:
+            self.inbox.append((rank, msg_type, content))
+
+    def attach(self, futures: list[Any], metadata: list[Any]) -> None:
+        """Take every output message of the cell's per-rank message ``futures`` as it
+        arrives. What the client took before this call (``metadata``) is taken first, as
+        ipyparallel's ``stream_output`` does."""
+        for rank, fut, md in zip(self.ranks, futures, metadata):
+
+            def callback(msg: dict[str, Any], rank: int = rank) -> None:
+                self.receive(rank, msg["header"]["msg_type"], msg.get("content") or {})
+
+            fut.iopub_callbacks.append(callback)
+            self._callbacks.append((fut, callback))
+            for name in ("stdout", "stderr"):
+                if md.get(name):
+                    self.receive(rank, "stream", {"name": name, "text": md[name]})
+            for out in md.get("outputs") or []:
+                self.receive(rank, "display_data", out)
+
+    def detach(self) -> None:
+        for fut, callback in self._callbacks:
+            try:
+                fut.iopub_callbacks.remove(callback)
+            except ValueError:
+                pass
+        self._callbacks.clear()
 
     def _write(self, stream: str, text: str) -> None:
         if self.limit is None or self.spill_path is None:
@@ -82,23 +167,24 @@ class Streamer:
         for stream, text in self._tail:
             (sys.stderr if stream == "stderr" else sys.stdout).write(text)
 
+    # ------------------------------------------------------------------ drawing
     def pump(self, final: bool = False) -> None:
         now = time.monotonic()
-        for rank, md in self.pairs:
-            for name in ("stdout", "stderr"):
-                text = md.get(name) or ""
-                off = self.offsets.get((rank, name), 0)
-                if len(text) < off:  # a carriage return rewrote the buffer
-                    off = 0
-                if len(text) > off:
-                    self.collapser.feed(rank, name, text[off:], now)
-                    self.offsets[(rank, name)] = len(text)
-            outputs = md.get("outputs") or []
-            seen = self.n_outputs.get(rank, 0)
-            for out in outputs[seen:]:
-                self._display(rank, out)
-            self.n_outputs[rank] = len(outputs)
+        while self.inbox:
+            rank, kind, content = self.inbox.popleft()
+            if kind == "stream":
+                self._stream(
+                    rank, str(content.get("name", "stdout")), content.get("text") or "", now
+                )
+            elif kind == "clear_output":
+                self._clear(rank, bool(content.get("wait")))
+            else:
+                self._display(rank, kind, content)
+        for (rank, _), live in self.live.items():
+            if live.dirty:
+                self._draw(rank, live)
         if final:
+            self.live.clear()
             self.collapser.flush()
             self._close_spill()
         else:
@@ -106,10 +192,91 @@ class Streamer:
         sys.stdout.flush()
         sys.stderr.flush()
 
-    def _display(self, rank: int, content: dict[str, Any]) -> None:
-        from IPython.display import publish_display_data  # noqa: PLC0415  IPython: only inside a kernel
+    def _stream(self, rank: int, name: str, text: str, now: float) -> None:
+        key = (rank, name)
+        live = self.live.get(key)
+        if live is not None:
+            if not (live.screen.at_rest and text and not _starts_redrawing(text)):
+                live.screen.feed(text)
+                live.dirty = True
+                return
+            # the bar is done (its line ended) and plain lines follow: they merge again
+            if live.dirty:
+                self._draw(rank, live)
+            del self.live[key]
+        if not redraws(text):
+            self.collapser.feed(rank, name, text, now)
+            return
+        # the line that starts redrawing, from its beginning, goes on the rank's screen;
+        # the complete lines before it are plain
+        i = text.find("\n")
+        first = len(text)
+        for ch in ("\r", "\x08", "\x1b["):
+            j = text.find(ch)
+            while ch == "\r" and j != -1 and text.startswith("\r\n", j):
+                j = text.find(ch, j + 1)
+            if j != -1:
+                first = min(first, j)
+        cut = text.rfind("\n", 0, first) + 1 if i != -1 else 0
+        if cut:
+            self.collapser.feed(rank, name, text[:cut], now)
+        screen = Screen()
+        screen.feed(self.collapser.take_partial(rank, name) + text[cut:])
+        self._made += 1
+        self.live[key] = _Live(screen, f"hvdnb-c{self.cell}-r{rank}-{name}-{self._made}")
 
-        self.collapser.flush()
+    def _draw(self, rank: int, live: _Live) -> None:
+        text = "\n".join(f"[{rank}] {ln}" for ln in live.screen.text().split("\n"))
+        if not live.shown:
+            self.collapser.release()  # the rank's earlier lines first
+            sys.stdout.flush()
+            sys.stderr.flush()
+        _publish({"text/plain": text}, {}, live.display_id, update=live.shown)
+        live.shown, live.dirty = True, False
+
+    def _display(self, rank: int, kind: str, content: dict[str, Any]) -> None:
+        data, metadata = content.get("data") or {}, content.get("metadata") or {}
+        theirs = (content.get("transient") or {}).get("display_id")
+        d = self.drawing.setdefault(rank, _RankDrawing())
+        ours = (d.aliases.get(theirs) or f"hvdnb-r{rank}-{theirs}") if theirs else None
+        if kind == "update_display_data":
+            if ours is not None:
+                _publish(data, metadata, ours, update=True)
+            return
+        self.collapser.release()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if d.clear_pending and d.shown:
+            # clear_output(wait=True), then a display: it takes the place of what the rank
+            # drew before, as in a local kernel; the rank's other displays are emptied
+            target, *rest = d.shown
+            _publish(data, metadata, target, update=True)
+            for other in rest:
+                _publish({"text/plain": ""}, {}, other, update=True)
+            d.shown, d.clear_pending = [target], False
+            if theirs:
+                d.aliases[theirs] = target
+            return
+        d.clear_pending = False
+        if ours is None:
+            self._made += 1
+            ours = f"hvdnb-c{self.cell}-r{rank}-{self._made}"
         sys.stdout.write(f"[{rank}] output:\n")
         sys.stdout.flush()
-        publish_display_data(content.get("data", {}), content.get("metadata", {}))
+        _publish(data, metadata, ours, update=False)
+        d.shown.append(ours)
+
+    def _clear(self, rank: int, wait: bool) -> None:
+        """The rank's ``clear_output``: what it drew (its displays and bars) is cleared; its
+        merged text lines are not (they may be other ranks' too)."""
+        d = self.drawing.setdefault(rank, _RankDrawing())
+        for key in [k for k in self.live if k[0] == rank]:
+            live = self.live.pop(key)
+            if live.shown:
+                _publish({"text/plain": ""}, {}, live.display_id, update=True)
+        if wait:
+            d.clear_pending = True
+            return
+        for ours in d.shown:
+            _publish({"text/plain": ""}, {}, ours, update=True)
+        d.shown = []

@@ -143,6 +143,10 @@ def _set_threads(w: World, inter_op: bool = True) -> None:
     from a parameter server holds an inter-op thread, and with one thread the coordinator's
     first step never ended (TF 2.21, 1 ps + 2 workers, ``TF_NUM_INTEROP_THREADS=1``)."""
     n = str(threads_per_rank(w))
+    # TensorFlow's C++ core logs INFO lines at import ("I0000 ... oneDNN custom operations
+    # are on ..."), a dozen per rank above the cell's own output: a notebook shows its
+    # warnings and errors; a user who sets the level keeps theirs
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", n)
     if inter_op:
         os.environ.setdefault("TF_NUM_INTEROP_THREADS", n)

@@ -62,13 +62,12 @@ def test_output_past_the_limit_goes_to_a_file_with_head_tail_and_one_note(tmp_pa
     in order, the shown part included."""
     from hvdnb.notebook.streaming import Streamer
 
-    md = [{"stdout": ""}, {"stdout": ""}]
     spill = tmp_path / "output" / "cell7.txt"
-    s = Streamer(md, [0, 1], window=10.0, limit=2000, spill=str(spill), tail=5)
+    s = Streamer([0, 1], window=10.0, limit=2000, spill=str(spill), tail=5)
     lines = [f"step {i} loss 0.5\n" for i in range(1000)]
     for chunk in range(0, 1000, 100):  # both ranks print the same lines, in chunks
-        for m in md:
-            m["stdout"] += "".join(lines[chunk : chunk + 100])
+        for r in (0, 1):
+            s.receive(r, "stream", {"name": "stdout", "text": "".join(lines[chunk : chunk + 100])})
         s.pump()
     s.pump(final=True)
     out = capsys.readouterr().out
@@ -83,7 +82,7 @@ def test_output_past_the_limit_goes_to_a_file_with_head_tail_and_one_note(tmp_pa
 def test_output_under_the_limit_writes_no_file(tmp_path, capsys):
     from hvdnb.notebook.streaming import Streamer
 
-    md = [{"stdout": "a\n"}]
-    s = Streamer(md, [0], window=0.0, limit=2000, spill=str(tmp_path / "x.txt"))
+    s = Streamer([0], window=0.0, limit=2000, spill=str(tmp_path / "x.txt"))
+    s.receive(0, "stream", {"name": "stdout", "text": "a\n"})
     s.pump(final=True)
     assert capsys.readouterr().out == "[0] a\n" and not (tmp_path / "x.txt").exists()

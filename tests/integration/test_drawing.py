@@ -1,0 +1,125 @@
+"""What ranks draw reaches the notebook as a local kernel would draw it: the real kernel
+(the hvdnb kernelspec over jupyter_client, as JupyterLab drives it) at 1, 2 and 3 ranks.
+
+- plain ``tqdm`` (carriage returns on stderr): one display per rank, updated in place, each
+  ending at 100 %; no carriage return or cursor code in any stream text;
+- a display with ``display_id=True`` and its ``update``; ``clear_output(wait=True)`` then a
+  display, in a loop (the live-plot habit): each rank's display ends at its last state and
+  no rank's display shows another rank's;
+- torch's ``[rankN]:`` lines merge into one tagged line;
+- a widget made on rank 0 has a model in the notebook, and a change sent from the front end
+  reaches the rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hvdnb.notebook.runner import Kernel
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(400)]
+
+CURSOR = re.compile(r"\x1b\[[0-9;?]*[A-Za-ln-z]")
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}rank")
+def kernel(request):
+    n = request.param
+    with Kernel({"HVDNB_PANEL": "inline"}) as k:
+        extra = " --oversubscribe" if n > 2 else ""
+        r = k.run(f"%dist start -n {n} --timeout 120{extra}", timeout=240)
+        assert r.error is None, r
+        k.n = n
+        yield k
+
+
+def _last_by_rank(run, pattern: str) -> dict[int, str]:
+    """Each rank's last text/plain among the displays matching ``[rank] pattern``."""
+    got: dict[int, str] = {}
+    for text in run.displayed.values():
+        m = re.match(rf"^\[(\d+)\] ({pattern})", text)
+        if m:
+            got[int(m[1])] = text
+    return got
+
+
+def test_plain_tqdm_draws_one_bar_per_rank_ending_at_its_final_state(kernel):
+    r = kernel.run(
+        "%%distributed\nimport time\nfrom tqdm import tqdm\n"
+        "for i in tqdm(range(200), mininterval=0.01):\n    time.sleep(0.002)\n"
+        "print('after the bar')"
+    )
+    assert r.error is None, r
+    bars = _last_by_rank(r, r"100%")
+    assert sorted(bars) == list(range(kernel.n)), r.displayed
+    assert all("200/200" in b for b in bars.values()), bars
+    assert "\r" not in r.text and not CURSOR.search(r.text), repr(r.text[-500:])
+    assert (
+        f"[{'0' if kernel.n == 1 else '0,1' if kernel.n == 2 else '0-2'}] after the bar" in r.text
+    )
+    # updated in place: the bar of each rank is one display, however many updates it had
+    ids = {m["transient"]["display_id"] for m in r.display_msgs if m.get("transient")}
+    assert len(ids) == kernel.n, ids
+    assert any(m["msg_type"] == "update_display_data" for m in r.display_msgs)
+
+
+def test_display_updates_and_clear_output_leave_each_ranks_last_state(kernel):
+    r = kernel.run(
+        "%%distributed\nfrom IPython.display import display, clear_output\n"
+        "import torch.distributed as d\nme = d.get_rank()\n"
+        "h = display(f'v0 r{me}', display_id=True)\n"
+        "for i in range(1, 4):\n    h.update(f'v{i} r{me}')\n"
+    )
+    assert r.error is None, r
+    shown = list(r.displayed.values())
+    for rank in range(kernel.n):
+        assert f"'v3 r{rank}'" in shown and f"'v0 r{rank}'" not in shown, shown
+    # the live-plot habit: as in a local kernel, each clear leaves only the next display
+    r = kernel.run(
+        "%%distributed\nprint('before')\n"
+        "for i in range(5):\n    clear_output(wait=True)\n    display(f'frame {i} r{me}')\n"
+    )
+    assert r.error is None, r
+    shown = list(r.displayed.values())
+    for rank in range(kernel.n):
+        assert f"'frame 4 r{rank}'" in shown, shown
+        for i in range(4):  # earlier frames were replaced in place
+            assert f"'frame {i} r{rank}'" not in shown, shown
+    assert sum(s.startswith("'frame 4") for s in shown) == kernel.n, shown
+
+
+def test_torch_rank_prefixed_lines_merge(kernel):
+    r = kernel.run(
+        "%%distributed\nimport sys, torch.distributed as d\n"
+        "print(f'[rank{d.get_rank()}]:[W1128 08:00:00.{d.get_rank()}12 reducer.cpp:1] same', file=sys.stderr)\n"
+        "print(f'my rank is {d.get_rank()}')"
+    )
+    assert r.error is None, r
+    label = "0" if kernel.n == 1 else "0,1" if kernel.n == 2 else "0-2"
+    assert f"[{label}] [W reducer.cpp:1] same" in r.text, r.text
+    for rank in range(kernel.n):  # a user's own line that names its rank stays its own
+        assert f"[{rank}] my rank is {rank}" in r.text, r.text
+
+
+def test_a_widget_made_on_rank_0_works_both_ways(kernel):
+    r = kernel.run(
+        "%%distributed --targets 0\nimport ipywidgets as w\nslider = w.IntSlider(value=3)\n"
+        "display(slider)"
+    )
+    assert r.error is None, r
+    models = [
+        c
+        for c in r.comm_opens
+        if c.get("data", {}).get("state", {}).get("_model_name") == "IntSliderModel"
+    ]
+    assert len(models) == 1, r.comm_opens
+    kernel.send_comm(
+        models[0]["comm_id"], {"method": "update", "state": {"value": 7}, "buffer_paths": []}
+    )
+    for _ in range(20):  # the change travels notebook -> engine asynchronously
+        r = kernel.run("%%distributed --targets 0\nprint('value', slider.value)")
+        if "value 7" in r.text:
+            break
+    assert "[0] value 7" in r.text, r.text
