@@ -113,11 +113,17 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``, and name the install
     command under a cell's "No module named ..." for hvdnb's optional dependencies."""
-    from hvdnb.notebook import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook import (  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+        automode,
+        importhint,
+        introspect,
+    )
     from hvdnb.notebook.magics import DistMagics  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
     ipython.register_magics(DistMagics)
     importhint.install(ipython)
+    automode.install(ipython)
+    introspect.install(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

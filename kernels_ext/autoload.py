@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hvdnb.notebook import automode, introspect
 from hvdnb.notebook.magics import DistMagics
 
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(DistMagics)
+    automode.install(ipython)
+    introspect.install(ipython)

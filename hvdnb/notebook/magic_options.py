@@ -113,6 +113,7 @@ ACTIONS: dict[str, Action] = {
     "logs": Action(frozenset({"n"}), True, "%dist logs [RANK] [-n LINES]"),
     "runs": Action(frozenset({"delete", "n"}), True, "%dist runs [-n LAST] [--delete ID ...]"),
     "compare": Action(frozenset(), True, "%dist compare [ID ...]"),
+    "auto": Action(frozenset(), True, "%dist auto [on|off]"),
 }
 
 CELL_USAGE = "%%distributed [-t RANKS] [-o NAME] [--timeout SECONDS] [-q]"

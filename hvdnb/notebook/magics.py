@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, magics_class
 from IPython.core.magic_arguments import parse_argstring
 
-from hvdnb.notebook import cells
+from hvdnb.notebook import automode, cells, introspect
 from hvdnb.notebook import export as _export
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
@@ -79,6 +79,7 @@ class DistMagics(Magics):
             %dist debug 1 -c "p x" -c up   # ... a few commands, without a prompt
             %dist logs [RANK] [-n 50] # each rank's log, and how it ended
             %dist runs [--delete ID ...]; %dist compare ID ...  # every session's runs; pin
+            %dist auto on             # every following cell runs on the ranks (%%local: here)
             %dist stop                # nothing left running
         """
         try:
@@ -148,6 +149,7 @@ class DistMagics(Magics):
             f"{c.backend or 'auto'}{where}); "
             "use %%distributed to run a cell on every rank"
         )
+        introspect.prewarm(c)
         _show_panel(c)
 
     def _panel(self, args: Any) -> None:
@@ -354,10 +356,31 @@ class DistMagics(Magics):
             for line in lines:
                 print(f"  {line}")
 
+    def _auto(self, args: Any) -> None:
+        """Auto mode: ``on`` runs every following cell on the ranks, as ``%%distributed``
+        (a cell starting with ``%%local``, and ``%dist`` lines, run in the notebook);
+        ``off`` ends it; no value says which it is."""
+
+        if len(args.values) > 1 or (args.values and args.values[0] not in ("on", "off")):
+            raise refused("auto", f"%dist auto takes on or off, not {' '.join(args.values)!r}")
+        if not args.values:
+            state = "on" if automode.enabled(self.shell) else "off"
+            print(f"hvdnb: auto mode is {state}")
+        elif args.values[0] == "on":
+            c = _cluster.current()
+            if c is None or not c.running:
+                raise UsageError("no cluster is running: `%dist start -n 2` first, then auto on")
+            print(automode.on(self.shell))
+        else:
+            print(automode.off(self.shell) or "hvdnb: auto mode was off")
+
     def _stop(self, args: Any) -> None:
         """Stop engines, controller and mpiexec: nothing is left running."""
 
         c = _cluster.current()
+        ended = automode.off(self.shell, "%dist stop")
+        if ended:
+            print(ended)
         if c is None or not c.running:
             print("hvdnb: no cluster is running")
             return
@@ -394,6 +417,7 @@ class DistMagics(Magics):
             if c.running:
                 raise UsageError(f"{exc}; the running cluster ({was}) was left as it was") from None
             raise usage(exc) from None
+        introspect.prewarm(c)
         now = _describe_cluster(c)
         change = f" (was {was})" if now != was else ""
         print(
@@ -468,9 +492,18 @@ class DistMagics(Magics):
         except ValueError as exc:
             raise usage(exc) from None
         except _cluster.ClusterError as exc:
+            self._auto_off_if_dead(c)
             raise usage(exc) from None
+        except cells.DistributedCellError:
+            self._auto_off_if_dead(c)
+            raise
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = result.values
+
+    def _auto_off_if_dead(self, c: Any) -> None:
+        """Auto mode ends when a rank is lost (the next cells could not run on all ranks)."""
+        if automode.enabled(self.shell) and health.died_note(c):
+            print(automode.off(self.shell, "a rank was lost"))
 
 
 def _rank_arg(text: str, n: int) -> int:

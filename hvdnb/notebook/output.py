@@ -211,10 +211,18 @@ class OutputCollapser:
             else:
                 break
 
-    def release(self) -> None:
-        """Emit every complete line held, in order, without waiting for other ranks (what a
-        rank printed before a display of its own must come before it); partial lines stay."""
-        self.poll(float("inf"))
+    def release(self, rank: int | None = None) -> None:
+        """Emit, in order and without waiting for other ranks, the complete lines held up to
+        the last one of ``rank`` (every one when None): what a rank printed before a display
+        of its own must come before it. Lines after it keep waiting to merge; partial lines
+        stay."""
+        if rank is None:
+            self.poll(float("inf"))
+            return
+        while self._holds(rank):
+            key, entry = next(iter(self._pending.items()))
+            del self._pending[key]
+            self._emit(entry)
 
     def take_partial(self, rank: int, stream: str) -> str:
         """Hand over ``rank``'s unfinished line on ``stream`` (it is drawn elsewhere: a

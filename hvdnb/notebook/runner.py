@@ -387,6 +387,16 @@ class Kernel:
                     comm_opens,
                 )
 
+    def complete(self, code: str, cursor_pos: int | None = None) -> list[str]:
+        """The matches of a ``complete_request`` (what Tab offers in JupyterLab)."""
+        reply = self.kc.complete(code, cursor_pos, reply=True, timeout=30)
+        return list(reply["content"]["matches"])
+
+    def inspect(self, code: str, cursor_pos: int | None = None) -> dict[str, Any]:
+        """The content of an ``inspect_request`` (what Shift-Tab shows in JupyterLab)."""
+        reply = self.kc.inspect(code, cursor_pos, reply=True, timeout=30)
+        return dict(reply["content"])
+
     def send_comm(self, comm_id: str, data: dict[str, Any]) -> None:
         """A ``comm_msg`` from the front end (as JupyterLab sends a widget's change)."""
         msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})

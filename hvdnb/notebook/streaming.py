@@ -228,7 +228,7 @@ class Streamer:
     def _draw(self, rank: int, live: _Live) -> None:
         text = "\n".join(f"[{rank}] {ln}" for ln in live.screen.text().split("\n"))
         if not live.shown:
-            self.collapser.release()  # the rank's earlier lines first
+            self.collapser.release(rank)  # the rank's earlier lines first
             sys.stdout.flush()
             sys.stderr.flush()
         _publish({"text/plain": text}, {}, live.display_id, update=live.shown)
@@ -243,7 +243,7 @@ class Streamer:
             if ours is not None:
                 _publish(data, metadata, ours, update=True)
             return
-        self.collapser.release()
+        self.collapser.release(rank)
         sys.stdout.flush()
         sys.stderr.flush()
         if d.clear_pending and d.shown:

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from typing import Any, Final
 
 __all__ = [
+    "COMPLETE",
     "CONNECT_CHANNEL",
     "DEBUG_COMMAND",
     "ENGINE_INFO",
+    "INSPECT",
     "REBUILD_GROUP",
     "RUN_CELL",
     "RemoteCall",
@@ -68,3 +70,7 @@ ENGINE_INFO: Final = RemoteCall("hvdnb.rank.engine:engine_info")
 CONNECT_CHANNEL: Final = RemoteCall("hvdnb.rank.engine:connect_channel")
 #: one command for pdb on the frames of a rank's last failed cell; a ``replies.DebugReply``
 DEBUG_COMMAND: Final = RemoteCall("hvdnb.rank.debugger:debug_command")
+#: IPython's completions of a cell at a cursor, on the rank; a list of (text, start, end, type)
+COMPLETE: Final = RemoteCall("hvdnb.rank.introspect:complete")
+#: a name's inspection (signature, docstring) on the rank; a mime bundle or None
+INSPECT: Final = RemoteCall("hvdnb.rank.introspect:inspect")

@@ -8,7 +8,10 @@
   no rank's display shows another rank's;
 - torch's ``[rankN]:`` lines merge into one tagged line;
 - a widget made on rank 0 has a model in the notebook, and a change sent from the front end
-  reaches the rank.
+  reaches the rank;
+- Tab in a ``%%distributed`` cell offers rank 0's names, merged with the notebook's own;
+  Shift-Tab shows a rank name's signature and docstring;
+- ``%dist auto on`` runs cells on the ranks (Tab works there too) until ``%dist auto off``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 
 import pytest
 
+from hvdnb.notebook.output import parse_ranks
 from hvdnb.notebook.runner import Kernel
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -56,9 +60,9 @@ def test_plain_tqdm_draws_one_bar_per_rank_ending_at_its_final_state(kernel):
     assert sorted(bars) == list(range(kernel.n)), r.displayed
     assert all("200/200" in b for b in bars.values()), bars
     assert "\r" not in r.text and not CURSOR.search(r.text), repr(r.text[-500:])
-    assert (
-        f"[{'0' if kernel.n == 1 else '0,1' if kernel.n == 2 else '0-2'}] after the bar" in r.text
-    )
+    # each rank's line after its bar, once (merged unless a rank fell a window behind)
+    labels = re.findall(r"^\[([\d,-]+)\] after the bar$", r.text, re.M)
+    assert sorted(q for lab in labels for q in parse_ranks(lab)) == list(range(kernel.n)), r.text
     # updated in place: the bar of each rank is one display, however many updates it had
     ids = {m["transient"]["display_id"] for m in r.display_msgs if m.get("transient")}
     assert len(ids) == kernel.n, ids
@@ -123,3 +127,44 @@ def test_a_widget_made_on_rank_0_works_both_ways(kernel):
         if "value 7" in r.text:
             break
     assert "[0] value 7" in r.text, r.text
+
+
+def test_tab_and_shift_tab_answer_with_rank_0s_names(kernel):
+    r = kernel.run(
+        "%%distributed\nmodel_weights_on_rank = [1, 2]\n"
+        "def rank_side_helper(alpha, beta=2):\n    'Only the ranks have this.'\n    return alpha"
+    )
+    assert r.error is None, r
+    code = "%%distributed\nmodel_wei"
+    # rank 0 has 0.5 s to answer; its first completion loads its completer (prewarmed at
+    # start, but the start may be a moment ago): a user's second Tab, at most
+    got = [kernel.complete(code) for _ in range(2)]
+    assert any("model_weights_on_rank" in g for g in got), got
+    assert "%%distributed" in kernel.complete("%%distrib")  # the notebook's own, still
+    code = "%%distributed\nmodel_weights_on_rank.app"
+    assert "append" in kernel.complete(code)  # matches replace the fragment "app"
+    # outside a distributed cell the notebook's names only
+    assert "model_weights_on_rank" not in kernel.complete("model_wei")
+    info = kernel.inspect("%%distributed\nrank_side_helper(", len("%%distributed\nrank_side_hel"))
+    assert info["found"], info
+    text = re.sub(r"\x1b\[[0-9;]*m", "", info["data"]["text/plain"])  # IPython colours it
+    assert "alpha, beta=2" in text and "Only the ranks have this." in text, text
+
+
+def test_auto_mode_runs_cells_on_the_ranks_and_ends(kernel):
+    r = kernel.run("%dist auto on")
+    assert r.error is None and "auto mode on" in r.text, r
+    r = kernel.run("import os\nprint('rank', os.environ['RANK'])")
+    assert r.error is None, r
+    for rank in range(kernel.n):
+        assert f"[{rank}] rank {rank}" in r.text, r.text
+    r = kernel.run("auto_only_name = 5")
+    assert "auto_only_name" in kernel.complete("auto_only_n")
+    r = kernel.run("raise KeyError('in auto mode')")
+    assert r.error is not None and "KeyError" in r.error, r
+    r = kernel.run("%%local\nprint('here', 40 + 2)")
+    assert r.error is None and r.text.strip() == "here 42", r
+    r = kernel.run("%dist auto off")
+    assert r.error is None and "auto mode off" in r.text, r
+    r = kernel.run("print('notebook again')")
+    assert r.text.strip() == "notebook again", r
