@@ -27,6 +27,7 @@ This module is the public surface of both sides. What a rank's training loop cal
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from hvdnb import metrics  # a callable module: hvdnb.metrics() returns every point as rows
@@ -120,6 +121,9 @@ def load_ipython_extension(ipython: Any) -> None:
     )
     from hvdnb.notebook.magics import DistMagics  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
+    # TensorFlow's C++ INFO log at import (a dozen "I0000 ..." lines); the kernel imports
+    # TensorFlow when a rank's value of a Keras type is shown here. The user's level is kept
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     ipython.register_magics(DistMagics)
     importhint.install(ipython)
     automode.install(ipython)

@@ -7,6 +7,7 @@ It registers hvdnb's magics under its own name, so a notebook's own ``%load_ext 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hvdnb.notebook import automode, introspect
@@ -14,6 +15,9 @@ from hvdnb.notebook.magics import DistMagics
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    # TensorFlow's C++ INFO log at import (a dozen "I0000 ..." lines); the kernel imports
+    # TensorFlow when a rank's value of a Keras type is shown here. The user's level is kept
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     ipython.register_magics(DistMagics)
     automode.install(ipython)
     introspect.install(ipython)

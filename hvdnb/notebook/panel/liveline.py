@@ -15,7 +15,8 @@ the knob values are those in force now; the watchers' alarms of the run, last
 ``hvdnb.notebook.cells``' wait hook, so the update carries the cell's parent header.
 
 Owns: the line's text and its display handle. Never: send more than one message per
-interval, or show a line for a cell that logs nothing.
+interval, or show a line for a cell that logs no step (``STEP_METRICS``: a cell that only
+compiles, saves or prints, whose collectives and memory still reach the store).
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from typing import Any
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.protocol.kinds import MAIN_LOSS
 
-__all__ = ["LiveLine"]
+__all__ = ["STEP_METRICS", "LiveLine"]
+
+#: what a training step logs (``hvdnb.log``, the frameworks' callbacks): a run with none of
+#: these on any rank trained nothing
+STEP_METRICS = ("time/step", "loss", "samples", MAIN_LOSS)
 
 
 class LiveLine:
@@ -54,7 +59,7 @@ class LiveLine:
         if cell != self._cell:  # a new cell: a new line, if it logs
             self._cell, self._handle, self._version = cell, None, -1
         run = st.current_run()
-        if run is None or run["cell"] != cell or cell is None:
+        if run is None or run["cell"] != cell or cell is None or not self._trains():
             return
         now = time.monotonic()
         if not final and (st.version == self._version or now - self._last < self.interval):
@@ -101,6 +106,16 @@ class LiveLine:
         if alarms:
             parts.append(f"⚠ {alarms}")
         return " · ".join(parts)
+
+    def _trains(self) -> bool:
+        """The run has logged a step: a loss, samples or a step time on some rank. A cell
+        that only builds a model, compiles or saves (its collectives' timings, its memory)
+        trains nothing and gets no line."""
+        for r in self.store.ranks():
+            for name in STEP_METRICS:
+                if self.store.count(name, r):
+                    return True
+        return False
 
     def _main_loss(self) -> str:
         """A framework's loss logged on its main process only (``MAIN_LOSS``), or n/a."""

@@ -69,7 +69,16 @@ def _callback_class() -> Any:
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # the step that just finished: the Trainer has counted it already (global_step
             # is 1 after the first), and knobs.step(s) at its start was told s
-            log(int(state.global_step) - 1, total_steps=int(state.max_steps or 0))
+            # the samples this rank took in the step (its per-device batch, times the
+            # accumulated micro-batches), so that the panel's samples/s is known
+            samples = int(args.per_device_train_batch_size) * max(
+                1, int(args.gradient_accumulation_steps or 1)
+            )
+            log(
+                int(state.global_step) - 1,
+                total_steps=int(state.max_steps or 0),
+                samples=samples,
+            )
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs and "loss" in logs and state.is_world_process_zero:
