@@ -46,7 +46,7 @@ from hvdnb.notebook.metrics.runlog import outcome_of
 from hvdnb.notebook.metrics.store import get_store
 from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.stall import StallWatch
-from hvdnb.notebook.streaming import Streamer
+from hvdnb.notebook.streaming import Intake, Streamer
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import REBUILD_GROUP, RUN_CELL
 from hvdnb.protocol.replies import CellReply
@@ -358,6 +358,7 @@ class _Sent(NamedTuple):
     everyone: bool  #: sent to every rank (the export names no targets)
     store: Any  #: the metrics store, whose run the cell began
     t0: float  #: ``time.monotonic()`` when it was sent
+    intake: Intake  #: the cell's output messages, as they arrive
 
 
 def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
@@ -373,8 +374,11 @@ def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     store = get_store()
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
     t0 = time.monotonic()
-    ar = view.apply_async(_engine_runner(), code, cell_no)
-    return _Sent(ar, cell_no, ranks, everyone, store, t0)
+    intake = Intake()
+    with intake.tapping(cluster.client):
+        ar = view.apply_async(_engine_runner(), code, cell_no)
+    intake.bind(list(ar._targets))
+    return _Sent(ar, cell_no, ranks, everyone, store, t0, intake)
 
 
 class _CellRun:
@@ -402,9 +406,14 @@ class _CellRun:
         limit = int(cfg.output_limit_mb * 1e6) if cfg.output_limit_mb > 0 else None
         state_dir = getattr(cluster, "state_dir", None) or tempfile.gettempdir()
         spill = os.path.join(state_dir, "output", f"cell{sent.cell_no}.txt")
-        self.streamer = Streamer(sent.ranks, cfg.collapse_window, limit, spill, cell=sent.cell_no)
-        if stream:
-            self.streamer.attach(list(sent.ar._children), self.metadata)
+        self.streamer = Streamer(
+            sent.ranks,
+            cfg.collapse_window,
+            limit,
+            spill,
+            cell=sent.cell_no,
+            inbox=sent.intake.inbox,
+        )
         self.policy = CellWait(sent.ranks, sent.t0, timeout, cfg.stall_after)
         self.watch = StallWatch(cluster, sent.ranks, cfg.stall_after)
         self.prompt = _PdbPrompt(cluster)
@@ -510,7 +519,7 @@ class _CellRun:
             store.wait_for(result.metrics_marks, timeout=1.0)
         if self.stream:
             self.streamer.pump(final=True)
-        self.streamer.detach()
+        sent.intake.close()
         _show_alarms(store, True)
         store.end_cell(outcome_of(result.errors))  # how the run ended, for the run store
         _run_hooks(True)

@@ -22,7 +22,7 @@ from IPython.core.completer import CompletionContext, SimpleCompletion, completi
 
 from hvdnb.notebook import automode
 from hvdnb.notebook.cluster import lifecycle
-from hvdnb.protocol.remote import COMPLETE, INSPECT
+from hvdnb.protocol.remote import COMPLETE, COMPLETER_PREWARM, INSPECT
 
 __all__ = ["ANSWER_WITHIN", "install", "prewarm", "rank_body"]
 
@@ -57,10 +57,10 @@ def _ask(call: Any, *args: Any) -> Any:
 
 def prewarm(cluster: Any) -> None:
     """Have rank 0 load its completer now (IPython's first completion imports jedi: 0.6 s
-    here, past ``ANSWER_WITHIN``), without waiting for it: the user's first Tab then gets
-    rank 0's names."""
+    here, past ``ANSWER_WITHIN``), in a thread of its own there, without waiting for it:
+    the user's first Tab gets rank 0's names, and the first cell is not held behind it."""
     try:
-        cluster.client[0].apply_async(COMPLETE, "", 0)
+        cluster.client[0].apply_async(COMPLETER_PREWARM)
     except Exception:
         pass
 

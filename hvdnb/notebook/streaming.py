@@ -25,18 +25,89 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from hvdnb.notebook.output import OutputCollapser
 from hvdnb.notebook.terminal import Screen, redraws
 
-__all__ = ["Streamer"]
+__all__ = ["Intake", "Streamer"]
 
 #: the iopub messages of a rank that the cell draws (widgets' comm messages are relayed by
 #: ipyparallel's client itself; errors and values come with the rank's reply)
 DRAWN = frozenset({"stream", "display_data", "update_display_data", "clear_output"})
+
+
+class Intake:
+    """A cell's output messages, taken as the client receives them, from the first one.
+
+    ``tapping(client)`` is held while the cell is sent: every message future the client
+    makes for it gets a callback before the request leaves, so a fast rank's first display
+    and its updates are taken too (ipyparallel's client keeps displays, not their updates;
+    a callback added after the send missed them). ``bind(targets)`` then names the rank of
+    each request (the client makes them in the order of the view's targets); messages that
+    came before are kept and put in ``inbox``, in order, with their rank.
+    """
+
+    def __init__(self) -> None:
+        self.inbox: collections.deque[tuple[int, str, dict[str, Any]]] = collections.deque()
+        self._futures: list[Any] = []
+        self._rank_of: dict[str, int] | None = None
+        self._early: list[tuple[str, str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        kind = msg["header"]["msg_type"]
+        if kind not in DRAWN:
+            return
+        mid = (msg.get("parent_header") or {}).get("msg_id", "")
+        content = msg.get("content") or {}
+        with self._lock:
+            if self._rank_of is None:
+                self._early.append((mid, kind, content))
+                return
+        rank = self._rank_of.get(mid)
+        if rank is not None:
+            self.inbox.append((rank, kind, content))
+
+    @contextmanager
+    def tapping(self, client: Any) -> Iterator[None]:
+        make = client.create_message_futures
+
+        def create_message_futures(*args: Any, **kwargs: Any) -> Any:
+            futures = make(*args, **kwargs)
+            futures[0].iopub_callbacks.append(self._take)
+            self._futures.append(futures[0])
+            return futures
+
+        client.create_message_futures = create_message_futures
+        try:
+            yield
+        finally:
+            del client.create_message_futures  # the class's own again
+
+    def bind(self, targets: list[int]) -> None:
+        """The ranks the requests went to, in the order they were made."""
+        rank_of = {f.msg_id: t for f, t in zip(self._futures, targets)}
+        with self._lock:
+            self._rank_of = rank_of
+            early, self._early = self._early, []
+        for mid, kind, content in early:
+            if mid in rank_of:
+                self.inbox.append((rank_of[mid], kind, content))
+
+    def close(self) -> None:
+        """Take no more messages (the cell has ended)."""
+        for fut in self._futures:
+            try:
+                fut.iopub_callbacks.remove(self._take)
+            except ValueError:
+                pass
+        self._futures.clear()
 
 
 @dataclass
@@ -87,12 +158,13 @@ class Streamer:
         spill: str | None = None,
         tail: int = 50,
         cell: int = 0,
+        inbox: collections.deque[tuple[int, str, dict[str, Any]]] | None = None,
     ) -> None:
         self.ranks = list(ranks)
         self.cell = cell
-        #: (rank, msg_type, content), appended by the client's thread, drained by ``pump``
-        self.inbox: collections.deque[tuple[int, str, dict[str, Any]]] = collections.deque()
-        self._callbacks: list[tuple[Any, Any]] = []
+        #: (rank, msg_type, content), appended by the client's thread (``Intake``), drained
+        #: by ``pump``
+        self.inbox = inbox if inbox is not None else collections.deque()
         self.collapser = OutputCollapser(ranks, self._write, window)
         self.live: dict[tuple[int, str], _Live] = {}
         self.drawing: dict[int, _RankDrawing] = {r: _RankDrawing() for r in ranks}
@@ -109,31 +181,6 @@ class Streamer:
         """One output message of ``rank`` (any thread; drawn at the next ``pump``)."""
         if msg_type in DRAWN:
             self.inbox.append((rank, msg_type, content))
-
-    def attach(self, futures: list[Any], metadata: list[Any]) -> None:
-        """Take every output message of the cell's per-rank message ``futures`` as it
-        arrives. What the client took before this call (``metadata``) is taken first, as
-        ipyparallel's ``stream_output`` does."""
-        for rank, fut, md in zip(self.ranks, futures, metadata):
-
-            def callback(msg: dict[str, Any], rank: int = rank) -> None:
-                self.receive(rank, msg["header"]["msg_type"], msg.get("content") or {})
-
-            fut.iopub_callbacks.append(callback)
-            self._callbacks.append((fut, callback))
-            for name in ("stdout", "stderr"):
-                if md.get(name):
-                    self.receive(rank, "stream", {"name": name, "text": md[name]})
-            for out in md.get("outputs") or []:
-                self.receive(rank, "display_data", out)
-
-    def detach(self) -> None:
-        for fut, callback in self._callbacks:
-            try:
-                fut.iopub_callbacks.remove(callback)
-            except ValueError:
-                pass
-        self._callbacks.clear()
 
     def _write(self, stream: str, text: str) -> None:
         if self.limit is None or self.spill_path is None:

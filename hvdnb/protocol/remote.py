@@ -19,6 +19,7 @@ from typing import Any, Final
 
 __all__ = [
     "COMPLETE",
+    "COMPLETER_PREWARM",
     "CONNECT_CHANNEL",
     "DEBUG_COMMAND",
     "ENGINE_INFO",
@@ -74,3 +75,5 @@ DEBUG_COMMAND: Final = RemoteCall("hvdnb.rank.debugger:debug_command")
 COMPLETE: Final = RemoteCall("hvdnb.rank.introspect:complete")
 #: a name's inspection (signature, docstring) on the rank; a mime bundle or None
 INSPECT: Final = RemoteCall("hvdnb.rank.introspect:inspect")
+#: load the rank's completer in a thread of its own (returns at once); None
+COMPLETER_PREWARM: Final = RemoteCall("hvdnb.rank.introspect:prewarm")

@@ -36,7 +36,7 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import CellReply, EngineInfo
-from hvdnb.rank import channel, debugger, frameworks, hooks, rendezvous, tfconfig
+from hvdnb.rank import channel, debugger, frameworks, hooks, iostream, rendezvous, tfconfig
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 from hvdnb.rank.metrics import fingerprint, recorder, stop
@@ -528,8 +528,9 @@ def _execute(code: str, cell_no: int, ns: dict[str, Any]) -> Any:
     body, tail = _compile_cell(code, f"<cell {cell_no}>")
     opened = _nvtx.push(f"cell {cell_no}")  # Nsight Systems: one range per cell (CUDA only)
     try:
-        exec(body, ns)
-        return eval(tail, ns) if tail is not None else None
+        with iostream.coalesced():  # a bar flushing at every update: one message per gap
+            exec(body, ns)
+            return eval(tail, ns) if tail is not None else None
     finally:
         _nvtx.pop(opened)
 

@@ -17,6 +17,14 @@ reader counts the bytes it takes out of the pipe and those it has buffered, and
 ``flush()`` first waits (at most ``fd_drain_timeout``) until every byte that was in the
 pipe or in the reader's hands when it was called is buffered, then flushes them too.
 
+Flushes a cell asks for too often: a progress bar that flushes at every update (plain
+``tqdm`` at ``mininterval=0``: 10,000 a second) made one IOPub message per update, each a
+cross-thread wait here and a message the notebook's client had to take apart; the notebook
+fell seconds behind and the bar's last states arrived after the cell had ended. While a cell
+runs (``coalesced()``), a flush within ``min_flush_gap`` of the last one schedules the next
+timed send instead: at most one message per gap, nothing lost, the text in order. The flush
+after the cell (ipyparallel's, before the reply) is a full one, as before.
+
 Used through ``--IPEngine.out_stream_factory=hvdnb.rank.iostream.OutStream``.
 """
 
@@ -30,17 +38,24 @@ import termios
 import threading
 import time
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ipykernel.iostream import PIPE_BUFFER_SIZE
 from ipykernel.iostream import OutStream as _OutStream
 
-__all__ = ["OutStream"]
+__all__ = ["OutStream", "coalesced"]
 
 
 class OutStream(_OutStream):
     #: longest a flush waits for file-descriptor output still on its way (seconds)
     fd_drain_timeout = 1.0
+    #: shortest gap between two flushes while a cell runs (seconds); see ``coalesced``
+    min_flush_gap = 0.05
+    #: a cell is running: flushes closer than ``min_flush_gap`` are coalesced
+    coalesce = False
+    _last_flush = 0.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # before ipykernel's __init__, which starts the pipe reader
@@ -93,4 +108,24 @@ class OutStream(_OutStream):
                 empty = not any(buf.tell() for buf in self._buffers.values())
             if empty:
                 return
+        if self.coalesce:
+            now = time.monotonic()
+            if now - self._last_flush < self.min_flush_gap:
+                self._schedule_flush()  # type: ignore[no-untyped-call]  # ipykernel: unannotated
+                return
+            self._last_flush = now
         super().flush()  # type: ignore[no-untyped-call]  # ipykernel: unannotated
+
+
+@contextmanager
+def coalesced() -> Iterator[None]:
+    """While the block runs (a cell's code), the engine's streams coalesce flushes that come
+    closer than ``OutStream.min_flush_gap``; after it, every flush is a full one."""
+    streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, OutStream)]
+    for s in streams:
+        s.coalesce = True
+    try:
+        yield
+    finally:
+        for s in streams:
+            s.coalesce = False
