@@ -361,6 +361,11 @@ def test_hf_trainer(cluster):
     logged = run(cluster, "[h['loss'] for h in trainer.state.log_history if 'loss' in h]")
     assert last_values("loss_main", 0) == pytest.approx(logged.values[0], rel=1e-6)
     assert last_run("time/step") == dict.fromkeys(range(n), steps - 1)  # every rank's steps
+    # samples/s is known: each rank's step took its per-device batch
+    assert set(last_values("samples", 0)) == {BATCH}
+    from hvdnb.notebook.metrics.store import get_store
+
+    assert get_store().throughput(window=1e9) is not None
     same_weights_and_group_works(cluster)
 
 
@@ -383,9 +388,10 @@ def test_lightning_against_the_cluster(cluster):
     e = expect_error(cluster, lightning_cell("lightning", str(n + 1), "ddp"))
     # Lightning's own check (its TorchElasticEnvironment), on every rank
     assert f"the product ({n + 1} * 1) does not match the world size ({n})" in str(e)
-    if n > 1:  # a bare Trainer: one device per rank, said in one line
-        r = run(cluster, lightning_cell("lightning", "'auto'", None))
+    if n > 1:  # Trainer(devices=1): one device per rank, said in one line
+        r = run(cluster, lightning_cell("lightning", "1", None))
         assert f"each of the {n} ranks trains a model of its own" in out(r)
+        assert "leave devices out" in out(r)
     assert run(cluster, NEXT_CELL).values == dict.fromkeys(range(n), n * (n + 1) // 2)
 
 

@@ -14,9 +14,11 @@ One module per framework, each meeting it at its own seam where it has one:
 ``transformers_hooks``        a ``TrainerCallback`` in the Trainer's default callbacks:
                               the logged loss and the panel's learning-rate knobs
 ``lightning_hooks``           the ranks are torchrun's (``TORCHELASTIC_RUN_ID``: Lightning's
-                              ``TorchElasticEnvironment``), ``ddp_notebook`` / ``ddp_fork``
-                              re-registered in Lightning's strategy registry, a callback
-                              from Lightning's callbacks entry point
+                              ``TorchElasticEnvironment``), ``devices="auto"`` is the
+                              cluster's ranks (Lightning's connectors, a patch),
+                              ``ddp_notebook`` / ``ddp_fork`` re-registered in Lightning's
+                              strategy registry, a callback from Lightning's callbacks
+                              entry point
 ============================  =============================================================
 
 ``install`` runs once per rank, in the engine's bootstrap and an exported script's

@@ -13,15 +13,26 @@
   message recommends in a notebook) are re-registered in Lightning's strategy registry as
   the same DDP with ``start_method="popen"``: on a rank they train over the existing ranks
   like ``ddp`` and never fork.
+- ``devices="auto"`` (the default of ``Trainer`` and ``Fabric``) is the cluster's ranks:
+  ``devices`` the ranks on this host (``LOCAL_WORLD_SIZE``) and ``num_nodes`` the hosts
+  (``WORLD_SIZE // LOCAL_WORLD_SIZE``), as under torchrun on a GPU node "auto" is every GPU
+  of the node, so a bare ``Trainer()`` trains one model over the cluster. Lightning turns
+  "auto" into a count in one method of its connectors (``_AcceleratorConnector`` for the
+  Trainer, ``_Connector`` for Fabric), ``_set_devices_flag_if_auto_passed``; on a rank that
+  method is replaced (a patch of a private method, written for Lightning 2.6). A count the
+  user gives is Lightning's own, its checks and errors included; so is a ``num_nodes``
+  other than 1.
 - ``lightning_callbacks`` / ``pytorch_lightning_callbacks`` are Lightning's callbacks entry
   points (``pyproject.toml``): on a rank every Trainer gets ``HvdnbCallback`` (each rank's
   loss every step, the learning-rate knobs, and the check that ``devices`` x
   ``num_nodes`` are the cluster's ranks); outside a rank they return no callback.
 
-A bare ``Trainer()`` on several ranks picks one CPU device: each rank trains a model of its
-own. hvdnb says so in one line (and what to write instead) rather than change the choice.
+An explicit ``Trainer(devices=1)`` on several ranks keeps Lightning's choice, one device:
+each rank trains a model of its own. hvdnb says so in one line (and that leaving
+``devices`` out trains over the cluster).
 
-Never: import Lightning before the user does; add a callback outside an hvdnb rank.
+Never: import Lightning before the user does; add a callback or change "auto" outside an
+hvdnb rank.
 """
 
 from __future__ import annotations
@@ -57,8 +68,13 @@ def install(p: Place) -> None:
     for pkg in ("lightning.fabric", "lightning_fabric"):
         on_import(f"{pkg}.utilities.imports", _not_interactive)
         on_import(f"{pkg}.strategies", lambda m: _no_forking(m.STRATEGY_REGISTRY))
+        on_import(f"{pkg}.connector", lambda m: _auto_is_the_cluster(m._Connector, "Fabric"))
     for pkg in ("lightning.pytorch", "pytorch_lightning"):
         on_import(f"{pkg}.strategies", lambda m: _no_forking(m.StrategyRegistry))
+        on_import(
+            f"{pkg}.trainer.connectors.accelerator_connector",
+            lambda m: _auto_is_the_cluster(m._AcceleratorConnector, "Trainer"),
+        )
 
 
 def _not_interactive(mod: Any) -> None:
@@ -79,6 +95,49 @@ def _no_forking(registry: Any) -> None:
             override=True,
             **params,
         )
+
+
+def _auto_is_the_cluster(connector: type, who: str) -> None:
+    """Replace ``connector._set_devices_flag_if_auto_passed`` (Lightning 2.6: the one place
+    its Trainer's and Fabric's connectors turn ``devices="auto"`` into a count, after the
+    accelerator is made and before ``parse_devices``) with ``auto_devices`` on a rank."""
+    own = connector._set_devices_flag_if_auto_passed  # type: ignore[attr-defined]
+    if getattr(own, "__hvdnb__", False):
+        return
+
+    def _set_devices_flag_if_auto_passed(self: Any) -> None:
+        p = installed()
+        if p is None or not isinstance(self._devices_flag, str) or self._devices_flag != "auto":
+            own(self)
+            return
+        acc = self.accelerator
+        cpu = any(c.__name__ == "CPUAccelerator" for c in type(acc).__mro__)
+        self._devices_flag, self._num_nodes_flag = auto_devices(
+            p,
+            self._num_nodes_flag,
+            None if cpu else int(acc.auto_device_count()),
+            f"{who}(devices='auto')",
+        )
+
+    _set_devices_flag_if_auto_passed.__hvdnb__ = True  # type: ignore[attr-defined]
+    connector._set_devices_flag_if_auto_passed = _set_devices_flag_if_auto_passed  # type: ignore[attr-defined]
+
+
+def auto_devices(p: Place, num_nodes: int, available: int | None, call: str) -> tuple[int, int]:
+    """``(devices, num_nodes)`` for ``devices="auto"`` on a rank: the ranks on this host, and
+    the hosts (a ``num_nodes`` other than 1, given by the user, is kept: Lightning checks it).
+
+    ``available`` is how many devices of its kind the accelerator sees on this host (None on
+    the CPU, where any count goes); Lightning gives each rank of a host a device of its own,
+    so more ranks than devices on a host raise, naming what would fit."""
+    if available is not None and p.local_size > available:
+        raise ValueError(
+            f"{call} on rank {p.rank}: this host runs {p.local_size} ranks and Lightning gives "
+            f"each rank a device of its own, but it sees {available} device(s) here: start "
+            f"{available} rank(s) per host (%dist restart -n {max(available, 1) * p.nodes}), "
+            "or pass accelerator='cpu'"
+        )
+    return p.local_size, p.nodes if num_nodes == 1 else num_nodes
 
 
 def lightning_callbacks() -> list[Any]:
@@ -166,15 +225,15 @@ def check_trainer(trainer: Any, p: Place) -> None:
     if devices * nodes == 1 and p.size > 1:
         note(
             f"this Trainer uses one device per rank, so each of the {p.size} ranks trains a "
-            f"model of its own; to train one model over the cluster: Trainer(strategy='ddp', "
-            f"devices={p.local_size}" + (f", num_nodes={p.nodes})" if p.nodes > 1 else ")")
+            "model of its own; to train one model over the cluster, leave devices out "
+            "(devices='auto' is the cluster's ranks)"
         )
         return
     if devices * nodes != p.size or devices != p.local_size:
         raise ValueError(
             f"Trainer(devices={devices}, num_nodes={nodes}) on rank {p.rank}: the cluster has "
             f"{p.local_size} rank(s) on this host and {p.size} in all ({p.nodes} host(s)); "
-            f"Lightning trains over the cluster's ranks. Use devices={p.local_size}"
-            + (f", num_nodes={p.nodes}" if p.nodes > 1 else "")
-            + f", or %dist restart -n {devices * nodes}"
+            "Lightning trains over the cluster's ranks. Leave devices"
+            + (" and num_nodes" if nodes > 1 else "")
+            + f" out (devices='auto' is the cluster's ranks), or %dist restart -n {devices * nodes}"
         )
