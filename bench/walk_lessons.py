@@ -37,6 +37,8 @@ SHOTS = ROOT / "test-artifacts" / "walk"
 OUT = ROOT / "bench" / "results" / "walk_lessons.json"
 ADDRESS = re.compile(r"(http://127\.0\.0\.1:\d+)/lab\?token=(\w+)")
 CHROMIUM = "/usr/bin/chromium"
+#: the notebook on screen (Lumino hides the other tabs' panels with lm-mod-hidden)
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 ARGS = [
     "--headless",
     "--no-sandbox",
@@ -85,24 +87,26 @@ def _errors(nb: dict) -> list[str]:
 def walk(page, url: str, token: str, clone: Path, name: str, timeout: float) -> dict:
     stem = Path(name).stem
     t0 = time.perf_counter()
-    page.goto(f"{url}/lab/tree/{name}?token={token}")
+    # a workspace of its own: the lesson opens alone, not beside the tabs of the last one
+    page.goto(f"{url}/lab/workspaces/walk-{stem[:2]}/tree/{name}?reset&token={token}")
     page.wait_for_selector("text=/\\| Idle/", timeout=120_000)
     try:
         page.locator(".jp-toast-button:has-text('No')").click(timeout=2000)
     except Exception:
         pass
-    page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+    page.locator(f"{PANEL} .jp-Cell").first.click()
     page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
     page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
     # started: some cell queued or running; done: none, and the kernel idle again
     page.wait_for_function(
-        "() => [...document.querySelectorAll('.jp-InputPrompt')].some(p => p.textContent.includes('*'))",
+        f"() => [...document.querySelectorAll('{PANEL} .jp-InputPrompt')]"
+        ".some(p => p.textContent.includes('*'))",
         timeout=60_000,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         busy = page.evaluate(
-            "() => [...document.querySelectorAll('.jp-InputPrompt')]"
+            f"() => [...document.querySelectorAll('{PANEL} .jp-InputPrompt')]"
             ".filter(p => p.textContent.includes('*')).length"
         )
         if busy == 0 and page.locator("text=/\\| Idle/").count():
@@ -116,13 +120,15 @@ def walk(page, url: str, token: str, clone: Path, name: str, timeout: float) -> 
     ran = sum(1 for c in code if c.get("execution_count"))
     errors = _errors(nb)
     shots = []
-    err_box = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    err_box = page.locator(
+        f"{PANEL} .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+    )
     if errors and err_box.count():
         err_box.first.scroll_into_view_if_needed()
         shot = SHOTS / f"{stem}-error.png"
         page.screenshot(path=str(shot))
         shots.append(str(shot))
-    page.locator(".jp-NotebookPanel .jp-Cell").last.scroll_into_view_if_needed()
+    page.locator(f"{PANEL} .jp-Cell").last.scroll_into_view_if_needed()
     shot = SHOTS / f"{stem}-end.png"
     page.screenshot(path=str(shot))
     shots.append(str(shot))
