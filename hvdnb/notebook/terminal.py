@@ -133,6 +133,9 @@ class Screen:
             del self.lines[self.row + 1 :]
 
     def text(self) -> str:
-        """What the screen shows, without the fresh last line a final newline opened."""
+        """What the screen shows: without the fresh last line a final newline opened, nor
+        the blank lines above the first drawn one (a live display that moved up and
+        erased leaves them)."""
         lines = self.lines[:-1] if self.at_rest and len(self.lines) > 1 else self.lines
-        return "\n".join(lines)
+        first = next((i for i, ln in enumerate(lines) if ln.strip()), len(lines) - 1)
+        return "\n".join(lines[first:])

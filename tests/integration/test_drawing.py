@@ -11,7 +11,10 @@
   reaches the rank;
 - Tab in a ``%%distributed`` cell offers rank 0's names, merged with the notebook's own;
   Shift-Tab shows a rank name's signature and docstring;
-- ``%dist auto on`` runs cells on the ranks (Tab works there too) until ``%dist auto off``.
+- ``%dist auto on`` runs cells on the ranks (Tab works there too) until ``%dist auto off``;
+- the frameworks' default bars (Lightning's Rich bar, the HF Trainer's notebook bar, Keras'
+  ``fit(verbose=1)`` progbar) end at their final state, with no terminal control sequence
+  in any text.
 """
 
 from __future__ import annotations
@@ -168,3 +171,87 @@ def test_auto_mode_runs_cells_on_the_ranks_and_ends(kernel):
     assert r.error is None and "auto mode off" in r.text, r
     r = kernel.run("print('notebook again')")
     assert r.text.strip() == "notebook again", r
+
+
+LIGHTNING = """%%distributed
+import torch, lightning as L
+class M(L.LightningModule):
+    def __init__(s):
+        super().__init__(); s.l = torch.nn.Linear(8, 1)
+    def training_step(s, b, i):
+        x, y = b; loss = torch.nn.functional.mse_loss(s.l(x), y)
+        s.log("train_loss", loss, prog_bar=True); return loss
+    def configure_optimizers(s):
+        return torch.optim.SGD(s.parameters(), lr=0.1)
+torch.manual_seed(0)
+ds = torch.utils.data.TensorDataset(torch.randn(192, 8), torch.randn(192, 1))
+trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False)
+trainer.fit(M(), torch.utils.data.DataLoader(ds, batch_size=8))
+print("world", trainer.world_size)
+"""
+
+HF = """%%distributed
+import torch
+from transformers import Trainer, TrainingArguments
+class M(torch.nn.Module):
+    def __init__(s):
+        super().__init__(); s.l = torch.nn.Linear(8, 2)
+    def forward(s, x, labels=None):
+        out = s.l(x)
+        return {"loss": torch.nn.functional.cross_entropy(out, labels), "logits": out}
+class D(torch.utils.data.Dataset):
+    def __len__(s): return 96
+    def __getitem__(s, i): return {"x": torch.randn(8), "labels": torch.tensor(i % 2)}
+args = TrainingArguments("/tmp/hvdnb-hf-bar", per_device_train_batch_size=4, num_train_epochs=1,
+                         logging_steps=4, report_to=[], save_strategy="no", use_cpu=True)
+trainer = Trainer(model=M(), args=args, train_dataset=D())
+_ = trainer.train()
+"""
+
+KERAS = """%%distributed
+import os
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np, tensorflow as tf
+x = np.random.rand(256, 8).astype("float32"); y = (x.sum(1) > 4).astype("float32")
+m = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu"), tf.keras.layers.Dense(1)])
+m.compile("sgd", "mse")
+_ = m.fit(x, y, batch_size=8, epochs=2, verbose=1)
+"""
+
+
+def _no_controls(r) -> None:
+    texts = [r.text, *r.displayed.values()]
+    assert not any(CURSOR.search(t) or "\r" in t or "\x08" in t for t in texts), r
+
+
+def test_lightnings_default_bar_ends_at_its_final_state(kernel):
+    r = kernel.run(LIGHTNING, timeout=300)
+    assert r.error is None, r
+    assert f"world {kernel.n}" in r.text or f"] world {kernel.n}" in str(r.displayed), r
+    _no_controls(r)
+    # one model over the cluster: the bar is rank 0's, at its last batch of the last epoch
+    batches = 192 // 8 // kernel.n
+    bars = [t for t in r.displayed.values() if "Epoch 1/1" in t]
+    assert bars and f"{batches}/{batches}" in bars[-1], r.displayed
+
+
+def test_the_hf_trainers_notebook_bar_reaches_its_last_step(kernel):
+    r = kernel.run(HF, timeout=300)
+    assert r.error is None, r
+    steps = 96 // 4 // kernel.n
+    html = [
+        m["data"].get("text/html", "")
+        for m in r.display_msgs
+        if m["msg_type"] == "update_display_data"
+    ]
+    assert any(f"[{steps}/{steps}" in h for h in html), html[-2:]
+    _no_controls(r)
+
+
+def test_keras_progbar_ends_at_its_final_state_on_every_rank(kernel):
+    pytest.importorskip("tf_keras")
+    r = kernel.run(KERAS, timeout=300)
+    assert r.error is None, r
+    done = _last_by_rank(r, r"32/32 \[=+\]")
+    assert sorted(done) == list(range(kernel.n)), r.displayed
+    _no_controls(r)
