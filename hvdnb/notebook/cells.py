@@ -413,6 +413,10 @@ class _CellRun:
             spill,
             cell=sent.cell_no,
             inbox=sent.intake.inbox,
+            # %dist logs: every byte the ranks printed in cells, beside their own logs
+            log_dir=os.path.join(cluster.state_dir, "logs")
+            if getattr(cluster, "state_dir", None)
+            else None,
         )
         self.policy = CellWait(sent.ranks, sent.t0, timeout, cfg.stall_after)
         self.watch = StallWatch(cluster, sent.ranks, cfg.stall_after)

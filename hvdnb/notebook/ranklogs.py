@@ -6,6 +6,9 @@ signal it can catch (SIGSEGV, SIGABRT, SIGFPE, SIGBUS), every thread's Python st
 (faulthandler); appended across ``%dist restart``. Then the notebook's note: the cell a rank
 died in, and, when its log ends without a Python traceback or a fatal-signal dump, that it
 was ended from outside or by ``os._exit`` (a SIGKILL is what the out-of-memory killer sends).
+Then what it printed in cells, whole (``<state dir>/logs/rank<N>.cells.log``, written by the
+notebook as each message arrives: the cell's view merges lines and draws bars in place, this
+file keeps every byte).
 
 Known gap: the exact signal or exit code is not shown. The ranks are children of MPICH's
 launcher, not of the notebook, and the launcher does not report them to us.
@@ -22,6 +25,7 @@ from typing import Any
 
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.metrics.store import get_store
+from hvdnb.notebook.terminal import strip_controls
 
 __all__ = ["format_logs", "rank_log"]
 
@@ -80,4 +84,23 @@ def format_logs(cluster: Any, ranks: list[int], lines: int = 20) -> str:
         if not log:
             out.append("(its log is empty)")
         out += health.log_notes(cluster, r, log, r in dead)
+        out += _cell_output(cluster, r, lines)
     return "\n".join(out)
+
+
+def _cell_output(cluster: Any, rank: int, lines: int) -> list[str]:
+    """The last ``lines`` lines the rank printed in cells (a bar's redraws shown at their
+    last state here; the file keeps every one), and where the whole is: the notebook
+    condenses what it shows (merged lines, bars drawn in place), this copy does not."""
+    d = getattr(cluster, "state_dir", None)
+    if not d or lines <= 0:
+        return []
+    path = Path(d) / "logs" / f"rank{rank}.cells.log"
+    try:  # newline="": the carriage returns as written (universal newlines make them lines)
+        with path.open(encoding="utf-8", errors="replace", newline="") as fh:
+            text = fh.read()
+    except OSError:
+        return []
+    shown = [strip_controls(ln.rstrip("\r").split("\r")[-1]) for ln in text.split("\n")]
+    tail = [ln for ln in shown if ln.strip()][-lines:]
+    return [f"cell output (the last {len(tail)} lines; all of it in {path}):", *tail]

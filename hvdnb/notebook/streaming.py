@@ -159,6 +159,7 @@ class Streamer:
         tail: int = 50,
         cell: int = 0,
         inbox: collections.deque[tuple[int, str, dict[str, Any]]] | None = None,
+        log_dir: str | None = None,
     ) -> None:
         self.ranks = list(ranks)
         self.cell = cell
@@ -169,6 +170,11 @@ class Streamer:
         self.live: dict[tuple[int, str], _Live] = {}
         self.drawing: dict[int, _RankDrawing] = {r: _RankDrawing() for r in ranks}
         self._made = 0  # displays made in this cell (their ids)
+        #: every rank's stream text as it came (carriage returns, bars, all), appended to
+        #: ``<log_dir>/rank<N>.cells.log`` at each pump: ``%dist logs`` reads it whole
+        self.log_dir = log_dir
+        self._raw: dict[int, list[str]] = {}
+        self._logged: set[int] = set()  # ranks whose file has this cell's header
         self.limit, self.spill_path = limit, spill
         self.shown = 0  # bytes written to the notebook
         self.held = 0  # lines past the limit (in the file only)
@@ -220,9 +226,10 @@ class Streamer:
         while self.inbox:
             rank, kind, content = self.inbox.popleft()
             if kind == "stream":
-                self._stream(
-                    rank, str(content.get("name", "stdout")), content.get("text") or "", now
-                )
+                text = content.get("text") or ""
+                if self.log_dir is not None:
+                    self._raw.setdefault(rank, []).append(text)
+                self._stream(rank, str(content.get("name", "stdout")), text, now)
             elif kind == "clear_output":
                 self._clear(rank, bool(content.get("wait")))
             else:
@@ -230,6 +237,8 @@ class Streamer:
         for (rank, _), live in self.live.items():
             if live.dirty:
                 self._draw(rank, live)
+        if self._raw:
+            self._write_raw()
         if final:
             self.live.clear()
             self.collapser.flush()
@@ -238,6 +247,21 @@ class Streamer:
             self.collapser.poll(now)
         sys.stdout.flush()
         sys.stderr.flush()
+
+    def _write_raw(self) -> None:
+        assert self.log_dir is not None
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            for rank, parts in self._raw.items():
+                path = os.path.join(self.log_dir, f"rank{rank}.cells.log")
+                with open(path, "a", encoding="utf-8") as fh:
+                    if rank not in self._logged:
+                        fh.write(f"\n--- cell {self.cell} ---\n")
+                        self._logged.add(rank)
+                    fh.write("".join(parts))
+        except OSError:
+            pass  # the notebook's output goes on; the log is a copy
+        self._raw = {}
 
     def _stream(self, rank: int, name: str, text: str, now: float) -> None:
         key = (rank, name)

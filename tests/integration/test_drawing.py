@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,23 @@ def test_plain_tqdm_draws_one_bar_per_rank_ending_at_its_final_state(kernel):
     ids = {m["transient"]["display_id"] for m in r.display_msgs if m.get("transient")}
     assert len(ids) == kernel.n, ids
     assert any(m["msg_type"] == "update_display_data" for m in r.display_msgs)
+
+
+def test_dist_logs_keeps_what_a_rank_printed_in_cells_whole(kernel):
+    r = kernel.run(
+        "%%distributed\nfrom tqdm import tqdm\nimport torch.distributed as d\n"
+        "for i in tqdm(range(50), mininterval=0):\n    pass\n"
+        "print('kept whole', d.get_rank())"
+    )
+    assert r.error is None, r
+    r = kernel.run("%dist logs 0 -n 5")
+    assert r.error is None, r
+    m = re.search(r"all of it in (\S+\.cells\.log)\):", r.text)
+    assert m, r.text
+    assert "kept whole 0" in r.text and "50/50" in r.text, r.text
+    raw = Path(m[1]).open(newline="").read()
+    # every redraw of the bar is there, carriage returns and all, not only its last state
+    assert raw.count("\r") >= 50 and "kept whole 0" in raw
 
 
 def test_display_updates_and_clear_output_leave_each_ranks_last_state(kernel):
