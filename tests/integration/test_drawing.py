@@ -85,7 +85,8 @@ def test_dist_logs_keeps_what_a_rank_printed_in_cells_whole(kernel):
     m = re.search(r"all of it in (\S+\.cells\.log)\):", r.text)
     assert m, r.text
     assert "kept whole 0" in r.text and "50/50" in r.text, r.text
-    raw = Path(m[1]).open(newline="").read()
+    with Path(m[1]).open(newline="") as fh:  # the carriage returns as written
+        raw = fh.read()
     # every redraw of the bar is there, carriage returns and all, not only its last state
     assert raw.count("\r") >= 50 and "kept whole 0" in raw
 
