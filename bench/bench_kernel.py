@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hvdnb.notebook.output import per_rank_lines
+from hvdnb.notebook.cellout.output import per_rank_lines
 from hvdnb.notebook.runner import Kernel
 
 

@@ -1,6 +1,6 @@
 """How the merging of rank output scales: cost per line against lines shown and ranks.
 
-``hvdnb.notebook.output.OutputCollapser`` is pure code (no clock, no I/O), so it is measured
+``hvdnb.notebook.cellout.output.OutputCollapser`` is pure code (no clock, no I/O), so it is measured
 alone here, at 2, 64 and 1,024 ranks, for the two floods a training loop makes:
 
 - ``same``: every rank prints the same lines (``epoch 3``), merged into one tagged line;
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hvdnb.notebook.output import OutputCollapser
+from hvdnb.notebook.cellout.output import OutputCollapser
 
 OUT = ROOT / "bench" / "results" / "output.json"
 

@@ -302,7 +302,7 @@ def overhead_and_latency(
     ab_steps: int = 120,
 ) -> dict:
     import hvdnb
-    from hvdnb.notebook import cells
+    from hvdnb.notebook.cellout import cells
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
 

@@ -41,7 +41,7 @@ from hvdnb.rank.require import NotEnoughRanks, require_ranks
 from hvdnb.rank.state import State
 
 if TYPE_CHECKING:
-    from hvdnb.notebook.cells import CellResult, DistributedCellError, run_cell
+    from hvdnb.notebook.cellout.cells import CellResult, DistributedCellError, run_cell
     from hvdnb.notebook.cluster.lifecycle import Cluster, current
     from hvdnb.notebook.cluster.spec import ClusterError
     from hvdnb.notebook.metrics.history import import_runs, runs
@@ -83,9 +83,9 @@ __all__ = [
 
 # Notebook-side names, imported when first asked for (PEP 562).
 _LAZY = {
-    "CellResult": "hvdnb.notebook.cells",
-    "DistributedCellError": "hvdnb.notebook.cells",
-    "run_cell": "hvdnb.notebook.cells",
+    "CellResult": "hvdnb.notebook.cellout.cells",
+    "DistributedCellError": "hvdnb.notebook.cellout.cells",
+    "run_cell": "hvdnb.notebook.cellout.cells",
     "Cluster": "hvdnb.notebook.cluster.lifecycle",
     "ClusterError": "hvdnb.notebook.cluster.spec",
     "current": "hvdnb.notebook.cluster.lifecycle",
@@ -114,11 +114,8 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``, and name the install
     command under a cell's "No module named ..." for hvdnb's optional dependencies."""
-    from hvdnb.notebook import (  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
-        automode,
-        importhint,
-        introspect,
-    )
+    from hvdnb.notebook import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook.cellout import automode, introspect  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
     from hvdnb.notebook.magics import DistMagics  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
     # TensorFlow's C++ INFO log at import (a dozen "I0000 ..." lines); the kernel imports

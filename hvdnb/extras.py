@@ -3,7 +3,7 @@
 hvdnb imports these lazily (TensorFlow, Keras, NVML, the test tools); a notebook's cells
 import them too (notebook 08: TensorFlow, scikit-learn). When one is missing, the error
 names the command that installs it: hvdnb's own imports (``require``), a ``%%distributed``
-cell's error (``hvdnb.notebook.cells.DistributedCellError``) and an ordinary cell of the
+cell's error (``hvdnb.notebook.cellout.cells.DistributedCellError``) and an ordinary cell of the
 notebook kernel (``hvdnb.notebook.importhint``) read this table.
 
 The command fits where hvdnb runs from. In a clone of the repository (an editable install,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hvdnb.notebook import automode, introspect
+from hvdnb.notebook.cellout import automode, introspect
 from hvdnb.notebook.magics import DistMagics
 
 

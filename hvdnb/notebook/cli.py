@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from hvdnb.notebook.cells import DistributedCellError, run_cell
+from hvdnb.notebook.cellout.cells import DistributedCellError, run_cell
 from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError
 from hvdnb.notebook.export import ExportError, export, from_notebook
 from hvdnb.notebook.kernelspec import DISPLAY_NAME, install

@@ -4,8 +4,8 @@ Owns: argument parsing (``magic_arguments``, so ``%dist?`` prints real help), tu
 input into one clear ``UsageError`` (no internal traceback), and binding the magics to the
 current ``hvdnb.Cluster``. Registered once, in ``hvdnb.load_ipython_extension``.
 
-Never: run user code itself (``hvdnb.notebook.cells`` does), or leave processes behind when a start
-fails.
+Never: run user code itself (``hvdnb.notebook.cellout.cells`` does), or leave processes
+behind when a start fails.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, magics_class
 from IPython.core.magic_arguments import parse_argstring
 
-from hvdnb.notebook import automode, cells, introspect
 from hvdnb.notebook import export as _export
+from hvdnb.notebook.cellout import automode, cells, introspect
+from hvdnb.notebook.cellout.ranklogs import format_logs
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
 from hvdnb.notebook.magic_options import (
@@ -38,7 +39,6 @@ from hvdnb.notebook.metrics import history
 from hvdnb.notebook.metrics import store as _store
 from hvdnb.notebook.metrics.knobreq import describe_change
 from hvdnb.notebook.metrics.watchers import parse_settings
-from hvdnb.notebook.ranklogs import format_logs
 from hvdnb.notebook.where import format_stacks, rank_stacks
 from hvdnb.protocol.knobs import KnobTextError, parse
 from hvdnb.protocol.remote import DEBUG_COMMAND

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hvdnb.notebook.cellout.output import format_ranks
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.output import format_ranks
 from hvdnb.protocol import kinds
 
 __all__ = ["format_stacks", "from_replies", "pyspy_stack", "rank_stacks"]

@@ -15,7 +15,7 @@ import pytest
 
 import hvdnb
 from hvdnb.host import gpu_count
-from hvdnb.notebook import cells
+from hvdnb.notebook.cellout import cells
 from hvdnb.notebook.cluster.launch import ClusterError
 from hvdnb.notebook.metrics.store import attach
 from tests.conftest import gpu_visible

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import hvdnb
-from hvdnb.notebook import automode
+from hvdnb.notebook.cellout import automode
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from hvdnb.notebook import cells
-from hvdnb.notebook.cells import DistributedCellError
+from hvdnb.notebook.cellout import cells
+from hvdnb.notebook.cellout.cells import DistributedCellError
 from hvdnb.notebook.where import format_stacks, rank_stacks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(240)]

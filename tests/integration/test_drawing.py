@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdnb.notebook.output import parse_ranks
+from hvdnb.notebook.cellout.output import parse_ranks
 from hvdnb.notebook.runner import Kernel
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(400)]

@@ -21,7 +21,7 @@ import nbformat
 import pytest
 from IPython.core.error import UsageError
 
-from hvdnb.notebook import cells
+from hvdnb.notebook.cellout import cells
 from hvdnb.notebook.export import from_notebook
 from tests.conftest import hvdnb_export
 

@@ -71,7 +71,7 @@ def test_output_of_a_cell_done_before_the_wait_begins(dist2, shell, capsys, monk
     """A cell can finish, output and all, before the notebook starts waiting for it (a
     loaded machine): ipyparallel has dropped its metadata entry by then, and the output
     must still come from the cell's own record (1 cell in ~40 printed nothing under load)."""
-    from hvdnb.notebook import cells
+    from hvdnb.notebook.cellout import cells
 
     real_submit = cells._submit
 

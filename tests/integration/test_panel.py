@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb.notebook import cells
+from hvdnb.notebook.cellout import cells
 from hvdnb.notebook.metrics.store import attach
 from hvdnb.rank.metrics.state import COMM_EVERY_MAX
 

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from hvdnb.notebook.output import per_rank_lines
+from hvdnb.notebook.cellout.output import per_rank_lines
 from hvdnb.notebook.runner import Kernel
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]

@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 
 import hvdnb
 from hvdnb.extras import KERAS3_FIT_HINT
-from hvdnb.notebook.cells import DistributedCellError
+from hvdnb.notebook.cellout.cells import DistributedCellError
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.metrics.store import get_store
 from hvdnb.notebook.panel.tables import tables_html

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hvdnb
-from hvdnb.notebook import cells
+from hvdnb.notebook.cellout import cells
 from hvdnb.notebook.metrics.store import attach
 from hvdnb.notebook.panel.charts import loss_chart
 from hvdnb.notebook.panel.liveline import LiveLine

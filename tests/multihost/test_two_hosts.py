@@ -184,7 +184,7 @@ def test_allreduce_crosses_the_veth_link(cluster, shell, two_hosts, capsys):
 
 
 def test_cut_link_mid_cell_names_the_ranks(cluster, shell, two_hosts, capsys):
-    from hvdnb.notebook.cells import DistributedCellError
+    from hvdnb.notebook.cellout.cells import DistributedCellError
 
     shell.run_cell_magic("distributed", "-q", "import torch, torch.distributed as dist")
     cut = threading.Timer(3.0, two_hosts.down, args=(1,))

@@ -24,7 +24,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from hvdnb.notebook.output import format_ranks
+from hvdnb.notebook.cellout.output import format_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb.notebook.cells import CellResult, DistributedCellError, parse_targets
+from hvdnb.notebook.cellout.cells import CellResult, DistributedCellError, parse_targets
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_output_past_the_limit_goes_to_a_file_with_head_tail_and_one_note(tmp_pa
     """A cell printing more than a browser tab should hold: the notebook gets the first
     ``limit`` bytes, one note naming the file, and the last lines; the file has all of it,
     in order, the shown part included."""
-    from hvdnb.notebook.streaming import Streamer
+    from hvdnb.notebook.cellout.streaming import Streamer
 
     spill = tmp_path / "output" / "cell7.txt"
     s = Streamer([0, 1], window=10.0, limit=2000, spill=str(spill), tail=5)
@@ -80,7 +80,7 @@ def test_output_past_the_limit_goes_to_a_file_with_head_tail_and_one_note(tmp_pa
 
 
 def test_output_under_the_limit_writes_no_file(tmp_path, capsys):
-    from hvdnb.notebook.streaming import Streamer
+    from hvdnb.notebook.cellout.streaming import Streamer
 
     s = Streamer([0], window=0.0, limit=2000, spill=str(tmp_path / "x.txt"))
     s.receive(0, "stream", {"name": "stdout", "text": "a\n"})

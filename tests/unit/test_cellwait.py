@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb.notebook.cellwait import (
+from hvdnb.notebook.cellout.cellwait import (
     EARLY_INTERRUPT,
     ESCALATE_AFTER,
     FAIL_FAST_AFTER,

@@ -13,7 +13,7 @@ import tomllib
 
 from hvdnb import extras
 from hvdnb.notebook import importhint
-from hvdnb.notebook.cells import CellResult, DistributedCellError
+from hvdnb.notebook.cellout.cells import CellResult, DistributedCellError
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = "hvdnb_surely_missing_optional"

@@ -185,7 +185,7 @@ def test_the_graph_is_read_from_every_kind_of_import():
         "import hvdnb.config\n"
         "from hvdnb.protocol import kinds\n"
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from hvdnb.notebook.cells import run_cell\n"
+        "if TYPE_CHECKING:\n    from hvdnb.notebook.cellout.cells import run_cell\n"
         "def f():\n    from hvdnb.rank import engine\n"
         "    return importlib.import_module('hvdnb.torch.ops')\n"
     )
@@ -198,7 +198,7 @@ def test_the_graph_is_read_from_every_kind_of_import():
     assert edges == {
         "hvdnb.config",
         "hvdnb.protocol.kinds",
-        "hvdnb.notebook.cells",
+        "hvdnb.notebook.cellout.cells",
         "hvdnb.rank.engine",
         "hvdnb.torch.ops",
     }

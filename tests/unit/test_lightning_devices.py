@@ -77,7 +77,19 @@ def test_outside_a_rank_auto_is_lightnings(connector, monkeypatch):
     )
 
 
+def _not_interactive(monkeypatch) -> None:
+    """Lightning reads ``sys.ps1`` once, at import (``_IS_INTERACTIVE``): after another test
+    made an IPython shell, it refuses 'ddp' as an interactive session. A rank's own
+    launch is not what this file tests: its connectors are made as a script's would be."""
+    import lightning.fabric.connector as fabric_connector
+    import lightning.pytorch.trainer.connectors.accelerator_connector as trainer_connector
+
+    for mod in (fabric_connector, trainer_connector):
+        monkeypatch.setattr(mod, "_IS_INTERACTIVE", False)
+
+
 def test_on_a_rank_auto_is_the_cluster(connector, monkeypatch):
+    _not_interactive(monkeypatch)
     monkeypatch.setattr(lightning_hooks, "installed", lambda: place(4, 2))
     assert devices_of(connector(accelerator="cpu")) == (2, 2, "DDPStrategy")
     assert devices_of(connector(accelerator="cpu", devices="auto", num_nodes=3)) == (
@@ -90,6 +102,7 @@ def test_on_a_rank_auto_is_the_cluster(connector, monkeypatch):
 
 
 def test_on_a_rank_a_count_is_lightnings(connector, monkeypatch):
+    _not_interactive(monkeypatch)
     monkeypatch.setattr(lightning_hooks, "installed", lambda: place(4, 2))
     assert devices_of(connector(accelerator="cpu", devices=1)) == (1, 1, "SingleDeviceStrategy")
     assert devices_of(connector(accelerator="cpu", devices=3)) == (3, 1, "DDPStrategy")

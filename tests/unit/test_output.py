@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdnb.notebook.output import OutputCollapser, format_ranks
+from hvdnb.notebook.cellout.output import OutputCollapser, format_ranks
 
 
 @pytest.mark.parametrize(
@@ -153,13 +153,13 @@ def test_random_interleavings_keep_every_ranks_order(seed):
 
 @pytest.mark.parametrize("ranks", [[0], [0, 1], [0, 1, 2, 3], [0, 2, 4, 5, 6, 7], [3, 9]])
 def test_parse_ranks_inverts_format_ranks(ranks):
-    from hvdnb.notebook.output import format_ranks, parse_ranks
+    from hvdnb.notebook.cellout.output import format_ranks, parse_ranks
 
     assert parse_ranks(format_ranks(ranks)) == ranks
 
 
 def test_per_rank_lines_counts_a_merged_line_for_each_rank():
-    from hvdnb.notebook.output import per_rank_lines
+    from hvdnb.notebook.cellout.output import per_rank_lines
 
     text = "[0,1] step 0\n[0] step 1\n[1] step 1\n[0-2] step 2\nnoise\n"
     assert per_rank_lines(text, r"step (\d+)") == {0: [0, 1, 2], 1: [0, 1, 2], 2: [2]}
@@ -170,7 +170,7 @@ def test_a_rank_lagging_behind_a_flood_is_shown_in_order_without_moving_held_lin
     and are shown alone, and rank 1's copies arrive later. Each late copy is shown at once;
     none is held behind rank 0's lines (which made every next line of rank 1 move it ahead:
     quadratic in the lines held)."""
-    from hvdnb.notebook.output import per_rank_lines
+    from hvdnb.notebook.cellout.output import per_rank_lines
 
     c, out = _collapser([0, 1], window=0.25)
     moves = []

@@ -1,5 +1,5 @@
 """What ranks draw: progress bars on a rank's own screen, displays with their ids, a rank's
-``clear_output``. The screen (``hvdnb.notebook.terminal``) with the byte streams real
+``clear_output``. The screen (``hvdnb.notebook.cellout.terminal``) with the byte streams real
 libraries write, and the ``Streamer`` with the messages a rank sends, its display calls
 recorded. No processes."""
 
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from hvdnb.notebook import streaming
-from hvdnb.notebook.streaming import Streamer
-from hvdnb.notebook.terminal import Screen, redraws, strip_controls
+from hvdnb.notebook.cellout import streaming
+from hvdnb.notebook.cellout.streaming import Streamer
+from hvdnb.notebook.cellout.terminal import Screen, redraws, strip_controls
 
 CSI_MOVES = re.compile(r"\x1b\[[0-9;?]*[A-Za-ln-z]")
 

@@ -11,7 +11,8 @@ cell it died in) and every report of one is worded here: the cell's error
 shows as all of them.
 
 Never: talk to a rank that may be dead without a timeout, raise from a status report
-because a rank is gone, or restart anything (the user or ``hvdnb.notebook.cells`` does).
+because a rank is gone, or restart anything (the user or ``hvdnb.notebook.cellout.cells``
+does).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.output import format_ranks
+from hvdnb.notebook.ranklabels import format_ranks
 from hvdnb.protocol.remote import ENGINE_INFO
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Runs and knob segments: what tuning compares.
 
 Each ``%%distributed`` cell that logs starts a *run* (``begin_cell`` / ``end_cell`` from
-``hvdnb.notebook.cells``; the run begins with the cell's first point that is not a memory
+``hvdnb.notebook.cellout.cells``; the run begins with the cell's first point that is not a memory
 reading or a knob record), and each knob change applied during it starts a new *segment*
 of that run at the step it was applied. Every point is tagged with its run; rows carry
 run, segment and the knob values in force at their step on their rank. Live views show

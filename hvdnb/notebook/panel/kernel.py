@@ -1,8 +1,8 @@
 """How the panel's controls stay live while a blocking ``%%distributed`` cell runs.
 
-The notebook's main thread is blocked inside ``hvdnb.notebook.cells.run_cell`` for the whole cell,
-and the kernel handles the front end's widget messages on that thread: a slider moved
-during training would wait for the cell to end (ipywidgets #3468). ipykernel 7 can run
+The notebook's main thread is blocked inside ``hvdnb.notebook.cellout.cells.run_cell`` for
+the whole cell, and the kernel handles the front end's widget messages on that thread: a
+slider moved during training would wait for the cell to end (ipywidgets #3468). ipykernel 7 can run
 shell messages on *subshells* (one thread each) and routes a comm's messages to the
 subshell named by the comm's ``_reply_subshell_for`` (``ipykernel.kernelbase.
 shell_channel_thread_main``). So the panel creates one private subshell and points its

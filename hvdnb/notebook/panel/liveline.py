@@ -12,7 +12,7 @@ Figures: step is the highest step any rank logged; loss is each rank's latest (m
 beyond 4 ranks); samples/s and the bottleneck are the store's (``throughput``, ``hint``);
 the knob values are those in force now; the watchers' alarms of the run, last
 (``⚠ nan loss r1@57``: ``hvdnb.watch``). Runs on the notebook's main thread, called by
-``hvdnb.notebook.cells``' wait hook, so the update carries the cell's parent header.
+``hvdnb.notebook.cellout.cells``' wait hook, so the update carries the cell's parent header.
 
 Owns: the line's text and its display handle. Never: send more than one message per
 interval, or show a line for a cell that logs no step (``STEP_METRICS``: a cell that only

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from hvdnb.config import get_config
-from hvdnb.notebook import cells
+from hvdnb.notebook.cellout import cells
 from hvdnb.notebook.metrics.store import attach
 from hvdnb.notebook.panel import kernel as _kernel
 from hvdnb.notebook.panel.layout import Panel

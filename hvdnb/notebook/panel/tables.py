@@ -16,8 +16,8 @@ import math
 import time
 from typing import Any
 
+from hvdnb.notebook.cellout.output import format_ranks
 from hvdnb.notebook.metrics.store import MetricsStore
-from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.panel.charts import MAX_LINES, backend_name, backends_text, memory_chart
 from hvdnb.notebook.panel.pstable import ps_table
 

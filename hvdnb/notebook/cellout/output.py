@@ -17,33 +17,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from hvdnb.notebook.ranklabels import format_ranks, parse_ranks
+
 __all__ = ["OutputCollapser", "format_ranks", "parse_ranks", "per_rank_lines"]
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """A compact label for a set of ranks: ``0``, ``0,1``, ``0-3``, ``0,2,4-7``."""
-    rs = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"{rs[i]}-{rs[j]}")
-        else:
-            parts.extend(str(r) for r in rs[i : j + 1])
-        i = j + 1
-    return ",".join(parts)
-
-
-def parse_ranks(label: str) -> list[int]:
-    """The inverse of ``format_ranks``: ``0,2,4-7`` as ``[0, 2, 4, 5, 6, 7]``."""
-    out: list[int] = []
-    for part in label.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
 
 
 def per_rank_lines(text: str, pattern: str) -> dict[int, list[int]]:

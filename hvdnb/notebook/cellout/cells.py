@@ -5,7 +5,7 @@ cheaper than ``execute``), streaming each rank's output while it runs (collapsed
 ``OutputCollapser``), the watchers' alarm lines (``hvdnb.watch``: the store finds them,
 the waiting loop prints them), displaying trailing-expression values once per distinct value,
 turning errors into one ``DistributedCellError`` that names the ranks, and carrying out what
-the wait's policy (``hvdnb.notebook.cellwait.CellWait``: fail fast, the stop button, the
+the wait's policy (``hvdnb.notebook.cellout.cellwait.CellWait``: fail fast, the stop button, the
 timeout, stall checks) decides.
 
 Never: block without a deadline when a rank has failed, or print the same traceback once
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from hvdnb.config import get_config
 from hvdnb.extras import hint_for_error
-from hvdnb.notebook.cellwait import (
+from hvdnb.notebook.cellout.cellwait import (
     ESCALATE_AFTER,
     Action,
     CellWait,
@@ -40,13 +40,13 @@ from hvdnb.notebook.cellwait import (
     Pump,
     Redraw,
 )
+from hvdnb.notebook.cellout.output import format_ranks
+from hvdnb.notebook.cellout.streaming import Intake, Streamer
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.export import ExportCell
 from hvdnb.notebook.metrics.runlog import outcome_of
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.output import format_ranks
 from hvdnb.notebook.stall import StallWatch
-from hvdnb.notebook.streaming import Intake, Streamer
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import REBUILD_GROUP, RUN_CELL
 from hvdnb.protocol.replies import CellReply
@@ -383,7 +383,7 @@ def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
 
 class _CellRun:
     """The I/O half of a cell's wait: it polls the ranks, tells the ``CellWait`` policy
-    (``hvdnb.notebook.cellwait``) what happened, and carries out the actions it returns
+    (``hvdnb.notebook.cellout.cellwait``) what happened, and carries out the actions it returns
     (output, redraws, interrupts, health and stall checks); then collects the results."""
 
     def __init__(

@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdnb.notebook.output import OutputCollapser
-from hvdnb.notebook.terminal import Screen, redraws
+from hvdnb.notebook.cellout.output import OutputCollapser
+from hvdnb.notebook.cellout.terminal import Screen, redraws
 
 __all__ = ["Intake", "Streamer"]
 

@@ -27,7 +27,7 @@ _SHELLS: dict[int, Any] = {}  # id(shell) -> shell, while the mode is on there
 
 
 #: ``name?``, ``name??``, ``?name``: IPython's help on a name, answered in the notebook (from
-#: rank 0 when only the ranks have it: ``hvdnb.notebook.introspect``)
+#: rank 0 when only the ranks have it: ``hvdnb.notebook.cellout.introspect``)
 _HELP = re.compile(r"^\?{0,2}[A-Za-z_][\w.]*\?{0,2}$")
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hvdnb.notebook.cellout.terminal import strip_controls
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.terminal import strip_controls
 
 __all__ = ["format_logs", "rank_log"]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from hvdnb.notebook.output import format_ranks
+from hvdnb.notebook.cellout.output import format_ranks
 
 __all__ = [
     "EARLY_INTERRUPT",

@@ -20,7 +20,7 @@ from typing import Any
 
 from IPython.core.completer import CompletionContext, SimpleCompletion, completion_matcher
 
-from hvdnb.notebook import automode
+from hvdnb.notebook.cellout import automode
 from hvdnb.notebook.cluster import lifecycle
 from hvdnb.protocol.remote import COMPLETE, COMPLETER_PREWARM, INSPECT
 
