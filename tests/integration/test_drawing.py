@@ -274,3 +274,5 @@ def test_keras_progbar_ends_at_its_final_state_on_every_rank(kernel):
     done = _last_by_rank(r, r"32/32 \[=+\]")
     assert sorted(done) == list(range(kernel.n)), r.displayed
     _no_controls(r)
+    # TensorFlow's C++ start-up INFO log stays out of the cell (it is in the cells log)
+    assert "I0000" not in r.text and "absl::InitializeLog" not in r.text, r.text[-2000:]

@@ -143,3 +143,24 @@ def test_clear_output_wait_then_display_replaces_only_that_ranks_drawing(publish
     s.receive(0, "clear_output", {"wait": False})
     s.pump(final=True)
     assert published[-1] == ({"text/plain": ""}, frame_id, True)
+
+
+def test_a_c_cores_info_log_stays_out_of_the_cell_unless_asked(published, capsys, monkeypatch):
+    log = (
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+        "I0000 00:00:1795857587.081208   21982 port.cc:153] oneDNN custom operations are on.\n"
+        "E0000 00:00:1795857587.9   21982 cuda_platform.cc:52] failed call to cuInit\n"
+        "a line of the user's\n"
+    )
+    s = Streamer([0], window=0.0)
+    _stream(s, 0, log)
+    s.pump(final=True)
+    assert capsys.readouterr().err == (
+        "[0] E0000 00:00:1795857587.9   21982 cuda_platform.cc:52] failed call to cuInit\n"
+        "[0] a line of the user's\n"
+    )
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")  # the user asked for them
+    s = Streamer([0], window=0.0)
+    _stream(s, 0, log)
+    s.pump(final=True)
+    assert "I0000" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 import threading
 import time
@@ -136,6 +137,17 @@ def _publish(data: dict[str, Any], metadata: dict[str, Any], display_id: str, up
     publish_display_data(data, metadata, transient={"display_id": display_id}, update=update)
 
 
+#: a C++ core's informational log line (absl / glog format: ``I1128 08:43:21.812345  4242
+#: port.cc:153] ...``; TensorFlow's before absl is set up: ``I0000 00:00:1795857587.08 ...``),
+#: and absl's note that it logs to stderr before it is set up
+_NATIVE_INFO = re.compile(
+    r"^(?:I\d{4} [\d:.]+ +\d+ [^\]\n]+\] [^\n]*\n"
+    r"|WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+    r"STDERR\n)",
+    re.M,
+)
+
+
 def _starts_redrawing(text: str) -> bool:
     """The text goes on drawing over the screen (a bar's next state) rather than starting
     new plain lines."""
@@ -175,6 +187,10 @@ class Streamer:
         self.log_dir = log_dir
         self._raw: dict[int, list[str]] = {}
         self._logged: set[int] = set()  # ranks whose file has this cell's header
+        #: leave out the INFO lines a C++ core logs at import (TensorFlow's, absl's:
+        #: ``I0000 ...``), unless the user asked for them (``TF_CPP_MIN_LOG_LEVEL=0``); they
+        #: stay in the cells log
+        self.quiet_native = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") != "0"
         self.limit, self.spill_path = limit, spill
         self.shown = 0  # bytes written to the notebook
         self.held = 0  # lines past the limit (in the file only)
@@ -275,6 +291,8 @@ class Streamer:
             if live.dirty:
                 self._draw(rank, live)
             del self.live[key]
+        if self.quiet_native and ("I0" in text or "absl::" in text):
+            text = _NATIVE_INFO.sub("", text)
         if not redraws(text):
             self.collapser.feed(rank, name, text, now)
             return

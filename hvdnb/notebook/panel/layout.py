@@ -5,8 +5,8 @@ How it stays live: ranks flush their points over the side channel into the noteb
 ``hvdnb.notebook.cellout.cells``' wait hook while a ``%%distributed`` cell runs (every
 ~50 ms, with the cell's parent header) and from an idle timer on the kernel's event loop
 between cells. A redraw happens only when the store changed and at most every
-``render_interval`` seconds, and sends one batched update per widget (``hold_sync``): a handful of comm messages per
-tick, far below the Jupyter server's IOPub limit (1000/s).
+``render_interval`` seconds, and sends one batched update per widget (``hold_sync``): a
+handful of comm messages per tick, far below the Jupyter server's IOPub limit (1000/s).
 
 Controls while a cell runs: the control widgets' comms are routed to a private ipykernel 7
 subshell (``hvdnb.notebook.panel.kernel``), so a slider moved during training reaches rank 0 at
