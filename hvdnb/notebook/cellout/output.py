@@ -39,6 +39,16 @@ _TORCH_RANK_PREFIX = re.compile(r"\[rank\d+\]:")
 _GLOG_TIME = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ ")
 
 
+def _without_rank_prefix(line: str) -> str:
+    """torch's per-rank log prefix (c10 warnings, TORCH_CPP_LOG: ``[rank0]:[W1128
+    08:43:21.81 reducer.cpp:1529] ...``) and its glog header's time, which differ per rank,
+    taken off: the tag names the ranks, so the same message from every rank is one line."""
+    m = _TORCH_RANK_PREFIX.match(line)
+    if m is None:
+        return line
+    return _GLOG_TIME.sub(r"[\1 ", line[m.end() :], count=1)
+
+
 @dataclass
 class _Pending:
     stream: str
@@ -90,18 +100,13 @@ class OutputCollapser:
         buf = self._partial[(rank, stream)] + text
         *lines, rest = buf.split("\n")
         self._partial[(rank, stream)] = rest
+        if "[rank" in buf:  # one search a chunk: a flood of plain lines pays nothing more
+            lines = [_without_rank_prefix(line) for line in lines]
         for line in lines:
             self._add(rank, stream, line, now)
         self.poll(now)
 
     def _add(self, rank: int, stream: str, line: str, now: float) -> None:
-        if line.startswith("[rank"):
-            # torch's per-rank log prefix (TORCH_CPP_LOG / c10 warnings: "[rank0]:[W...]"):
-            # the tag names the ranks, so the same message from every rank is one line
-            m = _TORCH_RANK_PREFIX.match(line)
-            if m is not None:
-                # and its glog header's time, which differs per rank: the message is the same
-                line = _GLOG_TIME.sub(r"[\1 ", line[m.end() :], count=1)
         k = self._seen[(rank, stream, line)]
         self._seen[(rank, stream, line)] = k + 1
         key: tuple[object, ...] = (stream, line, k)
