@@ -385,6 +385,11 @@ class DistMagics(Magics):
             print("hvdnb: no cluster is running")
             return
         c.stop()
+        # the session's runs are on disk before this returns: a kernel killed right after
+        # (a crash, the OOM killer) loses none of them
+        log = _store.get_store().run_log
+        if log.writing:
+            log.flush(timeout=2.0)
         from hvdnb.notebook.panel import get_panel  # noqa: PLC0415  the panel loads ipywidgets: only when it is shown
 
         panel = get_panel(create=False)
