@@ -5,6 +5,8 @@ stop`` end it, each with one line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import hvdnb
@@ -62,6 +64,22 @@ def test_auto_mode_refuses_bad_values_and_needs_a_cluster(shell):
 
     with pytest.raises(UsageError, match="on or off"):
         shell.run_line_magic("dist", "auto maybe")
+
+
+def test_help_on_a_name_only_the_ranks_have_comes_from_rank_0(dist2, shell, capsys):
+    shell.run_cell_magic(
+        "distributed",
+        "",
+        "def rank_only_fn(alpha, beta=2):\n    'Defined on the ranks only.'\n    return alpha",
+    )
+    capsys.readouterr()
+    res = shell.run_cell("rank_only_fn?")
+    out = capsys.readouterr().out
+    assert res.success, res.error_in_exec
+    assert (
+        "alpha, beta=2" in re.sub(r"\x1b\[[0-9;]*m", "", out)
+        and "Defined on the ranks only." in out
+    ), out
 
 
 def test_dist_stop_ends_auto_mode(dist2, shell, capsys):

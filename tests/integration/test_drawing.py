@@ -276,3 +276,36 @@ def test_keras_progbar_ends_at_its_final_state_on_every_rank(kernel):
     _no_controls(r)
     # TensorFlow's C++ start-up INFO log stays out of the cell (it is in the cells log)
     assert "I0000" not in r.text and "absl::InitializeLog" not in r.text, r.text[-2000:]
+
+
+def test_tqdm_auto_and_lightnings_tqdm_bar_and_a_figure(kernel):
+    # tqdm.auto in a kernel is tqdm.notebook: a widget per rank (an HBox of HTML +
+    # FloatProgress + HTML), made on the rank and drawn in the notebook, as before
+    r = kernel.run("%%distributed\nfrom tqdm.auto import tqdm\nfor i in tqdm(range(50)):\n    pass")
+    assert r.error is None, r
+    bars = [
+        c
+        for c in r.comm_opens
+        if c.get("data", {}).get("state", {}).get("_model_name") == "FloatProgressModel"
+    ]
+    assert len(bars) == kernel.n, r.comm_opens
+    # Lightning with its TQDM bar chosen explicitly: it ends at its last batch too
+    r = kernel.run(
+        LIGHTNING.replace(
+            "trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False)",
+            "from lightning.pytorch.callbacks import TQDMProgressBar\n"
+            "trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, "
+            "callbacks=[TQDMProgressBar()])",
+        ),
+        timeout=300,
+    )
+    assert r.error is None, r
+    _no_controls(r)
+    # a matplotlib figure drawn on every rank reaches the notebook as a picture per rank
+    r = kernel.run(
+        "%%distributed\n%matplotlib inline\nimport matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3]); plt.show()"
+    )
+    assert r.error is None, r
+    pngs = [m for m in r.display_msgs if "image/png" in m.get("data", {})]
+    assert len(pngs) == kernel.n, [list(m.get("data", {})) for m in r.display_msgs]
