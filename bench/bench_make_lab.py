@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -40,8 +41,11 @@ def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def make_lab(clone: Path, env: dict[str, str], timeout: float = 1800) -> float:
-    """Seconds from ``make lab`` to JupyterLab answering; the server is stopped after."""
+def start_lab(
+    clone: Path, env: dict[str, str], timeout: float = 1800
+) -> tuple[Any, str, str, float]:
+    """Run ``make lab`` in ``clone`` until its JupyterLab answers: (the process, its
+    address, its token, the seconds it took). The caller stops it (``stop_lab``)."""
     log = clone / "make-lab.log"
     t0 = time.perf_counter()
     with log.open("w") as fh:
@@ -53,26 +57,36 @@ def make_lab(clone: Path, env: dict[str, str], timeout: float = 1800) -> float:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"make lab exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.perf_counter() - t0 > timeout:
+            stop_lab(proc)
+            raise RuntimeError(f"make lab: no JupyterLab after {timeout} s")
+        m = ADDRESS.search(log.read_text(errors="replace"))
+        if m:
+            try:
+                urllib.request.urlopen(f"{m[1]}/api/status?token={m[2]}", timeout=2)
+                return proc, m[1], m[2], time.perf_counter() - t0
+            except OSError:
+                pass
+        time.sleep(0.2)
+
+
+def stop_lab(proc: Any) -> None:
+    """Stop ``make lab`` and the JupyterLab it started (their process group)."""
+    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"make lab exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            if time.perf_counter() - t0 > timeout:
-                raise RuntimeError(f"make lab: no JupyterLab after {timeout} s")
-            m = ADDRESS.search(log.read_text(errors="replace"))
-            if m:
-                try:
-                    urllib.request.urlopen(f"{m[1]}/api/status?token={m[2]}", timeout=2)
-                    return time.perf_counter() - t0
-                except OSError:
-                    pass
-            time.sleep(0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def make_lab(clone: Path, env: dict[str, str]) -> float:
+    """Seconds from ``make lab`` to JupyterLab answering; the server is stopped after."""
+    proc, _, _, secs = start_lab(clone, env)
+    stop_lab(proc)
+    return secs
 
 
 def main() -> None:

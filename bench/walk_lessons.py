@@ -23,56 +23,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from bench_make_lab import start_lab, stop_lab
+
+from tests.browser._lab import ARGS, CHROMIUM
+
 SHOTS = ROOT / "test-artifacts" / "walk"
 OUT = ROOT / "bench" / "results" / "walk_lessons.json"
-ADDRESS = re.compile(r"(http://127\.0\.0\.1:\d+)/lab\?token=(\w+)")
-CHROMIUM = "/usr/bin/chromium"
 #: the notebook on screen (Lumino hides the other tabs' panels with lm-mod-hidden)
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def start_lab(clone: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str, str, float]:
-    log = clone / "make-lab.log"
-    t0 = time.perf_counter()
-    with log.open("w") as fh:
-        proc = subprocess.Popen(
-            ["make", "lab"],
-            cwd=clone,
-            env=env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"make lab exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        m = ADDRESS.search(log.read_text(errors="replace"))
-        if m:
-            try:
-                urllib.request.urlopen(f"{m[1]}/api/status?token={m[2]}", timeout=2)
-                return proc, m[1], m[2], time.perf_counter() - t0
-            except OSError:
-                pass
-        time.sleep(0.3)
 
 
 def _errors(nb: dict) -> list[str]:
@@ -198,8 +165,7 @@ def main() -> None:
                     )
                 browser.close()
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
+            stop_lab(proc)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"make_lab_s": round(start_s, 1), "rows": rows}, indent=1) + "\n")
     print(f"wrote {OUT}; screenshots in {SHOTS}")

@@ -15,6 +15,7 @@ import pytest
 
 import hvdnb
 from hvdnb import DistributedCellError
+from tests.integration.test_frameworks import LIT
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,18 +32,7 @@ import PKG as L
 _g = torch.Generator().manual_seed(0)
 X = torch.randn({SAMPLES}, 8, generator=_g); Y = X.sum(1, keepdim=True)
 
-class Lit(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 1)
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return nn.functional.mse_loss(self.lin(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
+{LIT}
 torch.manual_seed(dist.get_rank())  # each rank its own start: DDP must even them
 lit = Lit()
 trainer = L.Trainer(max_epochs=1EXTRA, enable_progress_bar=False, logger=False,
