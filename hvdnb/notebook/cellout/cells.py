@@ -377,7 +377,7 @@ def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     intake = Intake()
     with intake.tapping(cluster.client):
         ar = view.apply_async(_engine_runner(), code, cell_no)
-    intake.bind(list(ar._targets))
+    intake.bind(list(ar._children), list(ar._targets))
     return _Sent(ar, cell_no, ranks, everyone, store, t0, intake)
 
 

@@ -49,9 +49,9 @@ class Intake:
     ``tapping(client)`` is held while the cell is sent: every message future the client
     makes for it gets a callback before the request leaves, so a fast rank's first display
     and its updates are taken too (ipyparallel's client keeps displays, not their updates;
-    a callback added after the send missed them). ``bind(targets)`` then names the rank of
-    each request (the client makes them in the order of the view's targets); messages that
-    came before are kept and put in ``inbox``, in order, with their rank.
+    a callback added after the send missed them). ``bind(futures, targets)`` then names the
+    rank of each of the cell's requests; messages that came before are kept and put in
+    ``inbox``, in order, with their rank.
     """
 
     def __init__(self) -> None:
@@ -91,9 +91,10 @@ class Intake:
         finally:
             del client.create_message_futures  # the class's own again
 
-    def bind(self, targets: list[int]) -> None:
-        """The ranks the requests went to, in the order they were made."""
-        rank_of = {f.msg_id: t for f, t in zip(self._futures, targets)}
+    def bind(self, futures: list[Any], targets: list[int]) -> None:
+        """The cell's own message futures and their ranks (the AsyncResult's children and
+        targets, in one order); a future another request made meanwhile is not the cell's."""
+        rank_of = {f.msg_id: t for f, t in zip(futures, targets)}
         with self._lock:
             self._rank_of = rank_of
             early, self._early = self._early, []
