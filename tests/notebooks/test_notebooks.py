@@ -161,6 +161,10 @@ def _hvdnb(*args: str, timeout: float, bindir: Path | None = None) -> subprocess
     if bindir is not None:  # nothing of this test environment leaks into that one
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)
+        # and Python caches bytecode there, as on a student's machine: the environment was
+        # installed without it (--no-compile), and every rank of every lesson compiling
+        # torch's and TensorFlow's modules again cost the suite ~30 s
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     # The lessons' verdicts (07: the data loader is the bottleneck) and times must not depend
     # on what else holds the host's cores. A 1-rank cluster runs 2 torch threads on this box,
     # and OpenMP's default spinning wait turned 07's 1 ms of compute into 132 ms, and 04 into a

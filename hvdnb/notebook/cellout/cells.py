@@ -528,6 +528,9 @@ class _CellRun:
         store.end_cell(outcome_of(result.errors))  # how the run ended, for the run store
         _run_hooks(True)
         result.seconds = time.monotonic() - sent.t0
+        # in rank order, however the ranks finished (%%distributed -o keeps this dict, and a
+        # lesson prints it: {1: 3.0, 0: 3.0} when rank 1 happened to end first)
+        result.values = dict(sorted(result.values.items()))
         for r, md in zip(sent.ranks, self.metadata):
             result.stdout[r] = md.get("stdout") or ""
             result.stderr[r] = md.get("stderr") or ""
