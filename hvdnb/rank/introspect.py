@@ -11,12 +11,14 @@ inspector do (attribute lookups), or raise (a failed answer is an empty one).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 __all__ = ["complete", "inspect", "prewarm"]
 
 #: completions sent back at most (a module's attributes can be thousands)
 LIMIT = 500
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def complete(code: str, cursor: int) -> list[tuple[str, int, int, str]]:
@@ -29,7 +31,9 @@ def complete(code: str, cursor: int) -> list[tuple[str, int, int, str]]:
         ip = get_ipython()
         if ip is None:
             return []
-        with provisionalcompleter():
+        # one completion at a time: the prewarm thread's and a request's ran together, and
+        # IPython's completer (jedi) failed in one of them, which answered no names at all
+        with _ONE_AT_A_TIME, provisionalcompleter():
             comps = list(ip.Completer.completions(code, cursor))
         return [(c.text, c.start, c.end, c.type or "") for c in comps[:LIMIT]]
     except Exception:
@@ -55,6 +59,4 @@ def prewarm() -> None:
     """Load IPython's completer (it imports jedi: 0.6 s here) in a thread of its own, and
     return at once: the rank's request queue is not held, so the first cell is not delayed
     (a completion asked meanwhile waits for the import, as it would anyway)."""
-    import threading  # noqa: PLC0415  only on the rank that answers completions
-
     threading.Thread(target=complete, args=("", 0), name="hvdnb-prewarm", daemon=True).start()

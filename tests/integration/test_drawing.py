@@ -151,6 +151,14 @@ def test_a_widget_made_on_rank_0_works_both_ways(kernel):
     assert "[0] value 7" in r.text, r.text
 
 
+def _patient(kernel) -> None:
+    """Give rank 0 time to answer Tab (the notebook's deadline is 0.5 s, past which it
+    answers alone: on a loaded 2-core box that is luck, and these tests check where the
+    names come from)."""
+    r = kernel.run("import hvdnb.notebook.cellout.introspect as _i\n_i.ANSWER_WITHIN = 30.0")
+    assert r.error is None, r
+
+
 def test_tab_and_shift_tab_answer_with_rank_0s_names(kernel):
     r = kernel.run(
         "%%distributed\nmodel_weights_on_rank = [1, 2]\n"
@@ -158,10 +166,12 @@ def test_tab_and_shift_tab_answer_with_rank_0s_names(kernel):
     )
     assert r.error is None, r
     code = "%%distributed\nmodel_wei"
-    # rank 0 has 0.5 s to answer; its first completion loads its completer (prewarmed at
-    # start, but the start may be a moment ago): a user's second Tab, at most
-    got = [kernel.complete(code) for _ in range(2)]
-    assert any("model_weights_on_rank" in g for g in got), got
+    # rank 0 has 0.5 s to answer, then the notebook answers alone: on a loaded 2-core box
+    # that deadline is luck, and what is checked here is where the names come from, so the
+    # test gives rank 0 time (the deadline itself is the module's constant)
+    _patient(kernel)
+    got = kernel.complete(code)
+    assert "model_weights_on_rank" in got, got
     assert "%%distributed" in kernel.complete("%%distrib")  # the notebook's own, still
     code = "%%distributed\nmodel_weights_on_rank.app"
     assert "append" in kernel.complete(code)  # matches replace the fragment "app"
@@ -181,6 +191,7 @@ def test_auto_mode_runs_cells_on_the_ranks_and_ends(kernel):
     for rank in range(kernel.n):
         assert f"[{rank}] rank {rank}" in r.text, r.text
     r = kernel.run("auto_only_name = 5")
+    _patient(kernel)
     assert "auto_only_name" in kernel.complete("auto_only_n")
     r = kernel.run("raise KeyError('in auto mode')")
     assert r.error is not None and "KeyError" in r.error, r
