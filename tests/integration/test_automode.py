@@ -89,3 +89,27 @@ def test_dist_stop_ends_auto_mode(dist2, shell, capsys):
     out = capsys.readouterr().out
     assert res.success and "auto mode off (%dist stop)" in out and "cluster stopped" in out, out
     assert not automode.enabled(shell)
+
+
+def test_losing_a_rank_ends_auto_mode_naming_it(shell, capsys):
+    import hvdnb
+
+    shell.run_line_magic("dist", "start -n 2 --timeout 120")
+    try:
+        shell.run_line_magic("dist", "auto on")
+        capsys.readouterr()
+        res = shell.run_cell(
+            "import os, signal, torch.distributed as d\n"
+            "if d.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "d.barrier()"
+        )
+        out = capsys.readouterr().out
+        assert isinstance(res.error_in_exec, hvdnb.DistributedCellError), res.error_in_exec
+        assert "rank 1" in str(res.error_in_exec), str(res.error_in_exec)
+        assert "auto mode off (a rank was lost)" in out, out
+        assert not automode.enabled(shell)
+    finally:
+        automode.off(shell)
+        c = hvdnb.current()
+        if c is not None:
+            c.stop()
