@@ -30,7 +30,10 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from hvdnb import metrics  # a callable module: hvdnb.metrics() returns every point as rows
+from hvdnb import (
+    elastic,  # hvdnb.elastic.run: a loop that survives a rank's death
+    metrics,  # a callable module: hvdnb.metrics() returns every point as rows
+)
 from hvdnb.config import Config, get_config
 from hvdnb.rank.frameworks.accelerate_hooks import tracker as accelerate_tracker
 from hvdnb.rank.keras import keras_callback  # imports keras only when called
@@ -64,6 +67,7 @@ __all__ = [
     "accelerate_tracker",
     "current",
     "ddp_comm_hook",
+    "elastic",
     "get_config",
     "import_runs",
     "keras_callback",

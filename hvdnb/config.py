@@ -27,6 +27,17 @@ class Config:
     #: 1: ``%dist start`` allows more ranks than this host has GPUs (or cores) without
     #: ``--oversubscribe``; ranks sharing a GPU use gloo. ``hvdnb run --oversubscribe`` sets it
     oversubscribe: int = 0
+    #: ``%dist start`` without ``--min-np`` starts an elastic cluster that goes on down to
+    #: this many ranks (0: a fixed-size cluster); ``hvdnb run --min-np`` sets it
+    min_np: int = 0
+    #: an elastic cluster's most ranks for ``%dist scale`` (0: its ``-n``)
+    max_np: int = 0
+    #: seconds a survivor in an elastic loop waits for the notebook's next generation
+    #: after a collective failed (the notebook decides within a tenth of a second)
+    elastic_timeout: float = 60.0
+    #: seconds an error the backends did not word as a lost peer waits for a new
+    #: generation before it counts as the training code's own (which makes the rank leave)
+    elastic_grace: float = 0.5
     #: seconds to wait for engines, process groups and rendezvous before giving up
     start_timeout: float = 60.0
     #: controller heartbeat period in ms: an engine counts as registered one to three

@@ -80,6 +80,15 @@ def _install_kernel(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.min_np is not None:  # %dist start reads them (an elastic cluster)
+        os.environ["HVDNB_MIN_NP"] = str(args.min_np)
+        if args.max_np is not None:
+            os.environ["HVDNB_MAX_NP"] = str(args.max_np)
+    if args.notebook.suffix == ".py":
+        return _run_script(args)
+    if args.script_args:
+        print(f"hvdnb run: unexpected arguments {args.script_args!r}", file=sys.stderr)
+        return 2
     try:
         out = run_notebook(
             args.notebook,
@@ -95,6 +104,31 @@ def _run(args: argparse.Namespace) -> int:
         print(f"hvdnb run: {exc}", file=sys.stderr)
         return 2
     print(f"hvdnb run: {args.notebook} ran without errors; saved to {out}")
+    return 0
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    """A Python script on every rank, with its arguments: as ``mpiexec -n N python
+    script.py ...`` would, but on hvdnb's ranks (an elastic cluster with ``--min-np``), the
+    output tagged by rank. Exit 0 when it ended on every rank that was left."""
+    path = args.notebook.resolve()
+    if not path.is_file():
+        print(f"hvdnb run: no script {path}", file=sys.stderr)
+        return 2
+    argv = [str(path), *args.script_args]
+    cell = (
+        f"import runpy, sys\nsys.argv = {argv!r}\n"
+        f"runpy.run_path({str(path)!r}, run_name='__main__')\n"
+    )
+    try:
+        with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:
+            run_cell(c, cell, timeout=args.timeout, quiet=True)
+    except DistributedCellError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except ClusterError as exc:
+        print(f"hvdnb run: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -151,7 +185,12 @@ def _parser() -> argparse.ArgumentParser:
         "notebook); 143 / 130 stopped by SIGTERM / SIGINT. Every way out stops the kernel "
         "and its cluster.",
     )
-    r.add_argument("notebook", type=Path, help="the notebook to run (left unchanged)")
+    r.add_argument(
+        "notebook",
+        type=Path,
+        help="the notebook to run (left unchanged), or a Python script (.py) to run on "
+        "every rank, followed by its own arguments",
+    )
     r.add_argument("-n", type=int, default=None, help="ranks for %%dist start (default 2)")
     r.add_argument("-o", "--output", type=Path, default=None, help="where to save it")
     r.add_argument(
@@ -167,6 +206,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow more ranks than GPUs (they share them over gloo) or cores",
     )
+    r.add_argument(
+        "--min-np",
+        type=int,
+        default=None,
+        help="an elastic cluster: it goes on down to this many ranks when ranks die "
+        "(inside hvd.elastic.run / hvdnb.elastic.run)",
+    )
+    r.add_argument(
+        "--max-np", type=int, default=None, help="an elastic cluster's most ranks (default: -n)"
+    )
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     r.set_defaults(func=_run)
     e = sub.add_parser(
         "export",

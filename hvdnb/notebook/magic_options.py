@@ -71,6 +71,8 @@ START_OPTIONS = frozenset(
         "gpus_per_node",
         "account",
         "tf_ps",
+        "min_np",
+        "max_np",
     }
 )
 #: a restart re-makes the ranks where they ran: a new launcher, hostfile, address or Slurm
@@ -84,7 +86,7 @@ ACTIONS: dict[str, Action] = {
         False,
         "%dist start [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
         "[--launcher mpi|slurm|...] [--hosts HOSTFILE] [--ip ADDRESS] [--partition P] "
-        "[--time T] [--gpus-per-node G] [--account A] [--tf-ps K]",
+        "[--time T] [--gpus-per-node G] [--account A] [--tf-ps K] [--min-np M [--max-np K]]",
     ),
     "stop": Action(frozenset(), False, "%dist stop"),
     "restart": Action(
@@ -94,6 +96,7 @@ ACTIONS: dict[str, Action] = {
         "[--tf-ps K]",
     ),
     "status": Action(frozenset(), False, "%dist status"),
+    "scale": Action(frozenset(), True, "%dist scale N"),
     "panel": Action(frozenset({"inline"}), False, "%dist panel [--inline]"),
     "knobs": Action(
         frozenset({"at_step", "after"}),
@@ -157,15 +160,16 @@ DIST_OPTIONS = [
         "action",
         nargs="?",
         default="status",
-        help="start | stop | restart | status | panel | knobs | watch | export | where | debug | "
-        "logs | runs | compare (default: status)",
+        help="start | stop | restart | status | scale | panel | knobs | watch | export | where | "
+        "debug | logs | runs | compare | auto (default: status)",
     ),
     argument(
         "values",
         nargs="*",
         help="knobs: name=value pairs, e.g. warmup_steps=200; watch: watcher=action "
         "(warn, stop, off) or threshold=value pairs, e.g. nan=stop spike_factor=5; "
-        "export: the script's path, e.g. train.py; debug, logs: the rank",
+        "export: the script's path, e.g. train.py; debug, logs: the rank; scale: the "
+        "number of ranks",
     ),
     argument(
         "--at-step",
@@ -223,6 +227,19 @@ DIST_OPTIONS = [
         help="start, restart: this many ranks serve as TensorFlow parameter servers, the rest "
         "as workers; the notebook coordinates (hvdnb.tf_cluster_resolver()); restart "
         "--tf-ps 0: no parameter servers again",
+    ),
+    argument(
+        "--min-np",
+        type=int,
+        default=None,
+        help="start: an elastic cluster that goes on while at least this many ranks live "
+        "(a rank's death costs a step inside hvd.elastic.run / hvdnb.elastic.run)",
+    ),
+    argument(
+        "--max-np",
+        type=int,
+        default=None,
+        help="start: the most ranks `%%dist scale` may give an elastic cluster (default: -n)",
     ),
     argument(
         "--oversubscribe",

@@ -138,11 +138,18 @@ class DistMagics(Magics):
                 gpus_per_node=args.gpus_per_node,
                 account=args.account,
                 tf_ps=args.tf_ps,
+                min_np=args.min_np,
+                max_np=args.max_np,
             )
             c.start()
         except (_cluster.ClusterError, ValueError) as exc:
             raise usage(exc) from None
         where = f"; listening on {c.ip}" if c.multi_host else ""
+        if c.elastic:
+            where += (
+                f"; elastic: goes on down to {c.spec.min_np} rank(s) inside hvd.elastic.run / "
+                f"hvdnb.elastic.run, `%dist scale N` up to {c.spec.max_np}"
+            )
         print(
             f"hvdnb: {c.n} rank{'s' if c.n != 1 else ''} ready in {c.start_seconds:.1f} s "
             f"(launcher {c.launcher}{' with ' + args.hosts if args.hosts else ''}, backend "
@@ -429,6 +436,21 @@ class DistMagics(Magics):
             f"hvdnb: {c.n} fresh rank{'s' if c.n != 1 else ''} ready in "
             f"{c.start_seconds:.1f} s: {now}{change}"
         )
+
+    def _scale(self, args: Any) -> None:
+        """Take an elastic cluster (``--min-np``) to N ranks: the highest ranks leave, or
+        new ones start and join; every rank forms the next generation of the group."""
+
+        c = _cluster.current()
+        if c is None or not c.running:
+            raise UsageError("no cluster is running: `%dist start -n 2 --min-np 1` first")
+        if len(args.values) != 1 or not args.values[0].isdigit():
+            raise refused("scale", "%dist scale takes the number of ranks, e.g. `%dist scale 2`")
+        try:
+            ev = c.scale(int(args.values[0]))
+        except _cluster.ClusterError as exc:
+            raise usage(exc) from None
+        print(ev.line(c.membership.min_np if c.membership is not None else 0))
 
     def _status(self, args: Any) -> None:
         """A table of the ranks: rank, host, pid, device, backend, state (dead ranks

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 __all__ = [
+    "ELASTIC_LEFT",
+    "ELASTIC_RESET",
     "HELLO",
     "KINDS",
     "KNOBS_APPLIED",
@@ -156,6 +158,22 @@ RDV_ANNOUNCE: Final = Kind(
 RDV_ASK: Final = Kind("rdv_ask", "rank", doc="a rank asks for rank 0's TCPStore")
 RDV_OK: Final = Kind("rdv_ok", "notebook", ("addr", "port"), doc="the store is known (to rank 0)")
 RDV_STORE: Final = Kind("rdv_store", "notebook", ("addr", "port"), doc="the store, to a rank")
+ELASTIC_RESET: Final = Kind(
+    "elastic_reset",
+    "notebook",
+    ("generation", "members"),
+    ("t", "removed", "why"),
+    doc="an elastic cluster's next generation: ``members`` are the slots in rank order "
+    "(a slot's rank is its index); ``removed``: ranks only left (the survivors need no sync); "
+    "``why``: what changed, in words",
+)
+ELASTIC_LEFT: Final = Kind(
+    "elastic_left",
+    "rank",
+    ("slot",),
+    ("error",),
+    doc="a rank's own code raised inside an elastic loop: it leaves the cluster",
+)
 WHERE_ASK: Final = Kind("where?", "notebook", ("ask",), doc="send me your Python stack")
 WHERE: Final = Kind(
     "where",
@@ -183,6 +201,8 @@ KINDS: Final[dict[str, Kind]] = {
         RDV_ASK,
         RDV_OK,
         RDV_STORE,
+        ELASTIC_RESET,
+        ELASTIC_LEFT,
         WHERE_ASK,
         WHERE,
         PDB_OUT,

@@ -65,6 +65,8 @@ class RemoteCall:
 RUN_CELL: Final = RemoteCall("hvdnb.rank.engine:run_cell")
 #: rebuild the default process group after a failed cell (collective); returns None
 REBUILD_GROUP: Final = RemoteCall("hvdnb.rank.engine:rebuild_group")
+#: bring an idle rank of an elastic cluster to the notebook's generation (generation, members)
+ELASTIC_REJOIN: Final = RemoteCall("hvdnb.rank.engine:elastic_rejoin")
 #: a rank's host, pid, device and state, for ``%dist status``; returns a ``replies.EngineInfo``
 ENGINE_INFO: Final = RemoteCall("hvdnb.rank.engine:engine_info")
 #: connect the rank's side channel now (``%dist start`` returns once every rank has); None

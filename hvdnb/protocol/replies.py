@@ -51,6 +51,8 @@ class CellReply(NamedTuple):
     interrupted: bool = False
     #: the last metrics message this cell sent, ``(pid, seq)``, for the notebook to wait for
     metrics: tuple[int, int] | None = None
+    #: the error was raised inside an elastic loop, and this rank left the cluster
+    left: bool = False
 
     def error(self) -> dict[str, Any]:
         """The error record a ``CellResult`` keeps for this rank (``ok=False`` replies)."""
@@ -61,6 +63,7 @@ class CellReply(NamedTuple):
             "evalue": self.evalue,
             "traceback": self.traceback,
             "interrupted": self.interrupted,
+            "left": self.left,
         }
 
 

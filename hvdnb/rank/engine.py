@@ -36,7 +36,16 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import CellReply, EngineInfo
-from hvdnb.rank import channel, debugger, frameworks, hooks, iostream, rendezvous, tfconfig
+from hvdnb.rank import (
+    channel,
+    debugger,
+    elastic,
+    frameworks,
+    hooks,
+    iostream,
+    rendezvous,
+    tfconfig,
+)
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 from hvdnb.rank.metrics import fingerprint, recorder, stop
@@ -44,6 +53,7 @@ from hvdnb.rank.metrics import fingerprint, recorder, stop
 __all__ = [
     "bootstrap",
     "connect_channel",
+    "elastic_rejoin",
     "engine_info",
     "main",
     "rebuild_group",
@@ -63,7 +73,9 @@ def bootstrap(backend: str | None = None) -> None:
     rendezvous.init_process_group(backend or None)
     import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
-    _STATE["backend"] = dist.get_backend()
+    _STATE["backend"] = (
+        dist.get_backend() if dist.is_initialized() else backend or rendezvous.default_backend(w)
+    )
     _STATE["device"] = rendezvous.setup_device(w)
     tfconfig.setup(w)  # before any cell can import tensorflow
     frameworks.install(rendezvous.place(w, _STATE["device"]))  # DDP, Accelerate, HF, Lightning
@@ -135,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
 
     w = rendezvous.discover()
     _start_rank_log(w.rank)
-    if w.source in ("slurm", "sets") and not any(a.startswith("--IPEngine.id") for a in argv):
+    if w.source in ("slurm", "sets", "elastic") and not any(
+        a.startswith("--IPEngine.id") for a in argv
+    ):
         # MPI does not number these ranks (ipyparallel's --mpi would use a per-set or
         # per-task rank of 0): register under the global rank, so engine id == rank
         argv.append(f"--IPEngine.id={w.rank}")
@@ -384,6 +398,7 @@ def connect_channel() -> None:
         ch.on(kinds.WHERE_ASK, lambda msg: ch.send(kinds.WHERE, ask=msg.get("ask"), **where()))
 
         stop.listen(ch)  # a watcher may stop the loop (hvdnb.watch(nan="stop"))
+        elastic.listen(ch)  # an elastic cluster's next generations
         fingerprint.install()  # replica-drift fingerprints, once hvdnb.torch is loaded
         _announce(ch)
 
@@ -404,6 +419,16 @@ def rebuild_group(generation: int) -> None:
 
     if generation > rendezvous.generation():
         rendezvous.reinit_process_group(generation, _STATE["backend"])
+
+
+def elastic_rejoin(generation: int, members: list[int]) -> int:
+    """Bring this idle rank of an elastic cluster to ``generation`` (its ``members`` are
+    slots in rank order); nothing when an elastic loop has re-formed there already.
+    Collective over the members. Returns this rank's number in it."""
+    elastic.notice({"generation": generation, "members": list(members)})
+    if generation > rendezvous.generation():
+        elastic.reform()
+    return rendezvous.world().rank
 
 
 def _release_peers() -> None:
@@ -451,8 +476,14 @@ def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
     frames = traceback.extract_tb(tb)
     for i, fr in enumerate(frames):
         if fr.filename.startswith(filename_prefix):
-            return traceback.format_list(frames[i:])
+            # the elastic loop's own frames say nothing of the user's error
+            kept = [f for f in frames[i:] if not f.filename.endswith(_ELASTIC_LOOP)]
+            return traceback.format_list(kept)
     return []
+
+
+#: the file of the elastic loop (``hvd.elastic.run``), left out of a rank's traceback
+_ELASTIC_LOOP = os.path.join("hvdnb", "rank", "elastic.py")
 
 
 def _flush_metrics() -> tuple[int, int] | None:
@@ -561,6 +592,7 @@ def _error_reply(exc: BaseException, rank: int) -> CellReply:
         evalue=str(exc),
         traceback=text,
         interrupted=isinstance(exc, KeyboardInterrupt),
+        left=bool(getattr(exc, "hvdnb_left", False)),
     )
 
 

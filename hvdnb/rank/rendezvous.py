@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -40,8 +40,11 @@ __all__ = [
     "World",
     "discover",
     "init_process_group",
+    "listen_store",
     "place",
     "reinit_process_group",
+    "rejoin",
+    "release_group",
     "world",
 ]
 
@@ -62,7 +65,8 @@ class World:
     cross_size: int
     hostname: str
     #: "mpi" under mpiexec, "slurm" under srun without a PMI world, "sets" for one of
-    #: several per-host engine sets, "env" under torchrun, "single" otherwise
+    #: several per-host engine sets, "elastic" in an elastic cluster (no MPI; the group is
+    #: re-formed when ranks leave), "env" under torchrun, "single" otherwise
     source: str
 
     @property
@@ -120,7 +124,12 @@ def discover() -> World:
     if _WORLD is not None:
         return _WORLD
     host = socket.gethostname()
-    if "HVDNB_WORLD_SIZE" in os.environ and "HVDNB_RANK_BASE" in os.environ:
+    if os.environ.get("HVDNB_ELASTIC") == "1" and "HVDNB_ELASTIC_STORE" in os.environ:
+        # an elastic cluster: one engine per slot on this host, no MPI; the first
+        # generation's rank is the slot
+        rank, size = _int_env("HVDNB_SLOT", 0), _int_env("HVDNB_WORLD_SIZE", 1)
+        _WORLD = World(rank, size, rank, size, 0, 1, host, "elastic")
+    elif "HVDNB_WORLD_SIZE" in os.environ and "HVDNB_RANK_BASE" in os.environ:
         # one engine set per host: MPI numbers the ranks within the set, the client
         # numbered the sets
         local_rank, local_size = 0, 1
@@ -264,6 +273,14 @@ def export_env(w: World, master_addr: str, master_port: int) -> None:
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
+    if w.source == "elastic":  # as horovodrun --elastic tells its workers
+        os.environ.update(
+            HOROVOD_RANK=str(w.rank),
+            HOROVOD_SIZE=str(w.size),
+            HOROVOD_LOCAL_RANK=str(w.local_rank),
+            HOROVOD_LOCAL_SIZE=str(w.local_size),
+            HOROVOD_HOSTNAME=w.hostname,
+        )
 
 
 def shares_gpus(w: World) -> bool:
@@ -360,6 +377,10 @@ def init_process_group(
         return w
     _STORE, addr, port = _open_store(w, ip or cfg.ip, cfg.start_timeout)
     export_env(w, addr, port)
+    if w.source == "elastic" and os.environ.get("HVDNB_ELASTIC_JOIN") == "1":
+        # a rank added to a running elastic cluster joins the generation the notebook
+        # forms with it (``rejoin``), not one of its own
+        return w
     _init_from_store(backend, w, timeout_s)
     atexit.register(_shutdown)
     gpurules.install()  # a GPU node's point-to-point rules, on CPU ranks too
@@ -400,9 +421,13 @@ def _shutdown() -> None:
 def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
     from torch.distributed import TCPStore  # noqa: PLC0415  torch is heavy: loaded when first used
 
+    if w.source == "elastic":  # the store lives in a process of its own, not on a rank
+        addr, _, port_s = os.environ["HVDNB_ELASTIC_STORE"].rpartition(":")
+        store = TCPStore(addr, int(port_s), None, False, timeout=timedelta(seconds=wait))
+        return store, addr, int(port_s)
     if w.size == 1:
         addr = _master_addr(w, ip)
-        store, port = _listen_store(addr, 1, wait)
+        store, port = listen_store(addr, 1, wait)
         return store, addr, port
     comm = w.comm
     if comm is None:  # srun without PMI, per-host engine sets: through the notebook
@@ -410,7 +435,7 @@ def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
     if w.rank == 0:
         addr = _master_addr(w, ip)
         try:
-            store, port = _listen_store(addr, w.size, wait)
+            store, port = listen_store(addr, w.size, wait)
         except Exception as exc:  # tell the others instead of leaving them in bcast
             comm.bcast(("", -1), root=0)
             raise RuntimeError(
@@ -485,7 +510,7 @@ def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, i
     store = None
     if w.rank == 0:
         addr = _master_addr(w, ip)
-        store, port = _listen_store(addr, w.size, wait)
+        store, port = listen_store(addr, w.size, wait)
         _pin_interface(addr)
         ask = (kinds.RDV_ANNOUNCE, {"addr": addr, "port": port})
     else:
@@ -512,7 +537,7 @@ def _open_store_via_channel(w: World, ip: str, wait: float) -> tuple[Any, str, i
     return store, addr, port
 
 
-def _listen_store(addr: str, size: int, wait: float) -> tuple[Any, int]:
+def listen_store(addr: str, size: int, wait: float) -> tuple[Any, int]:
     """A master TCPStore listening on ``addr`` only (TCPStore alone binds every interface):
     we bind the socket ourselves on a free port and hand TCPStore its descriptor."""
     from torch.distributed import TCPStore  # noqa: PLC0415  torch is heavy: loaded when first used
@@ -574,6 +599,52 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
     _init_from_store(
         backend or old_backend or default_backend(w), w, get_config().collective_timeout
     )
+
+
+def release_group() -> None:
+    """Let go of the default group after a peer was lost: NCCL's is aborted (destroying a
+    communicator with a dead peer can hang, pytorch#180611), gloo's destroyed; its
+    connections close, so peers still blocked on this rank fail at once."""
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+    if not dist.is_initialized():
+        return
+    if str(dist.get_backend()) == "nccl":
+        import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415  torch is heavy: loaded when first used
+
+        abort = getattr(c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+                return
+            except Exception:  # an older torch, or already aborted: destroy below
+                pass
+    gc.collect()  # a caught collective error's frames hold the group (see _shutdown)
+    destroy_default_group()
+
+
+def rejoin(generation: int, rank: int, size: int, backend: str | None = None) -> World:
+    """Form generation ``generation`` of an elastic cluster's group, this rank being
+    ``rank`` of ``size``: the old group is released, the torchrun-style variables are
+    exported again, and the group forms under the generation's own store prefix (a store
+    prefix used twice hangs, pytorch#55967). Collective over the new generation's ranks."""
+    global _WORLD, _GENERATION
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+    w = discover()
+    if w.source != "elastic" or _STORE is None:
+        raise RuntimeError(
+            "rejoin is for the ranks of an elastic cluster (`%dist start -n N --min-np M`)"
+        )
+    old = str(dist.get_backend()) if dist.is_initialized() else None
+    release_group()
+    _WORLD = replace(w, rank=rank, size=size, local_rank=rank, local_size=size)
+    export_env(_WORLD, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    _GENERATION = generation
+    _init_from_store(
+        backend or old or default_backend(_WORLD), _WORLD, get_config().collective_timeout
+    )
+    return _WORLD
 
 
 def place(w: World, device: str) -> Place:

@@ -10,21 +10,42 @@ Each rank writes its own snapshot (``rank{R}-of-{N}.pt``, atomically: temp file 
 into ``$HVDNB_STATE_DIR``, a 0700 directory that ``hvdnb.Cluster`` creates and keeps
 across restarts (it is removed by ``%dist stop``).
 
-Never: issue a collective (commit and restore are local to each rank), or load a snapshot
-made for another world size.
+In an elastic loop (``hvdnb.elastic.run(train)(state)``) the same object is Horovod's
+elastic state too: each commit is also kept in memory, ``restore`` after a lost rank
+loads that copy, ``sync`` gives every rank rank 0's objects and fields, and a commit raises
+``HostsUpdatedInterrupt`` on every rank when the cluster's membership changed.
+
+Never: issue a collective outside ``sync`` and a commit's membership check (which only an
+elastic loop makes), or load a snapshot made for another world size from disk.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import queue
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hvdnb.rank import elastic
+
 __all__ = ["State"]
 
-_RESERVED = {"_objects", "_fields", "restored", "commits", "path", "committed_at"}
+_RESERVED = {
+    "_objects",
+    "_fields",
+    "_memory",
+    "_host_messages",
+    "_last_updated",
+    "_reset_callbacks",
+    "restored",
+    "commits",
+    "path",
+    "committed_at",
+}
 
 
 def _state_dir() -> Path:
@@ -68,6 +89,10 @@ class State:
         object.__setattr__(self, "restored", False)
         object.__setattr__(self, "commits", 0)
         object.__setattr__(self, "committed_at", None)
+        object.__setattr__(self, "_memory", None)  # the last commit, for an elastic restore
+        object.__setattr__(self, "_host_messages", queue.Queue())
+        object.__setattr__(self, "_last_updated", 0.0)
+        object.__setattr__(self, "_reset_callbacks", [])
         rank = os.environ.get("RANK", "0")
         size = os.environ.get("WORLD_SIZE", "1")
         object.__setattr__(self, "path", _state_dir() / f"rank{rank}-of-{size}.pt")
@@ -99,16 +124,24 @@ class State:
             "fields": dict(self._fields),
             "time": time.time(),
         }
+        object.__setattr__(self, "_memory", copy.deepcopy(snap))
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         torch.save(snap, tmp)
         os.replace(tmp, self.path)
         object.__setattr__(self, "commits", self.commits + 1)
         object.__setattr__(self, "committed_at", snap["time"])
+        if elastic.in_loop():  # every rank of the loop commits at the same step
+            self.check_host_updates()
 
     def restore(self) -> bool:
-        """Load the last commit into the objects and fields; False when there is none."""
+        """Load the last commit into the objects and fields; False when there is none.
+        In an elastic loop the commit kept in memory is loaded (the rank's number and the
+        world's size may have changed since: the file is named for the old ones)."""
         import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
+        if self._memory is not None:
+            self._load(copy.deepcopy(self._memory))
+            return True
         if not self.path.exists():
             return False
         snap = torch.load(self.path, map_location="cpu", weights_only=False)
@@ -127,6 +160,63 @@ class State:
         shown = ", ".join(f"{k}={v!r}" for k, v in snap["fields"].items() if _short(v))
         print(f"hvdnb.State: restored the commit from {age:.0f} s ago ({shown})", flush=True)
         return True
+
+    def _load(self, snap: dict[str, Any]) -> None:
+        for k, obj in self._objects.items():
+            if k in snap["objects"]:
+                obj.load_state_dict(snap["objects"][k])
+        self._fields.update(snap["fields"])
+        object.__setattr__(self, "restored", True)
+
+    # ------------------------------------------------------------------ elastic
+    def sync(self) -> None:
+        """Give every rank rank 0's objects and fields (collective: the start of an
+        elastic loop, and after each reset); then keep them as the commit in memory."""
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+        snap = {
+            "objects": {k: v.state_dict() for k, v in self._objects.items()},
+            "fields": dict(self._fields),
+            "time": time.time(),
+        }
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [snap]
+            dist.broadcast_object_list(box, src=0)
+            snap = box[0]
+            self._load(snap)
+        object.__setattr__(self, "restored", False)
+        object.__setattr__(self, "_memory", copy.deepcopy(snap))
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after every reset of an elastic loop."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        object.__setattr__(self, "_host_messages", queue.Queue())
+        for cb in self._reset_callbacks:
+            cb()
+
+    def on_hosts_updated(self, timestamp: float, removed: bool) -> None:
+        self._host_messages.put((timestamp, removed))
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` on every rank when rank 0 heard of a membership
+        change since the last check (one broadcast from rank 0)."""
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+        prev = last = self._last_updated
+        removed_only, seen = True, False
+        while not self._host_messages.empty():
+            stamp, removed = self._host_messages.get()
+            if stamp > last:
+                last, seen, removed_only = stamp, True, removed_only and removed
+        box = [(prev, last, removed_only, seen)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        prev, last, removed_only, seen = box[0]
+        object.__setattr__(self, "_last_updated", last)
+        if seen and last > prev:
+            raise elastic.HostsUpdatedInterrupt(removed_only)
 
     def clear(self) -> None:
         """Forget this rank's commit (the next State starts fresh)."""

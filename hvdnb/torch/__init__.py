@@ -16,6 +16,7 @@ time (no process group, no MPI init).
 
 from __future__ import annotations
 
+from hvdnb.torch import elastic
 from hvdnb.torch.basics import (
     ccl_built,
     cross_rank,
@@ -164,6 +165,7 @@ __all__ = [  # noqa: RUF022 (grouped by role, in the order of Horovod's API docs
     "DistributedOptimizer",
     "Compression",
     "SyncBatchNorm",
+    "elastic",
     # process sets
     "ProcessSet",
     "add_process_set",

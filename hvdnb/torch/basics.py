@@ -17,7 +17,7 @@ import numpy as np
 import hvdnb.torch.handles as handles
 from hvdnb.config import get_config
 from hvdnb.host import cores
-from hvdnb.rank import rendezvous
+from hvdnb.rank import elastic, rendezvous
 from hvdnb.torch.process_sets import (
     STATE,
     ProcessSet,
@@ -123,6 +123,7 @@ def init(
     # (atexit is LIFO): a group that outlives destroy dies during interpreter teardown,
     # where gloo's threads abort the process ("terminate called without an active exception")
     atexit.register(shutdown)
+    elastic.after_reset(_renew)  # an elastic cluster's next generation: new transports
     for ps in process_sets or ():
         add_process_set(ps)
 
@@ -148,6 +149,14 @@ def shutdown() -> None:
     STATE.sets = {}
     STATE.plans.clear()
     STATE.initialized = False
+
+
+def _renew() -> None:
+    """The default group was re-formed (an elastic cluster's next generation): set the
+    transports up again over it, if hvdnb.torch was in use."""
+    if STATE.initialized:
+        shutdown()
+        init()
 
 
 def is_initialized() -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hvdnb.rank.elastic import HorovodInternalError, HostsUpdatedInterrupt
 from hvdnb.torch.handles import Group, poll, register, submit, synchronize
 from hvdnb.torch.plans import planned_allreduce
 from hvdnb.torch.process_sets import ProcessSet, global_process_set
@@ -53,15 +54,6 @@ __all__ = [
     "poll",
     "synchronize",
 ]
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's name for a failed collective (kept so ``except hvd.HorovodInternalError``
-    in Horovod scripts works); hvdnb raises ``CollectiveMismatchError`` and friends."""
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod elastic's signal that hosts changed; hvdnb never raises it (no elastic)."""
 
 
 def resolve_op(op: int | None, average: bool | None) -> int:

@@ -92,7 +92,7 @@ GRAPH = {m: _edges(m, p) for m, p in MODULES.items()}
 
 
 def side(mod: str) -> str:
-    if mod in ("hvdnb", "hvdnb.metrics"):
+    if mod in ("hvdnb", "hvdnb.metrics", "hvdnb.elastic"):
         return "facade"
     if mod.startswith("hvdnb.notebook") or mod in (
         "kernels_ext.kernelspec",

@@ -35,6 +35,8 @@ VALID = {
     "gpus_per_node": "--gpus-per-node 4",
     "account": "--account a1",
     "tf_ps": "--tf-ps 1",
+    "min_np": "--min-np 1",
+    "max_np": "--max-np 2",
     "delete": "--delete a1b2c3-1",
 }
 #: every option whose value is typed, with a value of the wrong type

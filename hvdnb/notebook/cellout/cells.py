@@ -40,6 +40,7 @@ from hvdnb.notebook.cellout.cellwait import (
     Pump,
     Redraw,
 )
+from hvdnb.notebook.cellout.elasticcell import CellMembers, elastic_between_cells, rejoin_note
 from hvdnb.notebook.cellout.output import format_ranks
 from hvdnb.notebook.cellout.streaming import Intake, Streamer
 from hvdnb.notebook.cluster import health
@@ -125,6 +126,8 @@ class CellResult:
     seconds: float = 0.0
     #: the last metrics message each rank had sent when the cell ended, as (pid, seq)
     metrics_marks: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
+    #: ranks an elastic cluster lost while the cell ran, which went on without them
+    lost: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -359,17 +362,20 @@ class _Sent(NamedTuple):
     store: Any  #: the metrics store, whose run the cell began
     t0: float  #: ``time.monotonic()`` when it was sent
     intake: Intake  #: the cell's output messages, as they arrive
+    slots: list[int]  #: the engine of each rank (an elastic cluster's ranks renumber)
 
 
 def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     """Check the ranks, start the cell on them (apply_async) and begin its run in the store."""
     cluster.check_alive()
+    slot_of = elastic_between_cells(cluster)
     health.require_all_ranks(cluster)
     ranks = parse_targets(targets, range(cluster.n))
-    everyone = ranks == sorted(cluster.client.ids)
+    slots = [slot_of(r) for r in ranks]
+    everyone = ranks == list(range(cluster.n))
     cluster.cell_no += 1
     cell_no = cluster.cell_no
-    view = cluster.client[ranks] if not everyone else cluster.view
+    view = cluster.client[slots] if not everyone else cluster.view
 
     store = get_store()
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
@@ -377,8 +383,9 @@ def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     intake = Intake()
     with intake.tapping(cluster.client):
         ar = view.apply_async(_engine_runner(), code, cell_no)
-    intake.bind(list(ar._children), list(ar._targets))
-    return _Sent(ar, cell_no, ranks, everyone, store, t0, intake)
+    rank_of = dict(zip(slots, ranks))
+    intake.bind(list(ar._children), [rank_of.get(t, t) for t in ar._targets])
+    return _Sent(ar, cell_no, ranks, everyone, store, t0, intake, slots)
 
 
 class _CellRun:
@@ -418,7 +425,11 @@ class _CellRun:
             if getattr(cluster, "state_dir", None)
             else None,
         )
-        self.policy = CellWait(sent.ranks, sent.t0, timeout, cfg.stall_after)
+        self.members = CellMembers(cluster, sent.ranks, sent.slots, sent.cell_no)
+        self.slot_of = dict(zip(sent.ranks, sent.slots))
+        self.policy = CellWait(
+            sent.ranks, sent.t0, timeout, cfg.stall_after, elastic=self.members.active
+        )
         self.watch = StallWatch(cluster, sent.ranks, cfg.stall_after)
         self.prompt = _PdbPrompt(cluster)
         self.futures = dict(zip(sent.ranks, sent.ar._children))  # one reply future per rank
@@ -462,12 +473,18 @@ class _CellRun:
             return
         if not self.children:  # ranks finish apart (or one failed at engine level)
             self.children = dict(zip(self.sent.ranks, ar.split()))
+        for r, died in self.members.tick():  # an elastic cluster lost ranks: no interrupts
+            if r not in done:
+                if died:
+                    result.errors[r] = health.rank_died(self.cluster, r, result.cell)
+                self._carry_out(self.policy.lost(r, time.monotonic(), self.members.below))
         for r, fut in self.futures.items():
             if r not in done and fut.done():
                 _collect(result, r, self.children[r], self.cluster)
                 err = result.errors.get(r)
                 dead = bool(err and err.get("dead"))
-                self._carry_out(self.policy.rank_done(r, time.monotonic(), err is not None, dead))
+                failed = err is not None and not self.members.excused(err)
+                self._carry_out(self.policy.rank_done(r, time.monotonic(), failed, dead))
 
     def _carry_out(self, actions: list[Action]) -> None:
         for action in actions:
@@ -489,8 +506,8 @@ class _CellRun:
         elif isinstance(action, Redraw):
             _show_alarms(self.sent.store, False)
             _run_hooks(False)
-        elif isinstance(action, Interrupt):
-            _interrupt(self.cluster, list(action.ranks))
+        elif isinstance(action, Interrupt):  # to the ranks' engines (an elastic cluster's slots)
+            _interrupt(self.cluster, [self.slot_of[r] for r in action.ranks])
         elif isinstance(action, CheckAlive):
             self.cluster.check_alive()
         elif isinstance(action, LookForStall):
@@ -543,7 +560,7 @@ class _CellRun:
                 sent.cell_no, self.code, None if sent.everyone else list(sent.ranks), result.ok
             )
         )
-        if result.errors:
+        if result.errors and not self.members.settle(result):
             raise DistributedCellError(result, self._error_note())
         if not quiet:
             _show_values(result)
@@ -552,7 +569,7 @@ class _CellRun:
     def _error_note(self) -> str:
         """How the wait ended, and what became of the cluster: dead ranks are named, ranks
         that ignored an interrupt get a restart, otherwise the process group is rebuilt."""
-        note = self.policy.note
+        note = self.members.with_lines(self.policy.note)  # an elastic cluster's changes
         died = health.died_note(self.cluster)
         if died:
             return f"{note}; {died}" if note else died
@@ -601,6 +618,8 @@ def _rebuild_group(cluster: Any, note: str) -> str:
     """Failing ranks tore their process group down to release their peers: build a fresh
     one on every rank now, so the next cell (on any targets) finds a working group."""
 
+    if getattr(cluster, "membership", None) is not None:
+        return rejoin_note(cluster, note)
     cluster.generation += 1
     try:
         cluster.view.apply_async(REBUILD_GROUP, cluster.generation).get(timeout=30)

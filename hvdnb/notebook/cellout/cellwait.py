@@ -127,9 +127,16 @@ class CellWait:
     """
 
     def __init__(
-        self, ranks: list[int], t0: float, timeout: float | None, stall_after: float
+        self,
+        ranks: list[int],
+        t0: float,
+        timeout: float | None,
+        stall_after: float,
+        elastic: bool = False,
     ) -> None:
         self.ranks = list(ranks)
+        #: an elastic cluster: a lost rank costs its peers a step, not the cell (``lost``)
+        self.elastic = elastic
         self.t0 = t0
         self.timeout = timeout
         self.deadline = None if timeout is None else t0 + timeout
@@ -170,6 +177,20 @@ class CellWait:
             # a dead peer: the others' collectives can never complete, so no grace period
             return self._interrupt(now, "dead-peer")
         return []
+
+    def lost(self, rank: int, now: float, below: bool) -> list[Action]:
+        """An elastic cluster lost ``rank`` (died, or its code raised and it left): its
+        peers go on at the new size, so nothing is interrupted; ``below``: fewer than
+        ``--min-np`` are left, and the cell ends as with a fixed cluster's death."""
+        self.done.add(rank)
+        return self._give_up(now) if below else []
+
+    def _give_up(self, now: float) -> list[Action]:
+        if self.failed_at is None:
+            self.failed_at = now
+        if self.interrupted:
+            return []
+        return self._interrupt(now, "dead-peer")
 
     def ctrl_c(self, now: float) -> list[Action]:
         """The stop button (or Ctrl-C): interrupt the running ranks, once."""

@@ -81,6 +81,10 @@ def dead_ranks(cluster: Watched) -> list[int]:
     the cluster is not running)."""
     if cluster.client is None:
         return []
+    members = getattr(cluster, "membership", None)
+    if members is not None:  # an elastic cluster: ranks of its current generation
+        gone = set(members.gone())
+        return [r for r, s in enumerate(members.members) if s in gone]
     ids = set(cluster.client.ids)
     return [r for r in range(cluster.n) if r not in ids]
 
@@ -95,6 +99,15 @@ def check_alive(cluster: Watched) -> None:
     if ctrl is not None and ctrl.stop_data is not None:
         raise ClusterError(f"the controller exited ({ctrl.stop_data}); `%dist restart`")
     sets = cluster.engine_launchers()
+    if getattr(cluster, "membership", None) is not None:
+        # an elastic cluster's engine sets are its slots: one ending is a lost rank, which
+        # the membership handles (``elastic.py``); the job is dead only with no slot left
+        if sets and all(es.stop_data for es in sets):  # a local set's is {} while it runs
+            raise ClusterError(
+                "every rank of the elastic cluster has exited. Last output:\n"
+                f"{engine_output(cluster)}\n`%dist restart` starts them again."
+            )
+        return
     for es in sets:
         if es.stop_data is not None:
             code = es.stop_data.get("exit_code")
@@ -193,6 +206,8 @@ def status_rows(cluster: Watched) -> list[dict[str, Any]]:
 
     dead = set(dead_ranks(cluster))
     alive = [r for r in range(cluster.n) if r not in dead]
+    m = getattr(cluster, "membership", None)
+    slot = m.slot_of if m is not None else (lambda r: r)  # an elastic cluster's engines
     infos: dict[int, Any] = {}
     queue: dict[Any, Any] = {}
     if alive:
@@ -201,7 +216,7 @@ def status_rows(cluster: Watched) -> list[dict[str, Any]]:
         except Exception:
             queue = {}
         try:
-            vals = cluster.client[alive].apply_async(ENGINE_INFO).get(timeout=5)
+            vals = cluster.client[[slot(r) for r in alive]].apply_async(ENGINE_INFO).get(timeout=5)
             infos = dict(zip(alive, vals if isinstance(vals, list) else [vals]))
         except Exception:
             infos = {}
@@ -221,7 +236,7 @@ def status_rows(cluster: Watched) -> list[dict[str, Any]]:
         if r in dead:
             row["state"] = "dead: " + cluster.death_notes.get(r, _GONE)
         else:
-            q = queue.get(r, {}) if isinstance(queue, dict) else {}
+            q = queue.get(slot(r), {}) if isinstance(queue, dict) else {}
             busy = q.get("tasks", 0) > 0 or q.get("queue", 0) > 0
             row["state"] = "busy" if busy else ("idle" if r in infos else "no answer")
         last = cluster.last_cell.get(r)
@@ -235,6 +250,14 @@ def status_report(cluster: Watched) -> str:
     the launcher ended, then the hosts when ranks span several."""
     rows = status_rows(cluster)
     lines = [_table(rows)]
+    m = getattr(cluster, "membership", None)
+    if m is not None:
+        lines.append(
+            f"elastic: generation {getattr(cluster, 'generation', 0)}, {m.size} rank(s) "
+            f"(--min-np {m.min_np}, --max-np {m.max_np}); ranks are engines "
+            f"{', '.join(map(str, m.members))} in order"
+        )
+        lines += [f"  {ev.line(m.min_np)}" for ev in m.events[-5:]]
     dead = [r["rank"] for r in rows if str(r.get("state", "")).startswith("dead")]
     if dead:
         gone = launcher_exit(cluster)

@@ -27,6 +27,7 @@ from hvdnb.notebook.cluster.spec import ClusterError, StartSpec, hostfile_hosts,
 
 __all__ = [
     "ClusterError",
+    "elastic_env",
     "engine_set_env",
     "find_mpiexec",
     "hostfile_hosts",
@@ -131,7 +132,9 @@ def make_ipp(
     env["PYTHONUNBUFFERED"] = "1"
     engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
     c = ipp.Cluster(
-        engines=spec.launcher,
+        # an elastic cluster's engines are separate processes, one engine set per slot: no
+        # mpiexec whose end would end them all
+        engines="local" if spec.elastic else spec.launcher,
         n=spec.n,
         cluster_id=cluster_id,
         controller_ip=spec.ip,
@@ -162,7 +165,7 @@ def make_ipp(
         c.profile_dir, "security", f"ipcontroller-{cluster_id}-engine.json"
     )
     c.config[launcher_cls].environment = env
-    if spec.launcher == "mpi":
+    if spec.launcher == "mpi" and not spec.elastic:
         hostfile = spec.hosts is not None or any(
             "host" in str(a) for a in spec.launcher_config.get("mpi_args", [])
         )
@@ -207,3 +210,18 @@ def engine_set_env(spec: StartSpec, i: int, base: int) -> dict[str, str]:
         "HVDNB_CROSS_RANK": str(i),
         "HVDNB_CROSS_SIZE": str(len(spec.engine_sets)),
     }
+
+
+def elastic_env(slot: int, size: int, store: str, join: bool = False) -> dict[str, str]:
+    """What tells the engine of an elastic cluster's ``slot`` its place: the first
+    generation's size and the rendezvous store (``HOST:PORT``); ``join``: it joins a
+    running cluster (``%dist scale``) at the generation the notebook forms next."""
+    env = {
+        "HVDNB_ELASTIC": "1",
+        "HVDNB_SLOT": str(slot),
+        "HVDNB_WORLD_SIZE": str(size),
+        "HVDNB_ELASTIC_STORE": store,
+    }
+    if join:
+        env["HVDNB_ELASTIC_JOIN"] = "1"
+    return env

@@ -34,7 +34,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import weakref
@@ -45,11 +44,21 @@ import psutil
 
 from hvdnb.host import cores, gpu_count
 from hvdnb.notebook.cluster import health, launch, registry, spec
+from hvdnb.notebook.cluster.elastic import (
+    Event,
+    Membership,
+    StoreHost,
+    slot_processes,
+    start_slots,
+)
+from hvdnb.notebook.cluster.elastic import scale as elastic_scale
 from hvdnb.notebook.cluster.hub import Hub
 from hvdnb.notebook.cluster.launch import find_mpiexec
+from hvdnb.notebook.cluster.procs import LoopThread, kill_survivors, polite_shutdown
 from hvdnb.notebook.cluster.spec import ClusterError, StartSpec
 from hvdnb.notebook.cluster.watchdog import remove_files
 from hvdnb.notebook.metrics import store
+from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import CONNECT_CHANNEL
 
 # the store follows the current cluster through this (it never imports the cluster's modules)
@@ -65,32 +74,6 @@ def current() -> Cluster | None:
     """The cluster that ``%dist`` and ``%%distributed`` act on (None before ``%dist start``)."""
     c: Cluster | None = registry.current()
     return c
-
-
-class _LoopThread:
-    """One long-lived asyncio loop in a daemon thread, for ipyparallel's coroutines."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._main, name="hvdnb-cluster", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-
-    def _main(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(self._ready.set)
-        self._loop.run_forever()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        assert self._loop is not None
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(timeout)
-        except BaseException:
-            fut.cancel()
-            raise
 
 
 class Cluster:
@@ -121,6 +104,10 @@ class Cluster:
         lines, plus any further ``sbatch`` arguments
     tf_ps : ranks 0..tf_ps-1 serve as TensorFlow parameter servers, the others as workers,
         and this kernel coordinates them (``hvdnb.tf_cluster_resolver``; needs TensorFlow)
+    min_np, max_np : an elastic cluster: it goes on while at least ``min_np`` ranks live
+        (a death costs a step inside ``hvd.elastic.run`` / ``hvdnb.elastic.run``), and
+        ``scale`` takes it to any size up to ``max_np`` (default ``n``). Its engines are
+        separate processes on this host, not one MPI job (``elastic.py``)
 
     Examples
     --------
@@ -147,6 +134,8 @@ class Cluster:
         account: str | None = None,
         sbatch_args: list[str] | None = None,
         tf_ps: int | None = None,
+        min_np: int | None = None,
+        max_np: int | None = None,
     ) -> None:
         #: the start options as given, every argument above (a restart changes some and
         #: checks them all again)
@@ -163,7 +152,7 @@ class Cluster:
         self.state_dir: str | None = None
         self._hub: Hub | None = None
         self._ipp: Any = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self.generation = 0
         self.cell_no = 0
@@ -176,12 +165,23 @@ class Cluster:
         self.last_cell: dict[int, dict[str, Any]] = {}
         self.started_at: float | None = None
         self.start_seconds: float | None = None
+        #: an elastic cluster's slots and generations (None: a fixed-size cluster)
+        self.membership: Membership | None = None
+        #: an elastic cluster's rendezvous store, a process of its own
+        self.store_host = StoreHost()
 
     # ------------------------------------------------------------------ start options
     @property
     def n(self) -> int:
-        """Number of ranks."""
+        """Number of ranks (an elastic cluster's: in its current generation)."""
+        if self.membership is not None:
+            return self.membership.size
         return self.spec.n
+
+    @property
+    def elastic(self) -> bool:
+        """Does this cluster go on when a rank dies (``--min-np``)?"""
+        return self.spec.elastic
 
     @property
     def launcher(self) -> str:
@@ -266,17 +266,21 @@ class Cluster:
             )
         launch.warn_cuda_in_kernel()
         t0 = time.perf_counter()
-        self._loop = self._loop or _LoopThread()
+        self._loop = self._loop or LoopThread()
         if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
             self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
         for attempt in (1, 2):
             self._open_channel()
+            if self.elastic:
+                self.store_host.open()
             self._ipp = launch.make_ipp(
                 self.spec,
                 self.cluster_id,
                 self.channel_endpoint if self.channel is not None else None,
                 self.state_dir,
             )
+            if self.elastic:
+                self._begin_membership()
             try:
                 self._loop.run(self._start_async(), timeout=self.timeout + 30)
                 self._connect()
@@ -298,6 +302,7 @@ class Cluster:
                 ) from exc
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
+
         try:  # feed the metrics store (hvdnb.metrics(), the panel) from this cluster
             store.attach(self)
         except Exception as exc:  # metrics are an extra: never fail a start over them
@@ -308,6 +313,11 @@ class Cluster:
 
     async def _start_async(self) -> None:
         c = self._ipp
+        if self.elastic:
+            ctrl = asyncio.ensure_future(c.start_controller())
+            await start_slots(self, list(range(self.spec.n)), self.spec.n, join=False)
+            await ctrl
+            return
         if not self.engine_sets:
             await asyncio.gather(c.start_controller(), c.start_engines(self.n))
             return
@@ -326,6 +336,28 @@ class Cluster:
             await c.start_engines(es["n"], engine_set_id=f"host{i}")
             base += es["n"]
         await ctrl
+
+    def slot_processes(self) -> dict[int, Any]:
+        """An elastic cluster's engine process per slot (psutil), while its set runs."""
+        return slot_processes(self.engine_launchers())
+
+    def retire_slot(self, s: int) -> None:
+        """Take slot ``s`` out for good: its engine process is killed if it still runs."""
+        p = self.slot_processes().get(s)
+        if p is not None:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def run_async(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        """Run one of ipyparallel's coroutines on this cluster's loop thread."""
+        self._loop = self._loop or LoopThread()
+        return self._loop.run(coro, timeout=timeout)
+
+    def scale(self, n: int) -> Event:
+        """Take an elastic cluster to ``n`` ranks (between cells; ``elastic.scale``)."""
+        return elastic_scale(self, n)
 
     def _connect(self) -> None:
         from ipyparallel import Client  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
@@ -351,6 +383,20 @@ class Cluster:
         if hub is not None:
             # engines sign with the session key of the (0600) connection file: so do we
             hub.sign_with(bytes(self.client.session.key))
+
+    def _begin_membership(self) -> None:
+        assert self.spec.min_np is not None and self.spec.max_np is not None
+        self.membership = Membership(
+            self, list(range(self.spec.n)), self.spec.min_np, self.spec.max_np
+        )
+        # the channel listens from the start: a rank may leave during the first cell
+        if self.channel is not None:
+            self.channel.on(kinds.ELASTIC_LEFT, self.membership.on_left)
+
+    def watch_members(self, cell: int | None = None) -> Event | None:
+        """An elastic cluster: form the next generation if ranks were lost (None: none
+        were, or the cluster is not elastic)."""
+        return self.membership.watch(cell) if self.membership is not None else None
 
     def _wait_channels(self) -> None:
         """Ready means ready: every rank connects its side channel now (a rank otherwise
@@ -379,7 +425,9 @@ class Cluster:
         self.hosts_seen = self._hub.hosts_seen
 
     def _root_pids(self) -> list[int]:
-        pids = []
+        pids = [p.pid for p in self.slot_processes().values()]
+        if self.store_host.pid is not None:
+            pids.append(self.store_host.pid)
         for launcher in [getattr(self._ipp, "controller", None), *self.engine_launchers()]:
             proc = getattr(launcher, "process", None)
             if proc is not None and getattr(proc, "pid", None):
@@ -450,10 +498,10 @@ class Cluster:
         pids = self.pids() if self._ipp is not None else []
         profile = self._ipp.profile_dir if self._ipp is not None else None
         if force:
-            _kill_survivors(pids)
+            kill_survivors(pids)
         if self.client is not None:
             if not force:
-                self._polite_shutdown(self.client, wait=2.0, ranks=self._rank_pids())
+                polite_shutdown(self.client, wait=2.0, ranks=self._rank_pids())
             try:
                 self.client.close(linger=0)
             except Exception:
@@ -471,7 +519,9 @@ class Cluster:
                 log.warning("hvdnb: clean stop failed (%s); killing processes", exc)
                 self._kill_all()
         self._ipp = None
-        _kill_survivors(pids)
+        kill_survivors(pids)
+        self.store_host.close()
+        self.membership = None
         if profile is not None:
             _remove_cluster_files(profile, self.cluster_id)
         wd, self._watchdog = self._watchdog, None
@@ -481,37 +531,6 @@ class Cluster:
                 wd.wait(2)
             except Exception:
                 pass
-
-    @staticmethod
-    def _polite_shutdown(client: Any, wait: float, ranks: list[int]) -> None:
-        """Ask engines to exit (they exit 0, faster than a signal) without ever blocking
-        for longer than ``wait``: a dead or stuck engine never answers.
-
-        Done when every engine has answered or every rank process has gone: an engine
-        can exit before its reply leaves the socket (one stop in ~8 waited the full
-        ``wait`` for replies that were never sent).
-        """
-
-        def ask() -> None:
-            try:
-                if client.ids:
-                    client.shutdown(targets="all", hub=False, block=True)
-            except Exception:
-                pass
-
-        def gone(pid: int) -> bool:
-            try:
-                return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-            except psutil.NoSuchProcess:
-                return True
-
-        t = threading.Thread(target=ask, name="hvdnb-shutdown", daemon=True)
-        t.start()
-        deadline = time.monotonic() + wait
-        while t.is_alive() and time.monotonic() < deadline:
-            t.join(0.02)
-            if ranks and all(gone(p) for p in ranks):
-                break
 
     def pids(self) -> list[int]:
         """Every process of this cluster: controller, mpiexec, engines, and their children."""
@@ -527,9 +546,10 @@ class Cluster:
         return sorted(found)
 
     def _rank_pids(self) -> list[int]:
-        """The engine processes themselves (children of each mpiexec)."""
+        """The engine processes themselves (children of each mpiexec; an elastic
+        cluster's own processes)."""
 
-        pids: list[int] = []
+        pids: list[int] = [p.pid for p in self.slot_processes().values()]
         for es in self.engine_launchers():
             proc: Any = getattr(es, "process", None)  # None: AttributeError below, skipped
             try:
@@ -631,39 +651,6 @@ class Cluster:
     def launcher_exit(self) -> str | None:
         """How the engines' launcher (mpiexec, sbatch) ended, or None while it runs."""
         return health.launcher_exit(self)
-
-
-def _kill_survivors(pids: list[int], wait: float = 1.0) -> None:
-    """SIGKILL what a polite stop left behind: an engine busy in a loop that ignores
-    signals never reaches ipyparallel's own shutdown code."""
-
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            if p.status() != psutil.STATUS_ZOMBIE:
-                procs.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    # not our children, so a killed one may linger as a zombie until init reaps it:
-    # "gone" means gone or zombie (psutil.wait_procs would wait out its whole timeout)
-    deadline = time.monotonic() + wait
-    while procs and time.monotonic() < deadline:
-        left = []
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        procs = left
-        if procs:
-            time.sleep(0.01)
 
 
 def _cluster_files(profile: str, cluster_id: str) -> list[str]:

@@ -59,6 +59,15 @@ class StartSpec:
     #: ranks ``0..tf_ps-1`` serve as TensorFlow parameter servers, the rest as workers, and
     #: the notebook kernel is the chief (``hvdnb.notebook.tfps``); 0: no ParameterServerStrategy
     tf_ps: int = 0
+    #: an elastic cluster (``--min-np``): it goes on while at least ``min_np`` ranks live,
+    #: and ``%dist scale`` takes it to any size up to ``max_np``; None: a fixed-size cluster
+    min_np: int | None = None
+    max_np: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Does this cluster survive a rank's death (no MPI; groups re-formed per generation)?"""
+        return self.min_np is not None
 
 
 def check(
@@ -79,6 +88,8 @@ def check(
     account: str | None = None,
     sbatch_args: list[str] | None = None,
     tf_ps: int | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
 ) -> StartSpec:
     """``Cluster``'s arguments as a ``StartSpec``; raises ClusterError, saying what to
     change, for the first one that cannot work."""
@@ -127,6 +138,9 @@ def check(
     if timeout is not None and not timeout > 0:
         raise ClusterError(f"timeout must be a positive number of seconds, not {timeout!r}")
     ps = _check_tf_ps(tf_ps, n)
+    if min_np is None and cfg.min_np > 0 and not (multi_host or ps):  # hvdnb run --min-np
+        min_np, max_np = min(cfg.min_np, n), max_np or cfg.max_np or None
+    min_np, max_np = _check_elastic(min_np, max_np, n, launcher, multi_host, backend, ps)
     return StartSpec(
         n=n,
         launcher=launcher,
@@ -141,7 +155,43 @@ def check(
         slurm=slurm,
         sbatch_args=sbatch,
         tf_ps=ps,
+        min_np=min_np,
+        max_np=max_np,
     )
+
+
+def _check_elastic(
+    min_np: Any, max_np: Any, n: int, launcher: str, multi_host: bool, backend: Any, ps: int
+) -> tuple[int | None, int | None]:
+    """``--min-np M [--max-np K]``: checked against ``n`` and the rest of the options."""
+    if min_np is None:
+        if max_np is not None:
+            raise ClusterError(
+                f"--max-np {max_np} is for an elastic cluster: add `--min-np M` (the fewest "
+                "ranks it may go on with), e.g. `%dist start -n 4 --min-np 2 --max-np 4`"
+            )
+        return None, None
+    for name, v in (("--min-np", min_np), ("--max-np", max_np)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ClusterError(f"{name} must be a whole number of ranks, 1 or more, not {v!r}")
+    max_np = n if max_np is None else max_np
+    if not min_np <= n <= max_np:
+        raise ClusterError(
+            f"an elastic cluster needs --min-np <= -n <= --max-np, got {min_np} <= {n} <= "
+            f"{max_np}: e.g. `%dist start -n {max(n, min_np)} --min-np {min(min_np, n)}`"
+        )
+    if multi_host or launcher != "mpi":
+        raise ClusterError(
+            "elastic clusters (--min-np) run on this host for now: leave out --launcher, "
+            "--hosts and engine sets, or use a fixed-size cluster across hosts"
+        )
+    if backend == "mpi" or ps:
+        raise ClusterError(
+            "an elastic cluster has no MPI job (MPICH cannot shrink a communicator, and "
+            "its launcher ends every rank when one dies), so --backend mpi and --tf-ps do "
+            "not apply: leave them out (gloo on CPU, NCCL on GPUs)"
+        )
+    return min_np, max_np
 
 
 def _check_n(n: Any, oversubscribe: bool, gpus: int) -> int:

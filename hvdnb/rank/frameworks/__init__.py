@@ -33,6 +33,8 @@ Never: import a framework before the user does, or change anything outside a ran
 
 from __future__ import annotations
 
+import sys
+
 from hvdnb.config import get_config
 from hvdnb.rank.frameworks import (
     accelerate_hooks,
@@ -41,9 +43,9 @@ from hvdnb.rank.frameworks import (
     torch_hooks,
     transformers_hooks,
 )
-from hvdnb.rank.frameworks.common import Place, installed, new_cell, set_place
+from hvdnb.rank.frameworks.common import Place, installed, new_cell, replace_place, set_place
 
-__all__ = ["Place", "install", "installed", "new_cell"]
+__all__ = ["Place", "install", "installed", "move", "new_cell"]
 
 
 def install(p: Place) -> None:
@@ -56,3 +58,26 @@ def install(p: Place) -> None:
     accelerate_hooks.install(p)
     transformers_hooks.install(p)
     lightning_hooks.install(p)
+
+
+def move(p: Place) -> None:
+    """This rank's place after an elastic cluster formed a new generation: the hooks'
+    checks (``init_process_group``'s world size, ``notebook_launcher``'s count) and the
+    torchrun-style variables follow it. Accelerate's shared state is forgotten, so the
+    next ``Accelerator()`` reads the new world (objects it prepared hold the old group:
+    the training function makes them again, as Horovod's elastic rule asks)."""
+    if installed() is None:
+        return
+    replace_place(p)
+    torch_hooks.move(p)
+    accelerate_hooks.move(p)
+    acc_state = sys.modules.get("accelerate.state")
+    if acc_state is not None:
+        for name in ("AcceleratorState", "PartialState"):
+            cls = getattr(acc_state, name, None)
+            reset = getattr(cls, "_reset_state", None)
+            if reset is not None:
+                try:
+                    reset(True) if name == "AcceleratorState" else reset()
+                except Exception:  # a version without the flag: forget it all the same
+                    pass

@@ -30,7 +30,11 @@ from hvdnb.extras import require
 from hvdnb.protocol.kinds import MAIN_LOSS
 from hvdnb.rank.frameworks.common import Place, note, on_import, setdefault_env, warn_version
 
-__all__ = ["install", "tracker"]
+__all__ = [
+    "install",
+    "move",
+    "tracker",
+]
 
 _PLACE: Place | None = None
 
@@ -131,3 +135,10 @@ def _is_number(v: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return not isinstance(v, (str, bytes))
+
+
+def move(p: Place) -> None:
+    """The rank's place changed (an elastic cluster's new generation)."""
+    global _PLACE
+    if _PLACE is not None:
+        _PLACE = p

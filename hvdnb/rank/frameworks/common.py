@@ -61,6 +61,12 @@ def installed() -> Place | None:
     return _PLACE
 
 
+def replace_place(p: Place) -> None:
+    """Where this rank stands now (an elastic cluster's new generation)."""
+    global _PLACE
+    _PLACE = p
+
+
 def set_place(p: Place) -> bool:
     """Remember where this rank stands; False when it was set already (installed once)."""
     global _PLACE

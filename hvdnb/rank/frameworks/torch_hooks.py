@@ -31,7 +31,11 @@ from typing import Any
 
 from hvdnb.rank.frameworks.common import Place, note, setdefault_env
 
-__all__ = ["destroy_default_group", "install"]
+__all__ = [
+    "destroy_default_group",
+    "install",
+    "move",
+]
 
 _ORIG: dict[str, Any] = {}
 _PLACE: Place | None = None
@@ -182,3 +186,10 @@ def _spawn(
     note(f"torch.multiprocessing.spawn: fn runs once on each of the {p.size} ranks, no fork")
     fn(p.local_rank, *args)
     return None if join else _Finished()
+
+
+def move(p: Place) -> None:
+    """The rank's place changed (an elastic cluster's new generation)."""
+    global _PLACE
+    if _PLACE is not None:
+        _PLACE = p

@@ -1,0 +1,142 @@
+"""An elastic cluster's side of one running cell: ranks lost while it runs, and how the
+cell ends when they were.
+
+A rank lost inside an elastic loop (``hvd.elastic.run``, ``hvdnb.elastic.run``) costs the
+survivors a step, not the cell: they re-form at the new size and finish. So the cell's
+wait (``cells._CellRun``) asks ``CellMembers.tick`` each output interval which ranks were
+lost (``Membership.watch`` forms the next generation), marks them done without
+interrupting their peers, and at the end ``settle`` turns a cell whose survivors all
+finished into a normal one: one line per membership change, and the traceback of a rank
+whose code raised (it left) shown once. A cell whose survivors failed too (code outside an
+elastic loop), or that went below ``--min-np``, fails as any cell does, naming the deaths.
+
+Ranks are numbered as when the cell was sent (``slots`` maps them to engines) for the
+whole cell; the next cell uses the new generation's numbers.
+
+Never: decide membership (``hvdnb.notebook.cluster.elastic``), or interrupt a rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hvdnb.notebook.cluster.spec import ClusterError
+from hvdnb.protocol.remote import REBUILD_GROUP
+
+__all__ = ["CellMembers", "elastic_between_cells", "rejoin_note"]
+
+
+def elastic_between_cells(cluster: Any) -> Callable[[int], int]:
+    """Before a cell is sent: an elastic cluster that lost ranks since the last cell forms
+    its next generation (one line says so), and its idle ranks are brought to it. Returns
+    the map from a rank to its engine. Raises ClusterError below ``--min-np``."""
+    m = getattr(cluster, "membership", None)
+    if m is None:
+        return lambda r: r
+    ev = cluster.watch_members(None)
+    if ev is not None:
+        sys.stderr.write(ev.line(m.min_np) + "\n")
+        sys.stderr.flush()
+    if m.size < m.min_np:
+        raise ClusterError(
+            f"the elastic cluster has {m.size} rank{'s' if m.size != 1 else ''}, fewer than its "
+            f"--min-np {m.min_np}: `%dist scale {m.min_np}` (or more) adds ranks, `%dist "
+            "restart` starts them all afresh"
+        )
+    m.catch_up()
+    slot_of: Callable[[int], int] = m.slot_of
+    return slot_of
+
+
+def rejoin_note(cluster: Any, note: str) -> str:
+    """After a failed cell on an elastic cluster: bring its ranks to the current
+    generation (a new one with the same ranks when none changed: the failing ranks
+    released their group). Returns the cell's note, with what went wrong doing so."""
+    m = cluster.membership
+    try:
+        if m.size >= m.min_np and m.behind is not None:
+            m.catch_up()
+        elif m.size >= m.min_np:
+            cluster.generation += 1
+            cluster.view.apply_async(REBUILD_GROUP, cluster.generation).get(timeout=30)
+    except Exception as exc:
+        extra = f"the process group could not be re-formed ({exc}); run `%dist restart`"
+        return f"{note}; {extra}" if note else extra
+    return note
+
+
+class CellMembers:
+    """What one cell saw of an elastic cluster's membership (inactive for a fixed one).
+
+    Parameters
+    ----------
+    cluster : the cluster (``membership`` None: a fixed-size cluster, nothing to do)
+    ranks, slots : the cell's ranks and their engines, in one order
+    cell : the cell's number
+    """
+
+    def __init__(self, cluster: Any, ranks: list[int], slots: list[int], cell: int) -> None:
+        self.cluster = cluster
+        self.active = getattr(cluster, "membership", None) is not None
+        self.rank_of = dict(zip(slots, ranks))
+        self.cell = cell
+        #: send-time rank -> "died" / "left"
+        self.lost: dict[int, str] = {}
+        self.events: list[Any] = []
+        #: a change left fewer than --min-np ranks: the cell fails as a fixed cluster's
+        self.below = False
+
+    def tick(self) -> list[tuple[int, bool]]:
+        """Ranks lost since the last tick, as ``(rank, died)``; ``died`` False: its code
+        raised and it left (its error reply is on its way)."""
+        if not self.active:
+            return []
+        ev = self.cluster.watch_members(self.cell)
+        if ev is None:
+            return []
+        self.events.append(ev)
+        self.below = self.below or ev.size == 0
+        out = []
+        for s in ev.lost_slots:
+            r = self.rank_of.get(s)
+            if r is not None and r not in self.lost:
+                self.lost[r] = "left" if ev.why == "left" else "died"
+                out.append((r, self.lost[r] == "died"))
+        return out
+
+    def excused(self, err: dict[str, Any] | None) -> bool:
+        """Is this failed rank's error its leaving an elastic loop (not the cell's end)?"""
+        return bool(self.active and not self.below and err and err.get("left"))
+
+    def settle(self, result: Any) -> bool:
+        """At the cell's end: True when the cell ends normally although ranks were lost
+        (every error is a lost rank's, and a survivor finished); its lines are printed.
+        False: the cell's errors stand (``lines`` then goes into its error note)."""
+        if not self.active or not self.events:
+            return False
+        lost = set(self.lost) | {r for r, e in result.errors.items() if e.get("left")}
+        survivors_ok = any(r not in lost and r not in result.errors for r in result.ranks)
+        if self.below or not survivors_ok or not set(result.errors) <= lost:
+            return False
+        out = sys.stderr
+        for r in sorted(result.errors):
+            e = result.errors[r]
+            if e.get("left") and e.get("traceback"):
+                out.write(f"--- rank {r} raised {e['ename']} and left the cluster ---\n")
+                out.write(e["traceback"].rstrip("\n") + "\n")
+        out.write(self.lines() + "\n")
+        out.flush()
+        result.lost = {r: result.errors.pop(r) for r in list(result.errors)}
+        return True
+
+    def with_lines(self, note: str) -> str:
+        """A failed cell's note, with this cell's membership changes after it."""
+        return "\n".join(filter(None, [note, self.lines() if self.events else ""]))
+
+    def lines(self) -> str:
+        """One line per membership change this cell saw."""
+        m = self.cluster.membership
+        min_np = m.min_np if m is not None else 0
+        return "\n".join(ev.line(min_np) for ev in self.events)

@@ -1,0 +1,382 @@
+"""An elastic cluster's membership: which engines are its ranks, generation by generation.
+
+Each engine of an elastic cluster (``%dist start -n N --min-np M``) is a *slot*: its
+ipyparallel engine id, given at its start and kept for its life. A generation is a list of
+slots in rank order (a slot's rank is its index). When a slot is lost (its process has
+exited, or its code raised inside an elastic loop and it left), the notebook decides the
+next generation, the survivors in their old order, and sends it to each survivor on the
+side channel (``kinds.ELASTIC_RESET``): survivors inside ``hvd.elastic.run`` /
+``hvdnb.elastic.run`` re-form their group with it at once; idle ones when the next cell is
+sent (``catch_up``). Below ``min_np`` survivors nothing re-forms and the cell fails,
+naming the deaths.
+
+Every change is an ``Event`` (when, the generation, who was lost, the new size, why); the
+cell prints its line, the panel marks it, ``%dist status`` shows the generation.
+
+Also here, the parts of an elastic cluster's life that ``lifecycle`` calls: its store
+process (``StoreHost``), one engine set per slot (``start_slots``, ``slot_processes``) and
+``scale``.
+
+Never: talk to a rank without a timeout, or let a process outlive the notebook.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from hvdnb.notebook.cluster import launch
+from hvdnb.notebook.cluster.spec import ClusterError
+from hvdnb.notebook.ranklabels import format_ranks
+from hvdnb.protocol import kinds
+from hvdnb.protocol.remote import CONNECT_CHANNEL, ELASTIC_REJOIN
+
+__all__ = [
+    "LEFT_WINDOW",
+    "Event",
+    "Membership",
+    "StoreHost",
+    "scale",
+    "slot_processes",
+    "start_slots",
+]
+
+#: seconds the notebook waits after a rank's code raised in an elastic loop before it takes
+#: that rank out: if every rank raises meanwhile the error is the code's, not one rank's,
+#: and the ranks stay (the cell fails as any cell does)
+LEFT_WINDOW = 0.3
+
+
+@dataclass(frozen=True)
+class Event:
+    """One membership change."""
+
+    t: float  #: ``time.time()`` when the notebook decided it
+    generation: int  #: the generation it formed (the old one was ``generation - 1``)
+    lost: tuple[int, ...]  #: the ranks lost, numbered as in the old generation
+    size: int  #: ranks in the new generation (0: below ``min_np``, none formed)
+    why: str  #: "died", "left" (raised), "scaled"
+    cell: int | None = None  #: the cell it happened in (None: between cells)
+    errors: dict[int, str] = field(default_factory=dict)  #: lost rank -> its error (left)
+    lost_slots: tuple[int, ...] = ()  #: the engines lost (slots)
+
+    def line(self, min_np: int) -> str:
+        """The one line a person reads."""
+        if self.why == "scaled":
+            return f"hvdnb: the cluster now has {self.size} ranks (generation {self.generation})"
+        lost = format_ranks(list(self.lost))
+        many = len(self.lost) > 1
+        verb = {
+            "left": f"left ({'their' if many else 'its'} code raised)",
+            "hung": "stopped answering (no heartbeat for 3 s) and was stopped",
+        }.get(self.why, "died")
+        plural = "s" if many else ""
+        if self.size == 0:
+            return (
+                f"hvdnb: rank{plural} {lost} of generation {self.generation - 1} {verb}, which "
+                f"leaves fewer than --min-np {min_np} ranks: `%dist scale N` or `%dist "
+                "restart` brings the cluster back"
+            )
+        return (
+            f"hvdnb: rank{plural} {lost} of generation {self.generation - 1} {verb}; training "
+            f"goes on with {self.size} rank{'s' if self.size != 1 else ''} (generation "
+            f"{self.generation})"
+        )
+
+
+class Membership:
+    """The slots of an elastic cluster and their generations.
+
+    Parameters
+    ----------
+    cluster : the ``Cluster`` (its ``client``, ``channel``, ``generation`` and engine
+        processes are read; ``generation`` is advanced here)
+    slots : the first generation's slots
+    min_np, max_np : the fewest ranks it goes on with; the most ``scale`` may add
+    """
+
+    def __init__(self, cluster: Any, slots: list[int], min_np: int, max_np: int) -> None:
+        self.cluster = cluster
+        self.members = list(slots)
+        self.min_np, self.max_np = min_np, max_np
+        self.next_slot = max(slots, default=-1) + 1
+        self.events: list[Event] = []
+        #: slot -> (when, error) of a rank whose code raised in an elastic loop
+        self.left: dict[int, tuple[float, str]] = {}
+        #: the generation the idle survivors must still be brought to (None: none)
+        self.behind: int | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def slot_of(self, rank: int) -> int:
+        """The engine id of ``rank`` in the current generation."""
+        return self.members[rank]
+
+    def rank_of(self, slot: int) -> int | None:
+        """``slot``'s rank in the current generation (None: not a member)."""
+        try:
+            return self.members.index(slot)
+        except ValueError:
+            return None
+
+    def on_left(self, msg: dict[str, Any]) -> None:
+        """A rank said its code raised inside an elastic loop (channel thread)."""
+        slot = msg.get("slot")
+        if isinstance(slot, int):
+            with self._lock:
+                self.left.setdefault(slot, (time.monotonic(), str(msg.get("error", ""))))
+
+    def gone(self) -> list[int]:
+        """Member slots whose engine process has exited (or left the controller)."""
+        return list(self.gone_why())
+
+    def gone_why(self) -> dict[int, str]:
+        """Member slots lost, each with ``died`` (its process exited) or ``hung`` (the
+        controller stopped hearing its heartbeat: a stopped or hung process, which is
+        then retired, killed, so that peers blocked on it are released)."""
+        procs = self.cluster.slot_processes()
+        ids = set(self.cluster.client.ids) if self.cluster.client is not None else set()
+        out: dict[int, str] = {}
+        for s in self.members:
+            p = procs.get(s)
+            if p is not None and not _alive(p):
+                out[s] = "died"
+            elif ids and s not in ids:
+                out[s] = "hung"
+        return out
+
+    # ------------------------------------------------------------------ deciding
+    def watch(self, cell: int | None) -> Event | None:
+        """Look for lost slots; when there are, form the next generation (or find it
+        below ``min_np``) and return its ``Event``. Called from the notebook's main thread
+        (a running cell's wait, a cell's submit)."""
+        now = time.monotonic()
+        why_of = self.gone_why()
+        dead = list(why_of)
+        with self._lock:
+            raised = {s: v for s, v in self.left.items() if s in self.members and s not in dead}
+        due = [s for s, (t, _) in raised.items() if now - t >= LEFT_WINDOW]
+        if raised and len(raised) + len(dead) == self.size and not dead:
+            # every rank raised: the code's own error, not a fault; nobody is taken out
+            with self._lock:
+                for s in raised:
+                    self.left.pop(s, None)
+            return None
+        lost = dead + [s for s in due if s not in dead]
+        if not lost:
+            return None
+        errors = {self.members.index(s): raised[s][1] for s in due if s in raised}
+        why = ("died" if "died" in why_of.values() else "hung") if dead else "left"
+        return self._form([s for s in self.members if s not in lost], lost, why, cell, errors)
+
+    def _form(
+        self,
+        survivors: list[int],
+        lost: list[int],
+        why: str,
+        cell: int | None,
+        errors: dict[int, str],
+    ) -> Event:
+        c = self.cluster
+        lost_ranks = tuple(sorted(self.members.index(s) for s in lost))
+        for s in lost:
+            self.cluster.retire_slot(s)  # a rank that raised leaves as if it had died
+            with self._lock:
+                self.left.pop(s, None)
+        c.generation += 1
+        size = len(survivors) if len(survivors) >= self.min_np else 0
+        ev = Event(time.time(), c.generation, lost_ranks, size, why, cell, errors, tuple(lost))
+        self.members = survivors
+        self.events.append(ev)
+        if size:
+            self.announce(removed=True, why=why)
+            if c.client is not None:
+                c.view = c.client[list(survivors)]
+                c.view.block = False
+        return ev
+
+    def announce(self, removed: bool, why: str) -> None:
+        """Send the current generation to every member (they re-form when they can)."""
+        c = self.cluster
+        msg = {
+            "generation": c.generation,
+            "members": list(self.members),
+            "t": time.time(),
+            "removed": removed,
+            "why": why,
+        }
+        if c.channel is not None:
+            for s in self.members:
+                c.channel.send(s, kinds.ELASTIC_RESET, **msg)
+        self.behind = c.generation
+
+    def catch_up(self, timeout: float = 60.0) -> None:
+        """Bring idle members to the current generation (before a cell is sent): a
+        remote call on each; those already there (an elastic loop re-formed) do nothing."""
+        if self.behind is None:
+            return
+        c = self.cluster
+        view = c.client[list(self.members)]
+        view.apply_async(ELASTIC_REJOIN, c.generation, list(self.members)).get(timeout=timeout)
+        self.behind = None
+        c.view = view
+        c.view.block = False
+
+    def grew(self, slots: list[int]) -> Event:
+        """``slots`` joined (``%dist scale``): form the next generation with them."""
+        c = self.cluster
+        c.generation += 1
+        self.members = self.members + list(slots)
+        ev = Event(time.time(), c.generation, (), len(self.members), "scaled")
+        self.announce(removed=False, why="scaled")
+        self.events.append(ev)
+        return ev
+
+    def shrank(self, drop: list[int]) -> Event:
+        """``drop`` (ranks) are taken out by ``%dist scale``: the next generation is the rest."""
+        lost = [self.members[r] for r in drop]
+        survivors = [s for s in self.members if s not in lost]
+        ev = self._form(survivors, lost, "scaled", None, {})
+        return Event(ev.t, ev.generation, ev.lost, ev.size, "scaled")
+
+
+def _alive(p: Any) -> bool:
+    try:
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+class StoreHost:
+    """An elastic cluster's rendezvous store (``python -m hvdnb.rank.storehost``): this
+    kernel binds the port (so the engines are told it at once) and hands the socket over;
+    the process ends when its stdin closes, with this kernel."""
+
+    def __init__(self) -> None:
+        self.addr = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def open(self) -> None:
+        self.close()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.addr = f"127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hvdnb.rank.storehost", "--fd", str(sock.fileno())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(sock.fileno(),),
+            )
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(2)
+        except Exception:
+            proc.kill()
+            try:
+                proc.wait(2)
+            except Exception:
+                pass
+
+
+def slot_processes(launchers: list[Any]) -> dict[int, Any]:
+    """The engine process (psutil) of each slot whose engine set (``slot<N>``) runs."""
+    out: dict[int, Any] = {}
+    for es in launchers:
+        sid = str(getattr(es, "engine_set_id", ""))
+        if not sid.startswith("slot"):
+            continue
+        for el in list(getattr(es, "launchers", {}).values()):
+            proc = getattr(el, "process", None)
+            if proc is not None:
+                try:
+                    out[int(sid[4:])] = psutil.Process(proc.pid)
+                except (psutil.NoSuchProcess, ValueError):
+                    pass
+    return out
+
+
+async def start_slots(cluster: Any, slots: list[int], size: int, join: bool) -> None:
+    """Start one engine set of one engine per slot, each told its slot and the store."""
+    c = cluster.ipp
+    base_env = dict(c.config.LocalEngineSetLauncher.environment)
+    try:
+        for s in slots:
+            c.config.LocalEngineSetLauncher.environment = {
+                **base_env,
+                **launch.elastic_env(s, size, cluster.store_host.addr, join),
+            }
+            await c.start_engines(1, engine_set_id=f"slot{s}")
+    finally:
+        c.config.LocalEngineSetLauncher.environment = base_env
+
+
+def scale(cluster: Any, n: int) -> Event:
+    """Take an elastic cluster to ``n`` ranks, between cells: the highest ranks leave, or
+    new engines start and join; either way the next generation forms on every rank.
+    Raises ClusterError for a fixed-size cluster or an ``n`` outside ``--min-np``..``--max-np``."""
+    m: Membership | None = cluster.membership
+    if m is None:
+        raise ClusterError(
+            "`%dist scale` is for an elastic cluster (`%dist start -n N --min-np M`); this "
+            f"one has a fixed size: `%dist restart -n {n}` starts {n} fresh ranks"
+        )
+    if isinstance(n, bool) or not isinstance(n, int) or not m.min_np <= n <= m.max_np:
+        raise ClusterError(
+            f"`%dist scale {n}`: this cluster takes {m.min_np} to {m.max_np} ranks (its "
+            "--min-np and --max-np); `%dist restart -n N --min-np M --max-np K` changes them"
+        )
+    cluster.watch_members(None)  # deaths since the last cell first
+    if n < m.size:
+        ev = m.shrank(list(range(n, m.size)))
+    elif n > m.size:
+        ev = _grow(cluster, m, n)
+    else:
+        return Event(time.time(), cluster.generation, (), m.size, "scaled")
+    m.catch_up(timeout=cluster.timeout + 30)
+    return ev
+
+
+def _grow(cluster: Any, m: Membership, n: int) -> Event:
+    new = list(range(m.next_slot, m.next_slot + n - m.size))
+    m.next_slot += len(new)
+    cluster.run_async(start_slots(cluster, new, n, join=True), cluster.timeout + 30)
+    deadline = time.monotonic() + cluster.timeout
+    while not set(new) <= set(cluster.client.ids):
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"the new rank(s) did not start within {cluster.timeout:.0f} s; `%dist status` "
+                "shows the cluster, `%dist restart` starts every rank afresh"
+            )
+        time.sleep(0.02)
+    cluster.client[new].apply_sync(CONNECT_CHANNEL)
+    while cluster.channel is not None and not set(new) <= set(cluster.channel.ranks):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    return m.grew(new)

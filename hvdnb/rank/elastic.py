@@ -1,0 +1,400 @@
+"""Elastic training on a rank: Horovod's elastic loop, its states, and the new generation
+of the process group after a rank leaves.
+
+Horovod's semantics (``horovod/common/elastic.py``), in hvdnb's words:
+
+- ``run_fn(func, reset)`` wraps a training function ``func(state, ...)``: sync the state
+  (rank 0's values to every rank), then call ``func``. When a collective fails
+  (``HorovodInternalError``) the state is restored to its last commit; when the cluster's
+  membership changed (``HostsUpdatedInterrupt``, raised at a commit) nothing is restored.
+  Either way ``reset()`` forms the new process group and the state's reset callbacks
+  run, then the loop syncs and calls ``func`` again.
+- ``State.commit()`` saves the state in memory, then checks for membership changes: rank
+  0's view of them is broadcast, so every rank raises ``HostsUpdatedInterrupt`` at the
+  same commit.
+
+hvdnb's part is the membership. In an elastic cluster (``%dist start --min-np M``,
+``HVDNB_ELASTIC=1``) each rank is a slot (``HVDNB_SLOT``, its ipyparallel engine id, fixed
+for its life) and every generation of the process group is a list of slots, decided by
+the notebook: when a rank dies or leaves, the notebook sends every survivor an
+``elastic_reset`` message with the next generation and its members. ``reset()`` waits
+for that message, takes the rank the slot has in it, and re-forms the default group under
+the generation's own store prefix (``rendezvous.rejoin``). Outside an elastic cluster
+nobody re-forms the group: a failed collective ends the loop with an error saying so.
+
+A rank whose own code raises (anything but the two signals above) leaves the cluster: it
+releases its peers at once (their collectives fail, they reset) and tells the notebook,
+which takes it out of the next generation.
+
+Never: decide membership (the notebook does), or issue a collective outside ``sync`` and
+``check_host_updates``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hvdnb.config import get_config
+from hvdnb.protocol import kinds
+
+__all__ = [
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "RankRemoved",
+    "State",
+    "after_reset",
+    "enabled",
+    "in_loop",
+    "is_internal",
+    "listen",
+    "reform",
+    "run_fn",
+    "slot",
+    "wait_for_generation",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed because a rank of the job failed (Horovod's name). Inside
+    ``hvd.elastic.run`` the state is restored and the group re-formed without that rank."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The cluster's membership changed (a rank was lost, or ``%dist scale`` added some):
+    raised on every rank at the same ``commit()``. ``skip_sync``: the survivors' states are
+    the same already (ranks were only removed)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the cluster's ranks changed")
+        self.skip_sync = skip_sync
+
+
+class RankRemoved(SystemExit):
+    """This rank is not in the cluster's new generation: it leaves the training loop."""
+
+
+# ---------------------------------------------------------------------- membership
+class _Notices:
+    """The newest ``elastic_reset`` the notebook sent this rank, and who waits for it."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.latest: dict[str, Any] | None = None
+        self.states: weakref.WeakSet[State] = weakref.WeakSet()
+
+    def on_reset(self, msg: dict[str, Any]) -> None:
+        with self.cond:
+            if self.latest is None or msg["generation"] > self.latest["generation"]:
+                self.latest = dict(msg)
+            self.cond.notify_all()
+        stamp = float(msg.get("t", time.time()))
+        removed = bool(msg.get("removed", True))
+        for st in list(self.states):
+            st.on_hosts_updated(stamp, removed)
+
+
+_NOTICES = _Notices()
+_AFTER_RESET: list[Callable[[], None]] = []
+_LOOPS = [0]  # elastic loops running on this rank (nested: the outer one resets)
+
+
+def in_loop() -> bool:
+    """Is an elastic loop (``run_fn``'s) running on this rank?"""
+    return _LOOPS[0] > 0
+
+
+def enabled() -> bool:
+    """Is this rank part of an elastic cluster (its group can be re-formed)?"""
+    return os.environ.get("HVDNB_ELASTIC") == "1"
+
+
+def slot() -> int:
+    """This rank's slot: its number in the first generation, kept for its life."""
+    return int(os.environ.get("HVDNB_SLOT", os.environ.get("RANK", "0")))
+
+
+def listen(ch: Any) -> None:
+    """Take the notebook's ``elastic_reset`` messages from the side channel ``ch``."""
+    ch.on(kinds.ELASTIC_RESET, _NOTICES.on_reset)
+
+
+def notice(msg: dict[str, Any]) -> None:
+    """A generation given directly (the notebook's remote call between cells)."""
+    _NOTICES.on_reset(msg)
+
+
+def after_reset(fn: Callable[[], None]) -> None:
+    """Call ``fn`` after every re-formed group (``hvdnb.torch`` rebuilds its transports)."""
+    if fn not in _AFTER_RESET:
+        _AFTER_RESET.append(fn)
+
+
+def pending(current: int) -> dict[str, Any] | None:
+    """The newest generation after ``current`` the notebook announced (None: none)."""
+    with _NOTICES.cond:
+        got = _NOTICES.latest
+    return got if got is not None and got["generation"] > current else None
+
+
+def wait_for_generation(current: int, timeout: float) -> dict[str, Any]:
+    """Block until the notebook announces a generation after ``current``; return it."""
+    deadline = time.monotonic() + timeout
+    with _NOTICES.cond:
+        while True:
+            got = _NOTICES.latest
+            if got is not None and got["generation"] > current:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HorovodInternalError(
+                    f"slot {slot()}: no new generation from the notebook within {timeout:g} s "
+                    "after a collective failed (HVDNB_ELASTIC_TIMEOUT). Is the notebook kernel "
+                    "still running? `%dist status` shows the cluster."
+                )
+            _NOTICES.cond.wait(min(left, 0.5))
+
+
+def left(exc: BaseException) -> None:
+    """This rank's own code raised inside an elastic loop: tell the notebook it leaves."""
+    from hvdnb.rank import channel  # noqa: PLC0415  the side channel (zmq) only where a loop fails
+
+    try:
+        setattr(exc, "hvdnb_left", True)  # noqa: B010  the cell's reply says so
+    except AttributeError:  # an exception type without a __dict__
+        pass
+    ch = channel.get()
+    if ch is not None:
+        ch.send(kinds.ELASTIC_LEFT, slot=slot(), error=f"{type(exc).__name__}: {exc}"[:500])
+
+
+# ---------------------------------------------------------------------- failures
+#: words of the errors torch's backends raise when a peer has gone (gloo, NCCL, the store)
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "timed out",
+    "timeout",
+    "nccl communicator was aborted",
+    "ncclremoteerror",
+    "process group",
+    "default process group has not been initialized",
+    "gloo",
+)
+
+
+def is_internal(exc: BaseException, generation: int, grace: float = 0.0) -> bool:
+    """Did ``exc`` come from a lost peer rather than from the training code itself?
+
+    True for ``HorovodInternalError``, torch's distributed errors (``DistError`` and its
+    kind), an error whose words say a peer went away, and, within ``grace`` seconds, any
+    error after which the notebook announces a new generation (a peer was lost).
+    """
+    if isinstance(exc, HorovodInternalError):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
+    text = str(exc).lower()
+    if isinstance(exc, RuntimeError) and any(w in text for w in _PEER_GONE):
+        return True
+    if grace > 0 and enabled():
+        try:
+            wait_for_generation(generation, grace)
+            return True
+        except HorovodInternalError:
+            return False
+    return pending(generation) is not None
+
+
+# ---------------------------------------------------------------------- states
+class State:
+    """Horovod's elastic state: what a training loop commits, restores and syncs.
+
+    Parameters
+    ----------
+    bcast_object : ``fn(obj) -> obj`` returning rank 0's ``obj`` on every rank
+    get_rank : ``fn() -> int``, this rank in the current generation
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
+        self._last_updated_timestamp = 0.0
+        self._reset_callbacks: list[Callable[[], None]] = []
+        _NOTICES.states.add(self)
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after every reset (to rescale a learning rate, ...)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """After a new group formed: reset the state's parts, then the callbacks."""
+        self._host_messages = queue.Queue()
+        self.reset()
+        for cb in self._reset_callbacks:
+            cb()
+
+    def on_hosts_updated(self, timestamp: float, removed: bool) -> None:
+        """The notebook announced a membership change at ``timestamp``."""
+        self._host_messages.put((timestamp, removed))
+
+    def commit(self) -> None:
+        """Save the state (memory), then check for membership changes (collective)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` on every rank when rank 0 has heard of a
+        membership change since the last check (one broadcast from rank 0)."""
+        prev = last = self._last_updated_timestamp
+        removed_only = True
+        seen = False
+        while not self._host_messages.empty():
+            stamp, removed = self._host_messages.get()
+            if stamp > last:
+                last, seen = stamp, True
+                removed_only = removed_only and removed
+        prev, self._last_updated_timestamp, removed_only, seen = self._bcast_object(
+            (prev, last, removed_only, seen)
+        )
+        if seen and self._last_updated_timestamp > prev:
+            raise HostsUpdatedInterrupt(removed_only)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Re-read what depends on the world (rank, size); nothing by default."""
+
+
+class ObjectState(State):
+    """A state of plain attributes (``epoch=0, batch=0``): saved by value, synced from
+    rank 0 with ``bcast_object``."""
+
+    def __init__(
+        self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int], **kwargs: Any
+    ) -> None:
+        self._bcast_object = bcast_object
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {k: getattr(self, k) for k in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for k, v in self._saved_state.items():
+            setattr(self, k, v)
+
+
+# ---------------------------------------------------------------------- the loop
+def run_fn(func: F, reset: Callable[[], None], generation: Callable[[], int]) -> F:
+    """Horovod's elastic loop around ``func(state, *args, **kwargs)`` (see the module
+    docstring); ``reset`` forms the next group, ``generation`` tells the current one."""
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        _NOTICES.states.add(state)
+        _LOOPS[0] += 1
+        try:
+            return _loop(state, args, kwargs)
+        finally:
+            _LOOPS[0] -= 1
+
+    def _loop(state: Any, args: Any, kwargs: Any) -> Any:
+        skip_sync = False
+        while True:
+            gen = generation()
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+            except RankRemoved:
+                raise
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not enabled():
+                    raise  # outside an elastic cluster nobody re-forms the group
+                if not is_internal(exc, gen, grace=_grace()):
+                    left(exc)  # leaves as if it had died; the peers go on
+                    raise
+                state.restore()
+                skip_sync = False
+            reset()
+            state.on_reset()
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _grace() -> float:
+    """Seconds an unrecognised error waits for a new generation before it counts as the
+    training code's own (a peer's death the backend worded in a way not listed)."""
+    return float(get_config().elastic_grace)
+
+
+def timeout() -> float:
+    """Seconds a survivor waits for the notebook's next generation (``HVDNB_ELASTIC_TIMEOUT``)."""
+    return float(get_config().elastic_timeout)
+
+
+def run_after_reset() -> None:
+    """The hooks registered with ``after_reset``, in order."""
+    for fn in list(_AFTER_RESET):
+        fn()
+
+
+def reform() -> None:
+    """After a lost peer: release the group, wait for the notebook's next generation, and
+    form it (this rank's place is its slot's index among the members). Raises
+    ``RankRemoved`` when this slot is not among them."""
+    from hvdnb.rank import frameworks, rendezvous  # noqa: PLC0415  rendezvous imports torch's hooks: only when a group re-forms
+
+    if not enabled():
+        raise HorovodInternalError(
+            "a collective failed and this cluster is not elastic, so its group cannot be "
+            "re-formed without the lost rank: start with `%dist start -n N --min-np M`"
+        )
+    rendezvous.release_group()
+    got = wait_for_generation(rendezvous.generation(), timeout())
+    members = [int(m) for m in got["members"]]
+    me = slot()
+    if me not in members:
+        raise RankRemoved(f"slot {me} is not in generation {got['generation']}: it leaves")
+    w = rendezvous.rejoin(int(got["generation"]), members.index(me), len(members))
+    frameworks.move(rendezvous.place(w, _device()))
+    run_after_reset()
+
+
+def _device() -> str:
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
+
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
