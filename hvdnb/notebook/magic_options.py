@@ -77,7 +77,9 @@ START_OPTIONS = frozenset(
 )
 #: a restart re-makes the ranks where they ran: a new launcher, hostfile, address or Slurm
 #: job is a new cluster (``%dist stop`` then ``%dist start``)
-RESTART_OPTIONS = frozenset({"n", "backend", "timeout", "oversubscribe", "tf_ps"})
+RESTART_OPTIONS = frozenset(
+    {"n", "backend", "timeout", "oversubscribe", "tf_ps", "min_np", "max_np"}
+)
 
 #: the one table of what each ``%dist`` action takes; every other option is refused by name
 ACTIONS: dict[str, Action] = {
@@ -93,7 +95,7 @@ ACTIONS: dict[str, Action] = {
         RESTART_OPTIONS,
         False,
         "%dist restart [-n N] [--backend gloo|nccl|mpi|auto] [--timeout S] [--oversubscribe] "
-        "[--tf-ps K]",
+        "[--tf-ps K] [--min-np M] [--max-np K]",
     ),
     "status": Action(frozenset(), False, "%dist status"),
     "scale": Action(frozenset(), True, "%dist scale N"),
@@ -232,14 +234,16 @@ DIST_OPTIONS = [
         "--min-np",
         type=int,
         default=None,
-        help="start: an elastic cluster that goes on while at least this many ranks live "
-        "(a rank's death costs a step inside hvd.elastic.run / hvdnb.elastic.run)",
+        help="start, restart: an elastic cluster that goes on while at least this many ranks "
+        "live (a rank's death costs a step inside hvd.elastic.run / hvdnb.elastic.run); "
+        "restart --min-np 0: a fixed-size cluster again",
     ),
     argument(
         "--max-np",
         type=int,
         default=None,
-        help="start: the most ranks `%%dist scale` may give an elastic cluster (default: -n)",
+        help="start, restart: the most ranks `%%dist scale` may give an elastic cluster "
+        "(default: -n)",
     ),
     argument(
         "--oversubscribe",

@@ -424,6 +424,8 @@ class DistMagics(Magics):
                 timeout=args.timeout,
                 oversubscribe=True if args.oversubscribe else None,
                 tf_ps=args.tf_ps,
+                min_np=args.min_np,
+                max_np=args.max_np,
             )
         except (_cluster.ClusterError, ValueError) as exc:
             if c.running:

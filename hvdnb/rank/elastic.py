@@ -93,14 +93,16 @@ class _Notices:
         self.states: weakref.WeakSet[State] = weakref.WeakSet()
 
     def on_reset(self, msg: dict[str, Any]) -> None:
-        with self.cond:
-            if self.latest is None or msg["generation"] > self.latest["generation"]:
-                self.latest = dict(msg)
-            self.cond.notify_all()
+        # the states hear of it first: a survivor woken below resets its state, and a
+        # message queued after that reset would interrupt its next commit for nothing
         stamp = float(msg.get("t", time.time()))
         removed = bool(msg.get("removed", True))
         for st in list(self.states):
             st.on_hosts_updated(stamp, removed)
+        with self.cond:
+            if self.latest is None or msg["generation"] > self.latest["generation"]:
+                self.latest = dict(msg)
+            self.cond.notify_all()
 
 
 _NOTICES = _Notices()
@@ -185,13 +187,11 @@ _PEER_GONE = (
     "broken pipe",
     "connection refused",
     "socket closed",
-    "timed out",
-    "timeout",
     "nccl communicator was aborted",
     "ncclremoteerror",
-    "process group",
     "default process group has not been initialized",
-    "gloo",
+    "process group has been destroyed",
+    "third_party/gloo",
 )
 
 
@@ -384,14 +384,41 @@ def reform() -> None:
             "re-formed without the lost rank: start with `%dist start -n N --min-np M`"
         )
     rendezvous.release_group()
-    got = wait_for_generation(rendezvous.generation(), timeout())
-    members = [int(m) for m in got["members"]]
+    current = rendezvous.generation()
     me = slot()
-    if me not in members:
-        raise RankRemoved(f"slot {me} is not in generation {got['generation']}: it leaves")
-    w = rendezvous.rejoin(int(got["generation"]), members.index(me), len(members))
+    while True:
+        got = wait_for_generation(current, timeout())
+        gen, members = int(got["generation"]), [int(m) for m in got["members"]]
+        if me not in members:
+            raise RankRemoved(f"slot {me} is not in generation {gen}: it leaves")
+        if _all_arrived(gen, len(members)):
+            break
+        current = gen  # a newer generation replaced this one (another rank was lost)
+    w = rendezvous.rejoin(gen, members.index(me), len(members))
     frameworks.move(rendezvous.place(w, _device()))
     run_after_reset()
+
+
+def _all_arrived(gen: int, size: int) -> bool:
+    """Wait on the store until every member of generation ``gen`` has arrived (True), or
+    until the notebook announces a newer one (False): a member that died meanwhile would
+    otherwise hold the others in the group's own rendezvous until its timeout."""
+    from hvdnb.rank import rendezvous  # noqa: PLC0415  rendezvous imports torch's hooks: only when a group re-forms
+
+    store = rendezvous.store()
+    key = f"hvdnb-elastic/{gen}/arrived"  # beside the group's own prefix, never in it
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout()
+    while store.add(key, 0) < size:
+        if pending(gen) is not None:
+            return False
+        if time.monotonic() > deadline:
+            raise HorovodInternalError(
+                f"generation {gen}: not every one of its {size} ranks arrived within "
+                f"{timeout():g} s (HVDNB_ELASTIC_TIMEOUT)"
+            )
+        time.sleep(0.005)
+    return True
 
 
 def _device() -> str:

@@ -45,6 +45,7 @@ __all__ = [
     "reinit_process_group",
     "rejoin",
     "release_group",
+    "store",
     "world",
 ]
 
@@ -599,6 +600,11 @@ def reinit_process_group(generation: int, backend: str | None = None) -> None:
     _init_from_store(
         backend or old_backend or default_backend(w), w, get_config().collective_timeout
     )
+
+
+def store() -> Any:
+    """The rendezvous store this process's groups form through (None before the first)."""
+    return _STORE
 
 
 def release_group() -> None:

@@ -4,8 +4,8 @@ The same names and behaviour as ``horovod.tensorflow``, on tf tensors, in eager 
 inside ``tf.function``: ``init``, ``rank``, ``size``, the collectives (``allreduce``,
 ``grouped_allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ``reducescatter``),
 ``broadcast_variables``, ``broadcast_object``, ``DistributedGradientTape``,
-``Compression`` and the ops ``Average``, ``Sum``, ``Min``, ``Max``, ``Product``,
-``Adasum``. Keras: ``hvdnb.tensorflow.keras``.
+``Compression``, ``elastic`` (Horovod's elastic API) and the ops ``Average``, ``Sum``,
+``Min``, ``Max``, ``Product``, ``Adasum``. Keras: ``hvdnb.tensorflow.keras``.
 
 Owns: the public names (explicit ``__all__``) and the check that TensorFlow is installed
 (a missing one names its install command). The modules own the behaviour: ``basics``
@@ -22,7 +22,8 @@ from hvdnb import extras
 
 extras.require("tensorflow", "hvdnb.tensorflow")
 
-from hvdnb.tensorflow import util  # noqa: E402
+from hvdnb.rank.elastic import HorovodInternalError, HostsUpdatedInterrupt  # noqa: E402
+from hvdnb.tensorflow import elastic, util  # noqa: E402
 from hvdnb.tensorflow.basics import (  # noqa: E402
     ccl_built,
     cross_rank,
@@ -82,7 +83,6 @@ from hvdnb.tensorflow.tape import (  # noqa: E402
     DistributedGradientTape,
     PartialDistributedGradientTape,
 )
-from hvdnb.torch.ops import HorovodInternalError, HostsUpdatedInterrupt  # noqa: E402
 from hvdnb.torch.process_sets import (  # noqa: E402
     ProcessSet,
     add_process_set,
@@ -149,6 +149,7 @@ __all__ = [  # noqa: RUF022 (grouped by role, in the order of Horovod's API docs
     "PartialDistributedGradientTape",
     "SyncBatchNormalization",
     "Compression",
+    "elastic",
     # process sets
     "ProcessSet",
     "add_process_set",

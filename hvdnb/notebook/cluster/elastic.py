@@ -112,6 +112,8 @@ class Membership:
         self.left: dict[int, tuple[float, str]] = {}
         #: the generation the idle survivors must still be brought to (None: none)
         self.behind: int | None = None
+        #: slot -> its engine process (psutil)
+        self.procs: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
@@ -145,7 +147,10 @@ class Membership:
         """Member slots lost, each with ``died`` (its process exited) or ``hung`` (the
         controller stopped hearing its heartbeat: a stopped or hung process, which is
         then retired, killed, so that peers blocked on it are released)."""
-        procs = self.cluster.slot_processes()
+        # kept from when each was first seen: ipyparallel forgets an engine that exited
+        for s, p in self.cluster.slot_processes().items():
+            self.procs.setdefault(s, p)
+        procs = self.procs
         ids = set(self.cluster.client.ids) if self.cluster.client is not None else set()
         out: dict[int, str] = {}
         for s in self.members:

@@ -600,6 +600,8 @@ class Cluster:
         timeout: float | None = None,
         oversubscribe: bool | None = None,
         tf_ps: int | None = None,
+        min_np: int | None = None,
+        max_np: int | None = None,
     ) -> Cluster:
         """Stop everything and start a fresh cluster: the same settings, except those given.
 
@@ -613,11 +615,17 @@ class Cluster:
             are kept: for another place, stop this cluster and start a new one.
         tf_ps : the same ranks with TensorFlow parameter-server roles (``K``: ranks
             0..K-1 serve, the others are workers; 0: no parameter servers again)
+        min_np, max_np : an elastic cluster's bounds (``min_np=0``: a fixed-size one again)
         """
         given = {"n": n, "backend": backend, "timeout": timeout, "oversubscribe": oversubscribe}
         changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         if tf_ps is not None:  # 0 turns a ps cluster back into a plain one
             changes["tf_ps"] = None if tf_ps == 0 else tf_ps
+        if min_np is not None:  # 0 turns an elastic cluster back into a fixed-size one
+            changes["min_np"] = min_np or None
+            changes["max_np"] = max_np if min_np else None
+        elif max_np is not None:
+            changes["max_np"] = max_np
         options = {**self._options, **changes}
         if "n" in changes and options.get("engine_sets"):
             raise ClusterError(

@@ -2,8 +2,9 @@
 
 ``DistributedOptimizer`` wraps a Keras 2 optimizer so that the gradients it computes are
 averaged over the ranks (the user scales the learning rate by ``hvd.size()``, as with
-Horovod); ``callbacks`` has Horovod's four callbacks; ``load_model`` reads a model saved
-with a wrapped optimizer. Everything else (``init``, ``rank``, ``size``, ...) is
+Horovod); ``callbacks`` has Horovod's four callbacks; ``elastic`` its elastic API
+(``KerasState`` and the callbacks that commit it); ``load_model`` reads a model saved with
+a wrapped optimizer. Everything else (``init``, ``rank``, ``size``, ...) is
 ``hvdnb.tensorflow``'s. Horovod's Keras API is written for Keras 2: TensorFlow 2.16+ ships
 Keras 3 as ``tf.keras`` unless ``TF_USE_LEGACY_KERAS=1`` is set before TensorFlow is
 imported, and then ``tf.keras`` is the ``tf-keras`` package used here.
@@ -46,7 +47,7 @@ from hvdnb.tensorflow import (  # noqa: E402
 )
 from hvdnb.tensorflow import ops as _ops  # noqa: E402
 from hvdnb.tensorflow.functions import broadcast_global_variables as bgv  # noqa: E402
-from hvdnb.tensorflow.keras import aggregate, callbacks  # noqa: E402
+from hvdnb.tensorflow.keras import aggregate, callbacks, elastic  # noqa: E402
 from hvdnb.tensorflow.tape import local_layer_weights, make_allreduce_grads_fn  # noqa: E402
 from hvdnb.torch.process_sets import ProcessSet  # noqa: E402
 
@@ -68,6 +69,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "init",
     "is_initialized",
     "load_model",

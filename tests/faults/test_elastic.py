@@ -1,0 +1,200 @@
+"""An elastic cluster loses ranks and keeps training: real engines, real gloo groups.
+
+Each fault is made by the rank itself at a chosen step (it kills or stops its own
+process, raises, or dies inside ``commit``), so where it lands is never luck. After each
+fault the cluster is brought back with ``scale`` (a rejoin), so the next test starts at
+full size again. What is checked: the cell ends normally, with one line naming the lost
+ranks and the new size; the survivors finish every step at the new size with equal
+parameters; the next cell runs on them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hvdnb
+from hvdnb.notebook.cellout.cells import DistributedCellError, run_cell
+from tests.conftest import alive
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEPS = 24
+
+#: a Horovod-style elastic loop; ``{fault}`` runs at the top of every step, with ``slot``
+#: (the rank's engine, fixed for its life) and ``state.step`` in scope
+TRAIN = """
+import os, signal, time, torch, hvdnb.torch as hvd
+hvd.init()
+slot = int(os.environ["HVDNB_SLOT"])
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+)
+state = hvd.elastic.TorchState(model, opt, step=0)
+resets = []
+state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+{setup}
+@hvd.elastic.run
+def train(state):
+    while state.step < {steps}:
+        {fault}
+        x = torch.randn(8, 4)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        state.step += 1
+        if state.step % 4 == 0:
+            state.commit()
+        time.sleep(0.01)
+train(state)
+out = (hvd.rank(), hvd.size(), state.step, resets,
+       [round(float(p.detach().sum()), 5) for p in model.parameters()])
+out
+"""
+
+
+def _train(cluster, fault: str = "pass", setup: str = ""):
+    """Train on ``cluster``; ``{r0}``, ``{r1}``, ... in ``fault`` and ``setup`` are the slots
+    (engines) of ranks 0, 1, ... now: a fault is tied to an engine, not to a rank number,
+    which the survivors' renumbering would hand to another rank mid-loop."""
+    slots = {f"r{r}": cluster.membership.slot_of(r) for r in range(cluster.n)}
+    fault, setup = fault.format(**slots), setup.format(**slots)
+    code = TRAIN.format(fault=fault, setup=setup, steps=STEPS)
+    return run_cell(cluster, code, quiet=True)
+
+
+def _check_survivors(result, size: int) -> None:
+    outs = list(result.values.values())
+    assert len(outs) == size, result.values
+    assert sorted(o[0] for o in outs) == list(range(size))  # renumbered 0..size-1
+    assert {o[1] for o in outs} == {size}
+    assert {o[2] for o in outs} == {STEPS}  # every step done at the new size
+    assert all(o[3] and o[3][-1] == size for o in outs)  # the reset callbacks ran
+    assert len({tuple(o[4]) for o in outs}) == 1  # the same parameters on every rank
+
+
+def _back_to(cluster, n: int) -> None:
+    ev = cluster.scale(n)
+    assert cluster.n == n and ev.size == n
+    r = run_cell(
+        cluster, "import torch.distributed as d; (d.get_rank(), d.get_world_size())", quiet=True
+    )
+    assert sorted(r.values.values()) == [(i, n) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def three():
+    c = hvdnb.Cluster(n=3, min_np=1, oversubscribe=True)
+    c.start()
+    yield c
+    pids = c.pids()
+    c.stop()
+    assert not alive(pids)
+
+
+@pytest.fixture(scope="module")
+def two():
+    c = hvdnb.Cluster(n=2, min_np=1, oversubscribe=True)
+    c.start()
+    yield c
+    pids = c.pids()
+    c.stop()
+    assert not alive(pids)
+
+
+def test_a_rank_killed_by_a_signal_costs_a_step_at_3(three, capsys):
+    r = _train(three, "if slot == {r1} and state.step == 9: os.kill(os.getpid(), signal.SIGKILL)")
+    err = capsys.readouterr().err
+    assert "rank 1 of generation 0 died; training goes on with 2 ranks (generation 1)" in err
+    _check_survivors(r, 2)
+    assert list(r.lost) == [1] and r.ok
+    _back_to(three, 3)
+
+
+def test_a_raised_error_leaves_with_its_traceback_shown_once_at_3(three, capsys):
+    r = _train(three, "if slot == {r2} and state.step == 6: raise ValueError('bad shard')")
+    err = capsys.readouterr().err
+    assert err.count("ValueError: bad shard") == 1
+    assert "rank 2 raised ValueError and left the cluster" in err
+    assert "rank 2 of generation" in err and "left (its code raised)" in err
+    assert "elastic.py" not in err  # the loop's own frames are not the user's
+    _check_survivors(r, 2)
+    _back_to(three, 3)
+
+
+def test_a_rank_that_stops_answering_is_caught_and_retired_at_3(three, capsys):
+    r = _train(three, "if slot == {r0} and state.step == 5: os.kill(os.getpid(), signal.SIGSTOP)")
+    err = capsys.readouterr().err
+    assert "rank 0 of generation" in err and "stopped answering" in err
+    _check_survivors(r, 2)  # rank 0's death is survivable: the store is not on a rank
+    _back_to(three, 3)
+
+
+def test_a_death_inside_commit_at_3(three, capsys):
+    setup = (
+        "if slot == {r1}:\n"
+        "    _save = state.save\n"
+        "    def save():\n"
+        "        if state.step == 12: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        _save()\n"
+        "    state.save = save\n"
+    )
+    r = _train(three, setup=setup)
+    assert "died; training goes on with 2 ranks" in capsys.readouterr().err
+    _check_survivors(r, 2)
+    _back_to(three, 3)
+
+
+def test_two_deaths_in_one_step_at_3(three, capsys):
+    r = _train(three, "if slot != {r0} and state.step == 7: os.kill(os.getpid(), signal.SIGKILL)")
+    err = capsys.readouterr().err
+    assert "died; training goes on with 1 rank" in err
+    _check_survivors(r, 1)
+    assert three.n == 1
+    _back_to(three, 3)
+
+
+def test_kill_and_raise_at_2_then_rejoin(two, capsys):
+    r = _train(two, "if slot == {r1} and state.step == 9: os.kill(os.getpid(), signal.SIGKILL)")
+    assert "goes on with 1 rank (generation 1)" in capsys.readouterr().err
+    _check_survivors(r, 1)
+    _back_to(two, 2)
+    # rank 0 this time: the first rank's death is survivable too
+    r = _train(two, "if slot == {r0} and state.step == 5: raise RuntimeError('exit')")
+    assert "left (its code raised)" in capsys.readouterr().err
+    _check_survivors(r, 1)
+    _back_to(two, 2)
+
+
+def test_outside_a_loop_the_cell_fails_and_the_next_runs_on_the_survivors(two, capsys):
+    code = (
+        "import os, signal, time, torch, torch.distributed as dist\n"
+        "if os.environ['HVDNB_SLOT'] == os.environ['VICTIM']: os.kill(os.getpid(), 9)\n"
+        "time.sleep(0.5)\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    run_cell(two, f"import os; os.environ['VICTIM'] = '{two.membership.slot_of(1)}'", quiet=True)
+    with pytest.raises(DistributedCellError) as info:
+        run_cell(two, code, quiet=True)
+    assert "rank 1 of generation" in str(info.value) and "died" in str(info.value)
+    capsys.readouterr()
+    r = run_cell(two, "import torch.distributed as d; d.get_world_size()", quiet=True)
+    assert r.values == {0: 1}
+    _back_to(two, 2)
+
+
+def test_below_min_np_the_cell_fails_naming_it(two, capsys):
+    two.restart(min_np=2)
+    assert two.membership.min_np == 2
+    with pytest.raises(DistributedCellError) as info:
+        _train(two, "if slot == {r1} and state.step == 5: os.kill(os.getpid(), signal.SIGKILL)")
+    text = str(info.value)
+    assert "fewer than --min-np 2" in text and "rank 1" in text
+    with pytest.raises(hvdnb.ClusterError, match="fewer than its --min-np 2"):
+        run_cell(two, "1", quiet=True)
+    _back_to(two, 2)
+
+
+def test_scale_refuses_outside_the_bounds(two):
+    with pytest.raises(hvdnb.ClusterError, match="takes 2 to 2 ranks"):
+        two.scale(3)
