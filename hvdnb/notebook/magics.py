@@ -152,7 +152,8 @@ class DistMagics(Magics):
             )
         print(
             f"hvdnb: {c.n} rank{'s' if c.n != 1 else ''} ready in {c.start_seconds:.1f} s "
-            f"(launcher {c.launcher}{' with ' + args.hosts if args.hosts else ''}, backend "
+            f"({'engines on this host' if c.elastic else 'launcher ' + c.launcher}"
+            f"{' with ' + args.hosts if args.hosts else ''}, backend "
             f"{c.backend or 'auto'}{where}); "
             "use %%distributed to run a cell on every rank"
         )

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hvdnb.notebook.cluster.spec import ClusterError
+from hvdnb.notebook.metrics.store import get_store
 from hvdnb.protocol.remote import REBUILD_GROUP
 
 __all__ = ["CellMembers", "elastic_between_cells", "rejoin_note"]
@@ -98,6 +99,8 @@ class CellMembers:
             return []
         self.events.append(ev)
         self.below = self.below or ev.size == 0
+        lost = ",".join(f"r{r}" for r in ev.lost)
+        get_store().mark(f"{lost} {'left' if ev.why == 'left' else 'lost'} → {ev.size}")
         out = []
         for s in ev.lost_slots:
             r = self.rank_of.get(s)

@@ -199,6 +199,7 @@ class Membership:
             self.cluster.retire_slot(s)  # a rank that raised leaves as if it had died
             with self._lock:
                 self.left.pop(s, None)
+        _renumber(c, self.members, survivors)
         c.generation += 1
         size = len(survivors) if len(survivors) >= self.min_np else 0
         ev = Event(time.time(), c.generation, lost_ranks, size, why, cell, errors, tuple(lost))
@@ -254,6 +255,22 @@ class Membership:
         survivors = [s for s in self.members if s not in lost]
         ev = self._form(survivors, lost, "scaled", None, {})
         return Event(ev.t, ev.generation, ev.lost, ev.size, "scaled")
+
+
+def _renumber(cluster: Any, old: list[int], new: list[int]) -> None:
+    """What the notebook keeps per rank (the last cell, the last engine info) follows each
+    surviving engine to its rank in the next generation; the lost ranks' entries go."""
+    for attr in ("last_cell", "info_seen"):
+        per_rank = getattr(cluster, attr, None)
+        if isinstance(per_rank, dict):
+            kept = {
+                new.index(s): per_rank[r] for r, s in enumerate(old) if s in new and r in per_rank
+            }
+            per_rank.clear()
+            per_rank.update(kept)
+    notes = getattr(cluster, "death_notes", None)
+    if isinstance(notes, dict):
+        notes.clear()
 
 
 def _alive(p: Any) -> bool:

@@ -189,6 +189,12 @@ class Runs:
             if (step, label) not in run["marks"]:
                 run["marks"].append((step, label))
 
+    def mark(self, step: int, label: str) -> None:
+        """An event of the running run at ``step`` (lock held): a mark on its loss chart."""
+        run = self.record(self._run_id)
+        if self._in_cell and run is not None and (step, label) not in run["marks"]:
+            run["marks"].append((step, label))
+
     def begin_cluster(self) -> None:  # lock held
         """A new cluster: no run is current (views of the current run start empty) until
         a cell of it logs; earlier runs keep their points and are marked earlier."""

@@ -262,6 +262,19 @@ class MetricsStore:
         """(step, label) of the knob changes applied in the current run."""
         return self._runs.marks
 
+    def mark(self, label: str) -> None:
+        """Mark an event of the cluster (an elastic cluster lost ranks) on the running
+        run's loss chart, at the latest step a rank's loop reported (none reported: no mark)."""
+        with self._points.lock:
+            steps = [
+                int(i["step"])
+                for i in self._link.rank_info.values()
+                if isinstance(i.get("step"), (int, float))
+            ]
+            if steps:
+                self._runs.mark(max(steps), label)
+                self._points.changed()
+
     def current_run(self) -> dict[str, Any] | None:
         """The current run's record (None before the first run); see ``runs``."""
         return self._runs.record(self._runs.run_id)
