@@ -162,10 +162,11 @@ ELASTIC_RESET: Final = Kind(
     "elastic_reset",
     "notebook",
     ("generation", "members"),
-    ("t", "removed", "why"),
+    ("t", "removed", "why", "pids"),
     doc="an elastic cluster's next generation: ``members`` are the slots in rank order "
     "(a slot's rank is its index); ``removed``: ranks only left (the survivors need no sync); "
-    "``why``: what changed, in words",
+    "``why``: what changed, in words; ``pids``: every engine process of the cluster (a "
+    "survivor shuts down its connections to them: gloo's pairs of the old group)",
 )
 ELASTIC_LEFT: Final = Kind(
     "elastic_left",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -46,6 +47,7 @@ from hvdnb.protocol import kinds
 
 __all__ = [
     "HorovodInternalError",
+    "HostCheck",
     "HostsUpdatedInterrupt",
     "ObjectState",
     "RankRemoved",
@@ -103,10 +105,28 @@ class _Notices:
             if self.latest is None or msg["generation"] > self.latest["generation"]:
                 self.latest = dict(msg)
             self.cond.notify_all()
+        if removed and enabled() and not _REFORMING[0]:
+            _release_now(int(msg["generation"]), [int(p) for p in msg.get("pids") or ()])
+
+
+def _release_now(generation: int, pids: list[int]) -> None:
+    """A rank was lost and this one is not re-forming yet: abort the group from the side
+    channel's thread. A collective this rank is blocked in then fails at once, even one
+    that waits on a survivor (gloo releases the peers of a dead rank, and of a rank that
+    aborted, but not a rank two hops away: at 4 ranks one survivor waited out the
+    collective timeout with an allreduce in flight). Outside an elastic loop the cell then
+    fails, as a death fails it on a fixed-size cluster."""
+    from hvdnb.rank import rendezvous  # noqa: PLC0415  rendezvous imports torch's hooks: only when a rank was lost
+
+    if generation > rendezvous.generation():
+        rendezvous.release_group()
+        rendezvous.cut_peer_links(pids)
 
 
 _NOTICES = _Notices()
+_REFORMING = [False]  # reform() runs: the training thread lets the group go itself
 _AFTER_RESET: list[Callable[[], None]] = []
+_BEFORE_RESET: list[Callable[[], None]] = []
 _LOOPS = [0]  # elastic loops running on this rank (nested: the outer one resets)
 
 
@@ -135,10 +155,15 @@ def notice(msg: dict[str, Any]) -> None:
     _NOTICES.on_reset(msg)
 
 
-def after_reset(fn: Callable[[], None]) -> None:
-    """Call ``fn`` after every re-formed group (``hvdnb.torch`` rebuilds its transports)."""
+def after_reset(fn: Callable[[], None], before: Callable[[], None] | None = None) -> None:
+    """Call ``fn`` after every re-formed group (``hvdnb.torch`` rebuilds its transports),
+    and ``before`` before the old one is released: whatever still holds the old group
+    keeps its connections open, and a peer blocked on this rank is then never released
+    (seen at 8 ranks: ranks not next to the dead one waited out the collective timeout)."""
     if fn not in _AFTER_RESET:
         _AFTER_RESET.append(fn)
+    if before is not None and before not in _BEFORE_RESET:
+        _BEFORE_RESET.append(before)
 
 
 def pending(current: int) -> dict[str, Any] | None:
@@ -219,6 +244,67 @@ def is_internal(exc: BaseException, generation: int, grace: float = 0.0) -> bool
     return pending(generation) is not None
 
 
+class HostCheck:
+    """A commit's membership check, agreed from rank 0 one commit late.
+
+    Horovod broadcasts rank 0's view of membership changes at every commit and waits for
+    it: on 2 CPU ranks here that was a third of an MLP's step. Here the broadcast a commit
+    starts (four numbers, asynchronously) is read at the next commit, long done by then;
+    every rank acts on the same value at the same commit, one commit interval later than
+    Horovod would. A failed collective (a death) never waits for this: it raises at once.
+    Without a torch.distributed group the check is Horovod's, through ``bcast_object``.
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[Any, Any] | None = None
+        #: the newest membership change this rank heard of, and whether all since the last
+        #: one acted on only removed ranks
+        self.seen = 0.0
+        self.removed_only = True
+
+    def drop(self) -> None:
+        """Forget the broadcast in flight (its group is gone after a reset)."""
+        self.pending = None
+
+    def check(
+        self, acted: float, messages: Any, bcast_object: Callable[[Any], Any] | None
+    ) -> tuple[float, bool] | None:
+        """Take this rank's new messages; return ``(stamp, removed_only)`` of a change
+        every rank acts on now (None: none). ``acted``: the stamp last acted on."""
+        while not messages.empty():
+            stamp, removed = messages.get()
+            if stamp > self.seen:
+                self.seen = stamp
+                self.removed_only = self.removed_only and removed
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            view = (acted, self.seen, self.removed_only)
+            a, b, r = tuple(bcast_object(view)) if bcast_object is not None else view
+            return self._decide(a, b, bool(r))
+        got = None
+        if self.pending is not None:
+            work, t = self.pending
+            work.wait()
+            a, b, r = t.tolist()
+            got = self._decide(a, b, bool(r))
+            acted = got[0] if got is not None else acted
+        import torch  # noqa: PLC0415  torch is loaded already (its group exists)
+
+        dev = torch.device("cpu")
+        if str(dist.get_backend()) == "nccl":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([acted, self.seen, float(self.removed_only)], dtype=torch.float64)
+        t = t.to(dev)
+        self.pending = (dist.broadcast(t, 0, async_op=True), t)
+        return got
+
+    def _decide(self, acted: float, seen: float, removed_only: bool) -> tuple[float, bool] | None:
+        if seen > acted:
+            self.removed_only = True
+            return seen, removed_only
+        return None
+
+
 # ---------------------------------------------------------------------- states
 class State:
     """Horovod's elastic state: what a training loop commits, restores and syncs.
@@ -235,6 +321,7 @@ class State:
         self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
         self._last_updated_timestamp = 0.0
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._check = HostCheck()
         _NOTICES.states.add(self)
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
@@ -244,6 +331,7 @@ class State:
     def on_reset(self) -> None:
         """After a new group formed: reset the state's parts, then the callbacks."""
         self._host_messages = queue.Queue()
+        self._check.drop()
         self.reset()
         for cb in self._reset_callbacks:
             cb()
@@ -258,21 +346,14 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise ``HostsUpdatedInterrupt`` on every rank when rank 0 has heard of a
-        membership change since the last check (one broadcast from rank 0)."""
-        prev = last = self._last_updated_timestamp
-        removed_only = True
-        seen = False
-        while not self._host_messages.empty():
-            stamp, removed = self._host_messages.get()
-            if stamp > last:
-                last, seen = stamp, True
-                removed_only = removed_only and removed
-        prev, self._last_updated_timestamp, removed_only, seen = self._bcast_object(
-            (prev, last, removed_only, seen)
+        """Raise ``HostsUpdatedInterrupt`` on every rank at the same commit when rank 0
+        heard of a membership change (``HostCheck``: agreed one commit late)."""
+        got = self._check.check(
+            self._last_updated_timestamp, self._host_messages, self._bcast_object
         )
-        if seen and self._last_updated_timestamp > prev:
-            raise HostsUpdatedInterrupt(removed_only)
+        if got is not None:
+            self._last_updated_timestamp = got[0]
+            raise HostsUpdatedInterrupt(got[1])
 
     def save(self) -> None:
         raise NotImplementedError
@@ -383,18 +464,27 @@ def reform() -> None:
             "a collective failed and this cluster is not elastic, so its group cannot be "
             "re-formed without the lost rank: start with `%dist start -n N --min-np M`"
         )
-    rendezvous.release_group()
-    current = rendezvous.generation()
-    me = slot()
-    while True:
-        got = wait_for_generation(current, timeout())
-        gen, members = int(got["generation"]), [int(m) for m in got["members"]]
-        if me not in members:
-            raise RankRemoved(f"slot {me} is not in generation {gen}: it leaves")
-        if _all_arrived(gen, len(members)):
-            break
-        current = gen  # a newer generation replaced this one (another rank was lost)
-    w = rendezvous.rejoin(gen, members.index(me), len(members))
+    _REFORMING[0] = True
+    try:
+        for fn in list(_BEFORE_RESET):
+            fn()
+        rendezvous.release_group()
+        with _NOTICES.cond:
+            pids = list((_NOTICES.latest or {}).get("pids") or ())
+        rendezvous.cut_peer_links([int(p) for p in pids])  # peers blocked on this rank fail now
+        current = rendezvous.generation()
+        me = slot()
+        while True:
+            got = wait_for_generation(current, timeout())
+            gen, members = int(got["generation"]), [int(m) for m in got["members"]]
+            if me not in members:
+                raise RankRemoved(f"slot {me} is not in generation {gen}: it leaves")
+            if _all_arrived(gen, len(members)):
+                break
+            current = gen  # a newer generation replaced this one (another rank was lost)
+        w = rendezvous.rejoin(gen, members.index(me), len(members))
+    finally:
+        _REFORMING[0] = False
     frameworks.move(rendezvous.place(w, _device()))
     run_after_reset()
 

@@ -38,6 +38,7 @@ from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 
 __all__ = [
     "World",
+    "cut_peer_links",
     "discover",
     "init_process_group",
     "listen_store",
@@ -52,6 +53,9 @@ __all__ = [
 _WORLD: World | None = None
 _STORE: Any = None
 _GENERATION = 0
+#: one release at a time: the training thread (its collective failed) and the side
+#: channel's thread (the notebook announced a lost rank) may both let the group go
+_RELEASE = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -608,25 +612,60 @@ def store() -> Any:
 
 
 def release_group() -> None:
-    """Let go of the default group after a peer was lost: NCCL's is aborted (destroying a
-    communicator with a dead peer can hang, pytorch#180611), gloo's destroyed; its
-    connections close, so peers still blocked on this rank fail at once."""
+    """Let go of every process group after a peer was lost: each is aborted (its
+    connections close, so peers still blocked on this rank fail at once, whatever still
+    holds a reference to it), never destroyed (destroying an NCCL communicator with a dead
+    peer can hang, pytorch#180611); gloo's abort closes its pairs the same way."""
     import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415  torch is heavy: loaded when first used
 
-    if not dist.is_initialized():
-        return
-    if str(dist.get_backend()) == "nccl":
-        import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415  torch is heavy: loaded when first used
-
+    with _RELEASE:
+        if not dist.is_initialized():
+            return
         abort = getattr(c10d, "_abort_process_group", None)
         if abort is not None:
             try:
                 abort()
                 return
-            except Exception:  # an older torch, or already aborted: destroy below
+            except Exception:  # an older torch, or a backend without abort: destroy below
                 pass
-    gc.collect()  # a caught collective error's frames hold the group (see _shutdown)
-    destroy_default_group()
+        gc.collect()  # a caught collective error's frames hold the group (see _shutdown)
+        destroy_default_group()
+
+
+def cut_peer_links(pids: list[int]) -> int:
+    """Shut down this process's TCP connections to the processes ``pids`` (the other ranks
+    of an elastic cluster, on this host): gloo's pairs. Returns how many.
+
+    gloo's ``abort`` does not wake a collective blocked on this rank, nor close its pairs
+    (a peer two hops from a dead rank then waits out the collective timeout), and
+    destroying the group closes them only when nothing else holds it (an async ``Work``
+    in a frame does). A shut-down socket fails the collective on both of its ends at once.
+    The connections to the store, the notebook and the controller are not to ranks.
+    """
+    import psutil  # noqa: PLC0415  psutil is only needed when a rank was lost
+
+    peers: set[tuple[str, int]] = set()
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            peers.update(
+                (c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+            )
+        except psutil.Error:
+            continue
+    cut = 0
+    for c in psutil.Process().net_connections("tcp"):
+        if c.fd < 0 or not c.raddr or (c.raddr.ip, c.raddr.port) not in peers:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(c.fd)) as sk:
+                sk.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            continue
+    return cut
 
 
 def rejoin(generation: int, rank: int, size: int, backend: str | None = None) -> World:

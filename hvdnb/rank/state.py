@@ -41,6 +41,7 @@ _RESERVED = {
     "_host_messages",
     "_last_updated",
     "_reset_callbacks",
+    "_check",
     "restored",
     "commits",
     "path",
@@ -93,6 +94,7 @@ class State:
         object.__setattr__(self, "_host_messages", queue.Queue())
         object.__setattr__(self, "_last_updated", 0.0)
         object.__setattr__(self, "_reset_callbacks", [])
+        object.__setattr__(self, "_check", elastic.HostCheck())
         rank = os.environ.get("RANK", "0")
         size = os.environ.get("WORLD_SIZE", "1")
         object.__setattr__(self, "path", _state_dir() / f"rank{rank}-of-{size}.pt")
@@ -193,6 +195,7 @@ class State:
 
     def on_reset(self) -> None:
         object.__setattr__(self, "_host_messages", queue.Queue())
+        self._check.drop()
         for cb in self._reset_callbacks:
             cb()
 
@@ -200,23 +203,12 @@ class State:
         self._host_messages.put((timestamp, removed))
 
     def check_host_updates(self) -> None:
-        """Raise ``HostsUpdatedInterrupt`` on every rank when rank 0 heard of a membership
-        change since the last check (one broadcast from rank 0)."""
-        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
-
-        prev = last = self._last_updated
-        removed_only, seen = True, False
-        while not self._host_messages.empty():
-            stamp, removed = self._host_messages.get()
-            if stamp > last:
-                last, seen, removed_only = stamp, True, removed_only and removed
-        box = [(prev, last, removed_only, seen)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        prev, last, removed_only, seen = box[0]
-        object.__setattr__(self, "_last_updated", last)
-        if seen and last > prev:
-            raise elastic.HostsUpdatedInterrupt(removed_only)
+        """Raise ``HostsUpdatedInterrupt`` on every rank at the same commit when rank 0
+        heard of a membership change (``elastic.HostCheck``: agreed one commit late)."""
+        got = self._check.check(self._last_updated, self._host_messages, None)
+        if got is not None:
+            object.__setattr__(self, "_last_updated", got[0])
+            raise elastic.HostsUpdatedInterrupt(got[1])
 
     def clear(self) -> None:
         """Forget this rank's commit (the next State starts fresh)."""

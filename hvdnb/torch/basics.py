@@ -123,7 +123,8 @@ def init(
     # (atexit is LIFO): a group that outlives destroy dies during interpreter teardown,
     # where gloo's threads abort the process ("terminate called without an active exception")
     atexit.register(shutdown)
-    elastic.after_reset(_renew)  # an elastic cluster's next generation: new transports
+    # an elastic cluster's next generation: the transports let the old group go, then new
+    elastic.after_reset(_renew, before=_forget)
     for ps in process_sets or ():
         add_process_set(ps)
 
@@ -151,11 +152,24 @@ def shutdown() -> None:
     STATE.initialized = False
 
 
+_WAS = {"initialized": False}
+
+
+def _forget() -> None:
+    """The default group is about to be released (an elastic cluster lost a rank): drop
+    every reference to it, so its connections close and blocked peers are released."""
+    _WAS["initialized"] = STATE.initialized
+    shutdown()
+
+
 def _renew() -> None:
     """The default group was re-formed (an elastic cluster's next generation): set the
     transports up again over it, if hvdnb.torch was in use."""
     if STATE.initialized:
         shutdown()
+        init()
+    elif _WAS["initialized"]:
+        _WAS["initialized"] = False
         init()
 
 

@@ -78,9 +78,39 @@ class _Handler:
         raise NotImplementedError
 
 
+def _snapshot(obj: Any, old: Any = None) -> Any:
+    """A copy of a ``state_dict``: tensors cloned (into ``old``'s tensors where their shape,
+    dtype and device match: no allocation), containers rebuilt, the rest deep-copied.
+    ``copy.deepcopy`` took 0.18 ms for the bench's 85k-parameter MLP, a twelfth of its step."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if (
+            isinstance(old, torch.Tensor)
+            and old.shape == t.shape
+            and old.dtype == t.dtype
+            and old.device == t.device
+        ):
+            return old.copy_(t)
+        return t.clone()
+    if isinstance(obj, dict):
+        was = old if isinstance(old, dict) else {}
+        return type(obj)((k, _snapshot(v, was.get(k))) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        seq = list(old) if isinstance(old, (list, tuple)) else []
+        items = [_snapshot(v, seq[i] if i < len(seq) else None) for i, v in enumerate(obj)]
+        return type(obj)(items) if isinstance(obj, list) else tuple(items)
+    if obj is None or isinstance(obj, (int, float, str, bool)):
+        return obj
+    return copy.deepcopy(obj)
+
+
 class _ModelHandler(_Handler):
+    # load_state_dict copies into the parameters: the saved tensors are never aliased, so
+    # each save writes into the last one's
+    saved: Any = None
+
     def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
+        self.saved = _snapshot(self.value.state_dict(), self.saved)
 
     def restore(self) -> None:
         self.value.load_state_dict(self.saved)
@@ -91,11 +121,13 @@ class _ModelHandler(_Handler):
 
 
 class _OptimizerHandler(_Handler):
+    # an optimizer's load_state_dict may keep the tensors it is given as its state: it is
+    # given a copy, and each save makes new ones
     def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
+        self.saved = _snapshot(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self.saved)
+        self.value.load_state_dict(_snapshot(self.saved))
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)

@@ -213,7 +213,8 @@ class Membership:
         return ev
 
     def announce(self, removed: bool, why: str) -> None:
-        """Send the current generation to every member (they re-form when they can)."""
+        """Send the current generation to every member (they re-form when they can), with
+        the engine processes of every slot seen (a survivor cuts its links to them)."""
         c = self.cluster
         msg = {
             "generation": c.generation,
@@ -221,6 +222,7 @@ class Membership:
             "t": time.time(),
             "removed": removed,
             "why": why,
+            "pids": [p.pid for p in self.procs.values()],
         }
         if c.channel is not None:
             for s in self.members:
