@@ -38,8 +38,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import hvdnb  # noqa: E402
-from hvdnb.notebook.cellout.cells import run_cell  # noqa: E402
+import hvdnb
+from hvdnb.notebook.cellout.cells import run_cell
 
 OUT = ROOT / "bench" / "results" / "elastic.json"
 
@@ -184,7 +184,7 @@ def main() -> None:
             f"{r['ranks']:>5} {r['notebook_decided_s']:>7.3f}s {r['seen_by_every_survivor_s']:>6.3f}s "
             f"{r['first_allreduce_at_n_minus_1_s']:>6.3f}s {r['work_lost_steps']:>5} "
             f"{r['step_ms']:>8.2f} {r['commit_ms']:>9.2f} {r['commit_over_step']:>10.1%} "
-            f"{str(r['checksums_equal']):>6}"
+            f"{r['checksums_equal']!s:>6}"
         )
     res: dict = {"deaths": rows}
     if args.cycles:
