@@ -33,6 +33,7 @@ Never: decide membership (the notebook does), or issue a collective outside ``sy
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import queue
 import sys
@@ -469,6 +470,10 @@ def reform() -> None:
         for fn in list(_BEFORE_RESET):
             fn()
         rendezvous.release_group()
+        # what the failed step left in reference cycles goes now: a DDP wrapper of the old
+        # group kept its hooks on the parameters, and the next generation's backward fired
+        # them ("marked as ready twice": the walk's DDP cell failed so)
+        gc.collect()
         with _NOTICES.cond:
             pids = list((_NOTICES.latest or {}).get("pids") or ())
         rendezvous.cut_peer_links([int(p) for p in pids])  # peers blocked on this rank fail now
