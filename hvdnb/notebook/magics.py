@@ -454,6 +454,7 @@ class DistMagics(Magics):
         except _cluster.ClusterError as exc:
             raise usage(exc) from None
         print(ev.line(c.membership.min_np if c.membership is not None else 0))
+        _store.get_store().mark("scaled")  # between cells: the panel's header takes the size
 
     def _status(self, args: Any) -> None:
         """A table of the ranks: rank, host, pid, device, backend, state (dead ranks

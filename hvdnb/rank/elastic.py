@@ -36,6 +36,7 @@ import functools
 import gc
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -54,6 +55,7 @@ __all__ = [
     "RankRemoved",
     "State",
     "after_reset",
+    "cut_peer_links",
     "enabled",
     "in_loop",
     "is_internal",
@@ -121,7 +123,7 @@ def _release_now(generation: int, pids: list[int]) -> None:
 
     if generation > rendezvous.generation():
         rendezvous.release_group()
-        rendezvous.cut_peer_links(pids)
+        cut_peer_links(pids)
 
 
 _NOTICES = _Notices()
@@ -476,7 +478,7 @@ def reform() -> None:
         gc.collect()
         with _NOTICES.cond:
             pids = list((_NOTICES.latest or {}).get("pids") or ())
-        rendezvous.cut_peer_links([int(p) for p in pids])  # peers blocked on this rank fail now
+        cut_peer_links([int(p) for p in pids])  # peers blocked on this rank fail now
         current = rendezvous.generation()
         me = slot()
         while True:
@@ -520,3 +522,38 @@ def _device() -> str:
     import torch  # noqa: PLC0415  torch is heavy: loaded when first used
 
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
+def cut_peer_links(pids: list[int]) -> int:
+    """Shut down this process's TCP connections to the processes ``pids`` (the other ranks
+    of an elastic cluster, on this host): gloo's pairs. Returns how many.
+
+    gloo's ``abort`` does not wake a collective blocked on this rank, nor close its pairs
+    (a peer two hops from a dead rank then waits out the collective timeout), and
+    destroying the group closes them only when nothing else holds it (an async ``Work``
+    in a frame does). A shut-down socket fails the collective on both of its ends at once.
+    The connections to the store, the notebook and the controller are not to ranks.
+    """
+    import psutil  # noqa: PLC0415  psutil is only needed when a rank was lost
+
+    peers: set[tuple[str, int]] = set()
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            peers.update(
+                (c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+            )
+        except psutil.Error:
+            continue
+    cut = 0
+    for c in psutil.Process().net_connections("tcp"):
+        if c.fd < 0 or not c.raddr or (c.raddr.ip, c.raddr.port) not in peers:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(c.fd)) as sk:
+                sk.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            continue
+    return cut

@@ -38,7 +38,6 @@ from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
 
 __all__ = [
     "World",
-    "cut_peer_links",
     "discover",
     "init_process_group",
     "listen_store",
@@ -631,41 +630,6 @@ def release_group() -> None:
                 pass
         gc.collect()  # a caught collective error's frames hold the group (see _shutdown)
         destroy_default_group()
-
-
-def cut_peer_links(pids: list[int]) -> int:
-    """Shut down this process's TCP connections to the processes ``pids`` (the other ranks
-    of an elastic cluster, on this host): gloo's pairs. Returns how many.
-
-    gloo's ``abort`` does not wake a collective blocked on this rank, nor close its pairs
-    (a peer two hops from a dead rank then waits out the collective timeout), and
-    destroying the group closes them only when nothing else holds it (an async ``Work``
-    in a frame does). A shut-down socket fails the collective on both of its ends at once.
-    The connections to the store, the notebook and the controller are not to ranks.
-    """
-    import psutil  # noqa: PLC0415  psutil is only needed when a rank was lost
-
-    peers: set[tuple[str, int]] = set()
-    for pid in pids:
-        if pid == os.getpid():
-            continue
-        try:
-            peers.update(
-                (c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
-            )
-        except psutil.Error:
-            continue
-    cut = 0
-    for c in psutil.Process().net_connections("tcp"):
-        if c.fd < 0 or not c.raddr or (c.raddr.ip, c.raddr.port) not in peers:
-            continue
-        try:
-            with socket.socket(fileno=os.dup(c.fd)) as sk:
-                sk.shutdown(socket.SHUT_RDWR)
-            cut += 1
-        except OSError:
-            continue
-    return cut
 
 
 def rejoin(generation: int, rank: int, size: int, backend: str | None = None) -> World:

@@ -40,6 +40,7 @@ def elastic_between_cells(cluster: Any) -> Callable[[int], int]:
     if ev is not None:
         sys.stderr.write(ev.line(m.min_np) + "\n")
         sys.stderr.flush()
+        get_store().mark(ev.line(m.min_np))  # between cells: no run to mark, the size follows
     if m.size < m.min_np:
         raise ClusterError(
             f"the elastic cluster has {m.size} rank{'s' if m.size != 1 else ''}, fewer than its "

@@ -264,7 +264,8 @@ class MetricsStore:
 
     def mark(self, label: str) -> None:
         """Mark an event of the cluster (an elastic cluster lost ranks) on the running
-        run's loss chart, at the latest step a rank's loop reported (none reported: no mark)."""
+        run's loss chart, at the latest step a rank's loop reported (none reported: no mark),
+        and take the cluster's size again for the header."""
         with self._points.lock:
             steps = [
                 int(i["step"])
@@ -273,7 +274,10 @@ class MetricsStore:
             ]
             if steps:
                 self._runs.mark(max(steps), label)
-                self._points.changed()
+            # the header's size follows the cluster's (an elastic cluster's new generation)
+            if self._link.cluster is not None:
+                self._link.info["n"] = getattr(self._link.cluster, "n", self._link.info.get("n"))
+            self._points.changed()
 
     def current_run(self) -> dict[str, Any] | None:
         """The current run's record (None before the first run); see ``runs``."""
