@@ -86,9 +86,6 @@ def _run(args: argparse.Namespace) -> int:
             os.environ["HVDNB_MAX_NP"] = str(args.max_np)
     if args.notebook.suffix == ".py":
         return _run_script(args)
-    if args.script_args:
-        print(f"hvdnb run: unexpected arguments {args.script_args!r}", file=sys.stderr)
-        return 2
     try:
         out = run_notebook(
             args.notebook,
@@ -216,8 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--max-np", type=int, default=None, help="an elastic cluster's most ranks (default: -n)"
     )
-    r.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    r.set_defaults(func=_run)
+    r.set_defaults(func=_run, script_args=[])
     e = sub.add_parser(
         "export",
         help="turn a notebook's %%distributed cells into a script for mpiexec, torchrun or Slurm",
@@ -265,9 +261,29 @@ def _without_iri_grammars() -> None:
     sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]  # None: "not installed"
 
 
+def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``hvdnb run [OPTIONS] script.py [ITS ARGUMENTS]``: what follows a script's path is
+    the script's (its own ``-n`` included); a notebook takes options before or after it."""
+    if not argv or argv[0] != "run":
+        return argv, []
+    takes_value = {"-n", "-o", "--output", "--timeout", "--min-np", "--max-np"}
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in takes_value:
+            i += 2
+            continue
+        if not a.startswith("-") and a.endswith(".py"):
+            return argv[: i + 1], argv[i + 1 :]
+        i += 1
+    return argv, []
+
+
 def main(argv: list[str] | None = None) -> int:
     _without_iri_grammars()
-    args = _parser().parse_args(argv)
+    ours, theirs = _split_script(list(sys.argv[1:] if argv is None else argv))
+    args = _parser().parse_args(ours)
+    args.script_args = theirs
     if getattr(args, "n", None) is not None and args.n < 1:
         print(f"hvdnb: -n must be at least 1, not {args.n}", file=sys.stderr)
         return 2

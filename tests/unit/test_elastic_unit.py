@@ -124,3 +124,19 @@ def test_elastic_options_are_checked_before_anything_starts():
         check(n=2, min_np=1, launcher="slurm")
     spec = check(n=2, min_np=1, oversubscribe=True)
     assert spec.elastic and spec.max_np == 2
+
+
+def test_hvdnb_run_gives_a_script_what_follows_its_path_and_a_notebook_its_options():
+    from hvdnb.notebook.cli import _split_script
+
+    assert _split_script(["run", "nb.ipynb", "-n", "2", "-o", "out.ipynb"]) == (
+        ["run", "nb.ipynb", "-n", "2", "-o", "out.ipynb"],
+        [],
+    )
+    assert _split_script(
+        ["run", "-n", "2", "--min-np", "1", "train.py", "--epochs", "3", "-n", "5"]
+    ) == (
+        ["run", "-n", "2", "--min-np", "1", "train.py"],
+        ["--epochs", "3", "-n", "5"],
+    )
+    assert _split_script(["demo", "-n", "2"]) == (["demo", "-n", "2"], [])

@@ -357,7 +357,9 @@ class Cluster:
 
     def scale(self, n: int) -> Event:
         """Take an elastic cluster to ``n`` ranks (between cells; ``elastic.scale``)."""
-        return elastic_scale(self, n)
+        ev = elastic_scale(self, n)
+        self._start_watchdog()  # the engines it started die with this kernel too
+        return ev
 
     def _connect(self) -> None:
         from ipyparallel import Client  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
@@ -435,7 +437,11 @@ class Cluster:
         return pids
 
     def _start_watchdog(self) -> None:
-        """A stdlib-only process that stops this cluster if the notebook kernel is killed."""
+        """A stdlib-only process that stops this cluster if the notebook kernel is killed
+        (a new one replaces the last: ``scale`` started engines it must know)."""
+        old, self._watchdog = self._watchdog, None
+        if old is not None and old.poll() is None:
+            old.terminate()  # SIGTERM ends a watchdog without touching the cluster
         cancel: list[str] = []
         for es in self.engine_launchers():  # batch jobs (Slurm, PBS...) are cancelled, not killed
             job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
