@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hvdnb.rank import elastic as _core
-from hvdnb.rank import rendezvous
 from hvdnb.rank.elastic import HorovodInternalError, HostsUpdatedInterrupt, RankRemoved
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "RankRemoved", "run"]
@@ -28,4 +27,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def run(func: F) -> F:
     """Run ``func(state, ...)`` and go on at the new size when a rank is lost."""
-    return _core.run_fn(func, _core.reform, rendezvous.generation)
+    return _core.run_fn(func, _core.reform, _generation)
+
+
+def _generation() -> int:
+    # `import hvdnb` in the notebook kernel loads no rendezvous code (20 ms)
+    from hvdnb.rank import rendezvous  # noqa: PLC0415  the rank's rendezvous, only where a loop runs
+
+    return rendezvous.generation()

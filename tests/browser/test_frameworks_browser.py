@@ -155,16 +155,20 @@ def test_frameworks_journey(lab):
         line = _wait_for(
             page,
             light,
+            # while it trains (the rate is "n/a" once the loop has ended: a loaded box that
+            # saw the line only after step 160 failed here when the wait asked for step 100
+            # and the rate came after)
             lambda svg, line: (
                 "rank 0" in svg
                 and "rank 1" in svg
                 and "loss r0" in line
-                and int((re.search(r"step (\d+)/", line) or [0, 0])[1]) >= 100
+                and re.search(r"[0-9] samples/s", line) is not None
+                and int((re.search(r"step (\d+)/", line) or [0, 0])[1]) >= 20
             ),
-            "Lightning's per-rank loss on the panel while it trains",
+            "Lightning's per-rank loss and its samples/s on the panel while it trains",
             seconds=150,
         )
-        assert line.startswith("run 2") and "samples/s n/a" not in line, line
+        assert line.startswith("run 2"), line
         page.evaluate(
             "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
             f"{light} .hvdnb-liveline",

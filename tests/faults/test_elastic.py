@@ -150,8 +150,7 @@ def test_two_deaths_in_one_step_at_3(three, capsys):
     err = capsys.readouterr().err
     assert "died; training goes on with 1 rank" in err
     _check_survivors(r, 1)
-    assert three.n == 1
-    _back_to(three, 3)
+    assert three.n == 1  # the last test on this cluster: the rejoins above brought it back
 
 
 def test_kill_and_raise_at_2_then_rejoin(two, capsys):
@@ -179,8 +178,7 @@ def test_outside_a_loop_the_cell_fails_and_the_next_runs_on_the_survivors(two, c
     assert "rank 1 of generation" in str(info.value) and "died" in str(info.value)
     capsys.readouterr()
     r = run_cell(two, "import torch.distributed as d; d.get_world_size()", quiet=True)
-    assert r.values == {0: 1}
-    _back_to(two, 2)
+    assert r.values == {0: 1}  # the next test restarts the cluster
 
 
 def test_below_min_np_the_cell_fails_naming_it(two, capsys):
