@@ -320,7 +320,12 @@ def test_live_tuning_journey(lab):
             assert g["track"] > 80, f"{name}'s track is {g['track']:.0f} px wide: {geometry}"
             assert g["label"] == name, geometry
             assert g["labelScroll"] <= g["labelClient"], f"{name}'s label is cut: {g}"
-        page.locator(".hvdnb-panel .hvdnb-knob-lr").first.scroll_into_view_if_needed()
+        # the panel redraws several times a second: scroll by selector, not by a located
+        # element that a redraw may replace meanwhile ("not attached to the DOM", once in CI)
+        page.evaluate(
+            "(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})",
+            ".hvdnb-panel .hvdnb-knob-lr",
+        )
         _shot(page, "3-knobs")
         # drag each slider to a value while the cell still runs; both ranks apply it
         # at one step (rank 0 picks the step)
