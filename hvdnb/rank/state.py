@@ -126,7 +126,8 @@ class State:
             "fields": dict(self._fields),
             "time": time.time(),
         }
-        object.__setattr__(self, "_memory", copy.deepcopy(snap))
+        if elastic.enabled():  # the restore after a lost rank; a fixed cluster reads the file
+            object.__setattr__(self, "_memory", copy.deepcopy(snap))
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         torch.save(snap, tmp)
         os.replace(tmp, self.path)

@@ -82,24 +82,23 @@ def _back_to(cluster, n: int) -> None:
     assert sorted(r.values.values()) == [(i, n) for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def three():
-    c = hvdnb.Cluster(n=3, min_np=1, oversubscribe=True)
+def _elastic(n: int):
+    c = hvdnb.Cluster(n=n, min_np=1, oversubscribe=True)
     c.start()
     yield c
     pids = c.pids()
     c.stop()
-    assert not alive(pids)
+    assert not alive(pids)  # nothing left behind
+
+
+@pytest.fixture(scope="module")
+def three():
+    yield from _elastic(3)
 
 
 @pytest.fixture(scope="module")
 def two():
-    c = hvdnb.Cluster(n=2, min_np=1, oversubscribe=True)
-    c.start()
-    yield c
-    pids = c.pids()
-    c.stop()
-    assert not alive(pids)
+    yield from _elastic(2)
 
 
 def test_a_rank_killed_by_a_signal_costs_a_step_at_3(three, capsys):
