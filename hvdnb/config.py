@@ -38,6 +38,10 @@ class Config:
     #: seconds an error the backends did not word as a lost peer waits for a new
     #: generation before it counts as the training code's own (which makes the rank leave)
     elastic_grace: float = 0.5
+    #: warm standby for ``%dist restart`` (processes with torch imported and a spare
+    #: controller): "auto" (one per rank where memory allows: ``cluster/standby.py``),
+    #: "0" (off), "on" (one per rank) or a count
+    standby: str = "auto"
     #: seconds to wait for engines, process groups and rendezvous before giving up
     start_timeout: float = 60.0
     #: controller heartbeat period in ms: an engine counts as registered one to three

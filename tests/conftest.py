@@ -25,6 +25,13 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # write into a directory of their own, never into the user's ~/.hvdnb.
 os.environ["HVDNB_HOME"] = tempfile.mkdtemp(prefix="hvdnb-home-")
 
+# The warm standby (``cluster/standby.py``: torch-importing processes and a spare
+# controller after every start) is on by default for users. The suite starts hundreds of
+# clusters on 2 cores and rarely restarts them: a standby after each start would compete
+# with the test's own ranks for the CPU. Its tests (tests/test_standby.py and the real
+# kernel's restart test) turn it on themselves.
+os.environ.setdefault("HVDNB_STANDBY", "0")
+
 
 @contextmanager
 def gpu_visible() -> Iterator[None]:

@@ -61,6 +61,7 @@ print(f"accuracy {acc:.3f}; allreduce {1e3 * comm / steps:.2f} ms/step "
 
 
 def _demo(args: argparse.Namespace) -> int:
+    _headless()
     t0 = time.perf_counter()
     with Cluster(n=args.n, oversubscribe=args.oversubscribe) as c:
         print(f"hvdnb demo: {c.n} ranks ready in {c.start_seconds:.1f} s")
@@ -79,7 +80,14 @@ def _install_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _headless() -> None:
+    """No one restarts a headless run by hand: no warm standby (``HVDNB_STANDBY``) takes
+    its cores and memory, unless asked for."""
+    os.environ.setdefault("HVDNB_STANDBY", "0")
+
+
 def _run(args: argparse.Namespace) -> int:
+    _headless()
     if args.min_np is not None:  # %dist start reads them (an elastic cluster)
         os.environ["HVDNB_MIN_NP"] = str(args.min_np)
         if args.max_np is not None:

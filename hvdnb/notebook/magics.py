@@ -435,9 +435,10 @@ class DistMagics(Magics):
         introspect.prewarm(c)
         now = _describe_cluster(c)
         change = f" (was {was})" if now != was else ""
+        took = c.restart_seconds if c.restart_seconds is not None else c.start_seconds
         print(
             f"hvdnb: {c.n} fresh rank{'s' if c.n != 1 else ''} ready in "
-            f"{c.start_seconds:.1f} s: {now}{change}"
+            f"{took:.1f} s: {now}{change}; {_warmth(c)}"
         )
 
     def _scale(self, args: Any) -> None:
@@ -550,6 +551,16 @@ def _rank_arg(text: str, n: int) -> int:
 
 def _fmt_values(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:g}" for k, v in values.items())
+
+
+def _warmth(c: Any) -> str:
+    """How the last restart's ranks started: from the standby, or cold and why."""
+    if c.warm_ranks == c.n:
+        return "warm (every rank from the standby)"
+    if c.warm_ranks:
+        return f"{c.warm_ranks} of {c.n} ranks warm (the standby had {c.warm_ranks}), the rest cold"
+    why = c.standby.why_off or "its processes were not ready yet"
+    return f"cold: no standby, because {why}"
 
 
 def _describe_cluster(c: Any) -> str:

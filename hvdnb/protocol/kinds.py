@@ -23,6 +23,7 @@ __all__ = [
     "ELASTIC_LEFT",
     "ELASTIC_RESET",
     "HELLO",
+    "IMPORTED",
     "KINDS",
     "KNOBS_APPLIED",
     "KNOBS_PLAN",
@@ -175,6 +176,13 @@ ELASTIC_LEFT: Final = Kind(
     ("error",),
     doc="a rank's own code raised inside an elastic loop: it leaves the cluster",
 )
+IMPORTED: Final = Kind(
+    "imported",
+    "rank",
+    ("module",),
+    doc="a rank imported a heavy framework (``module``): the notebook's warm standby "
+    "imports it too, so the next restart finds it loaded",
+)
 WHERE_ASK: Final = Kind("where?", "notebook", ("ask",), doc="send me your Python stack")
 WHERE: Final = Kind(
     "where",
@@ -204,6 +212,7 @@ KINDS: Final[dict[str, Kind]] = {
         RDV_STORE,
         ELASTIC_RESET,
         ELASTIC_LEFT,
+        IMPORTED,
         WHERE_ASK,
         WHERE,
         PDB_OUT,

@@ -44,6 +44,7 @@ from hvdnb.rank import (
     hooks,
     iostream,
     rendezvous,
+    standin,
     tfconfig,
 )
 from hvdnb.rank import nvtx as _nvtx
@@ -79,6 +80,7 @@ def bootstrap(backend: str | None = None) -> None:
     _STATE["device"] = rendezvous.setup_device(w)
     tfconfig.setup(w)  # before any cell can import tensorflow
     frameworks.install(rendezvous.place(w, _STATE["device"]))  # DDP, Accelerate, HF, Lightning
+    standin.announce_imports()
     _release_shm_names()
 
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             _release_shm_names(barrier=False)
         except Exception:
             pass
-        os._exit(3)
+        _exit(3)
     from ipyparallel.engine.app import IPEngine  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
     _use_engine_kernel()
@@ -167,6 +169,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     # skip interpreter teardown (torch's takes ~1 s); the nanny exits with its parent
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End this engine now, telling a warm start's stand-in the code (``standin``)."""
+    standin.report_exit(code)
     os._exit(code)
 
 

@@ -18,6 +18,7 @@ does).
 from __future__ import annotations
 
 import re
+import socket
 from typing import Any, Protocol
 
 from hvdnb.notebook.cluster.spec import ClusterError
@@ -249,7 +250,21 @@ def status_report(cluster: Watched) -> str:
     """``%dist status``: the table of ``status_rows``, then which ranks are dead and how
     the launcher ended, then the hosts when ranks span several."""
     rows = status_rows(cluster)
-    lines = [_table(rows)]
+    standby = getattr(cluster, "standby", None)
+    extra = []
+    if standby is not None:  # listed, never numbered: they are not ranks
+        for r in standby.rows():
+            extra.append(
+                {
+                    "rank": "standby",
+                    "host": socket.gethostname(),
+                    "pid": r["pid"],
+                    "state": f"{r['state']}, {r['rss_mib']} MiB ({r['uss_mib']} own)",
+                }
+            )
+    lines = [_table(rows + extra)]
+    if standby is not None:
+        lines.append(standby.line())
     m = getattr(cluster, "membership", None)
     if m is not None:
         lines.append(

@@ -27,6 +27,8 @@ from hvdnb.notebook.cluster.spec import ClusterError, StartSpec, hostfile_hosts,
 
 __all__ = [
     "ClusterError",
+    "configure_engines",
+    "controller_key",
     "elastic_env",
     "engine_set_env",
     "find_mpiexec",
@@ -110,27 +112,19 @@ def tf_ps_env(spec: StartSpec) -> dict[str, str]:
 
 
 def make_ipp(
-    spec: StartSpec, cluster_id: str, channel_endpoint: str | None, state_dir: str | None
+    spec: StartSpec,
+    cluster_id: str,
+    channel_endpoint: str | None,
+    state_dir: str | None,
+    standby: dict[str, Any] | None = None,
 ) -> Any:
     """An ``ipyparallel.Cluster`` configured for ``spec`` (a cluster's checked options) under
     ``cluster_id``, not started; its ranks connect their side channel to
-    ``channel_endpoint`` and keep ``hvdnb.State`` commits in ``state_dir``."""
+    ``channel_endpoint`` and keep ``hvdnb.State`` commits in ``state_dir``; ``standby``: how
+    they are handed to warm standby processes (``configure_engines``)."""
     import ipyparallel as ipp  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
 
     cfg = get_config()
-    local = not spec.multi_host
-    env = {"HVDNB_BACKEND": spec.backend or "", **spec.engine_env, **tf_ps_env(spec)}
-    if channel_endpoint is not None:
-        env["HVDNB_CHANNEL"] = channel_endpoint
-    if state_dir is not None:
-        env["HVDNB_STATE_DIR"] = state_dir
-    if local:
-        # keep every transport on loopback: MPICH's UCX netmod and gloo's pairs would
-        # otherwise listen on the host's public address
-        env.setdefault("UCX_NET_DEVICES", "lo")
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env["PYTHONUNBUFFERED"] = "1"
-    engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
     c = ipp.Cluster(
         # an elastic cluster's engines are separate processes, one engine set per slot: no
         # mpiexec whose end would end them all
@@ -152,6 +146,44 @@ def make_ipp(
         log=_ipp_log,
         engine_timeout=spec.timeout,
     )
+    configure_engines(c, spec, channel_endpoint, state_dir, standby)
+    return c
+
+
+def controller_key(spec: StartSpec) -> tuple[Any, ...]:
+    """What a started controller depends on: a spare one (``standby.py``) serves a start
+    whose spec has the same key."""
+    return (spec.launcher, spec.elastic, spec.ip, spec.multi_host, get_config().heartbeat_ms)
+
+
+def configure_engines(
+    c: Any,
+    spec: StartSpec,
+    channel_endpoint: str | None,
+    state_dir: str | None,
+    standby: dict[str, Any] | None = None,
+) -> None:
+    """Configure the engines of ipyparallel cluster ``c`` for ``spec``: their command,
+    arguments, environment and launcher (the controller is not touched, so a spare
+    controller started for an earlier spec serves this one). ``standby``: ``cmd`` (the
+    stand-in's command, ``hvdnb.rank.adopt``) and ``env`` for a warm start."""
+    local = not spec.multi_host
+    env = {"HVDNB_BACKEND": spec.backend or "", **spec.engine_env, **tf_ps_env(spec)}
+    if channel_endpoint is not None:
+        env["HVDNB_CHANNEL"] = channel_endpoint
+    if state_dir is not None:
+        env["HVDNB_STATE_DIR"] = state_dir
+    if local:
+        # keep every transport on loopback: MPICH's UCX netmod and gloo's pairs would
+        # otherwise listen on the host's public address
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["PYTHONUNBUFFERED"] = "1"
+    engine_cmd = [sys.executable, "-m", "kernels_ext.engine"]
+    if standby is not None:
+        engine_cmd = list(standby["cmd"])
+        env.update(standby["env"])
+    c.n = spec.n
     launcher_cls = c.engine_launcher_class.__name__
     c.config[launcher_cls].engine_cmd = engine_cmd
     c.config[launcher_cls].engine_args = [
@@ -162,7 +194,7 @@ def make_ipp(
     ]
     # ranks that rendezvous through the notebook read the session key from here
     env["HVDNB_ENGINE_FILE"] = os.path.join(
-        c.profile_dir, "security", f"ipcontroller-{cluster_id}-engine.json"
+        c.profile_dir, "security", f"ipcontroller-{c.cluster_id}-engine.json"
     )
     c.config[launcher_cls].environment = env
     if spec.launcher == "mpi" and not spec.elastic:
@@ -174,13 +206,12 @@ def make_ipp(
             c.config.MPILauncher.mpi_args = ["-f", spec.hosts]
     if spec.launcher == "slurm":
         # script and job output beside the connection files, not in the notebook's cwd
-        base = os.path.join(c.profile_dir, "log", f"ipengine-{cluster_id}-slurm")
+        base = os.path.join(c.profile_dir, "log", f"ipengine-{c.cluster_id}-slurm")
         c.config[launcher_cls].batch_file_name = base + ".sbatch"
         c.config[launcher_cls].output_file = base + ".out"
         c.config[launcher_cls].batch_template = sbatch_template(spec, base + ".out")
     for k, v in spec.launcher_config.items():
         c.config[launcher_cls][k] = v
-    return c
 
 
 def sbatch_template(spec: StartSpec, output: str) -> str:

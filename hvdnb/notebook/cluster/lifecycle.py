@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -56,7 +55,8 @@ from hvdnb.notebook.cluster.hub import Hub
 from hvdnb.notebook.cluster.launch import find_mpiexec
 from hvdnb.notebook.cluster.procs import LoopThread, kill_survivors, polite_shutdown
 from hvdnb.notebook.cluster.spec import ClusterError, StartSpec
-from hvdnb.notebook.cluster.watchdog import remove_files
+from hvdnb.notebook.cluster.standby import Standby
+from hvdnb.notebook.cluster.watchdog import cluster_files, remove_files, watch
 from hvdnb.notebook.metrics import store
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import CONNECT_CHANNEL
@@ -169,6 +169,13 @@ class Cluster:
         self.membership: Membership | None = None
         #: an elastic cluster's rendezvous store, a process of its own
         self.store_host = StoreHost()
+        #: warm processes and a spare controller for the next start (``standby.py``)
+        self.standby = Standby()
+        #: ranks of the last start a standby process took (the rest started cold)
+        self.warm_ranks = 0
+        self._quick_stop = False
+        #: seconds the last restart took, stop included (None: not restarted)
+        self.restart_seconds: float | None = None
 
     # ------------------------------------------------------------------ start options
     @property
@@ -269,16 +276,12 @@ class Cluster:
         self._loop = self._loop or LoopThread()
         if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
             self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
+        taken_before = len(self.standby.taken_pids())
         for attempt in (1, 2):
             self._open_channel()
             if self.elastic:
                 self.store_host.open()
-            self._ipp = launch.make_ipp(
-                self.spec,
-                self.cluster_id,
-                self.channel_endpoint if self.channel is not None else None,
-                self.state_dir,
-            )
+            self._make_ipp()
             if self.elastic:
                 self._begin_membership()
             try:
@@ -286,7 +289,6 @@ class Cluster:
                 self._connect()
                 self._wait_channels()
                 self._protect_files()
-                self._start_watchdog()
                 break
             except BaseException as exc:
                 self._teardown()
@@ -302,6 +304,11 @@ class Cluster:
                 ) from exc
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
+        self.warm_ranks = len(self.standby.taken_pids()) - taken_before
+        self.standby.refill(self)
+        if self.channel is not None:
+            self.channel.on(kinds.IMPORTED, lambda msg: self.standby.preload(msg["module"]))
+        self._start_watchdog()  # it knows the standby too
 
         try:  # feed the metrics store (hvdnb.metrics(), the panel) from this cluster
             store.attach(self)
@@ -311,20 +318,37 @@ class Cluster:
         registry.set_current(self)
         return self
 
+    def _make_ipp(self) -> None:
+        """This start's ``ipyparallel.Cluster``: the standby's spare one (its controller up)
+        where it serves this spec, its ranks handed to standby processes where any are ready."""
+        channel = self.channel_endpoint if self.channel is not None else None
+        warm = self.standby.engines(self.spec.n)
+        spare = self.standby.take_controller(self.spec, self._loop)
+        if spare is None:
+            self._ipp = launch.make_ipp(self.spec, self.cluster_id, channel, self.state_dir, warm)
+            return
+        self.cluster_id = spare.cluster_id
+        launch.configure_engines(spare, self.spec, channel, self.state_dir, warm)
+        self._ipp = spare
+
+    async def _start_controller(self) -> None:
+        if self._ipp.controller is None:  # a spare one is up already
+            await self._ipp.start_controller()
+
     async def _start_async(self) -> None:
         c = self._ipp
         if self.elastic:
-            ctrl = asyncio.ensure_future(c.start_controller())
+            ctrl = asyncio.ensure_future(self._start_controller())
             await start_slots(self, list(range(self.spec.n)), self.spec.n, join=False)
             await ctrl
             return
         if not self.engine_sets:
-            await asyncio.gather(c.start_controller(), c.start_engines(self.n))
+            await asyncio.gather(self._start_controller(), c.start_engines(self.n))
             return
         # one engine set per host; each launcher copies the config when it is created
         base_env = dict(c.config.MPIEngineSetLauncher.environment)
         base_args = list(c.config.MPILauncher.get("mpi_args", []))
-        ctrl = asyncio.ensure_future(c.start_controller())
+        ctrl = asyncio.ensure_future(self._start_controller())
         base = 0
         for i, es in enumerate(self.engine_sets):
             c.config.MPIEngineSetLauncher.environment = {
@@ -428,6 +452,7 @@ class Cluster:
 
     def _root_pids(self) -> list[int]:
         pids = [p.pid for p in self.slot_processes().values()]
+        pids += self.standby.taken_pids()  # warm ranks (not the idle standby: it outlives a stop)
         if self.store_host.pid is not None:
             pids.append(self.store_host.pid)
         for launcher in [getattr(self._ipp, "controller", None), *self.engine_launchers()]:
@@ -442,25 +467,13 @@ class Cluster:
         old, self._watchdog = self._watchdog, None
         if old is not None and old.poll() is None:
             old.terminate()  # SIGTERM ends a watchdog without touching the cluster
-        cancel: list[str] = []
-        for es in self.engine_launchers():  # batch jobs (Slurm, PBS...) are cancelled, not killed
-            job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
-            if job and delete:
-                cancel += ["--cancel", *map(str, delete), str(job)]
         # and, as a stop would, the cluster's files and its state directory (a killed
         # `hvdnb run` or kernel left hvdnb-state-* behind in the temp directory)
-        files = ["--files", *_cluster_files(self._ipp.profile_dir, self.cluster_id)]
-        if self.state_dir:
-            files.append(self.state_dir)
-        self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "hvdnb.notebook.cluster.watchdog", str(os.getpid())]
-            + [str(pid) for pid in self._root_pids()]
-            + cancel
-            + files,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+        files = cluster_files(self._ipp.profile_dir, self.cluster_id)
+        self._watchdog = watch(
+            self._root_pids() + self.standby.pids(),
+            self.engine_launchers(),
+            files + ([self.state_dir] if self.state_dir else []),
         )
 
     def _protect_files(self) -> None:
@@ -492,6 +505,7 @@ class Cluster:
     def stop(self) -> None:
         """Stop engines, then the controller; leaves no process behind."""
         self._teardown()
+        self.standby.close(self._loop)
         if self.state_dir is not None:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.state_dir = None
@@ -507,7 +521,7 @@ class Cluster:
             kill_survivors(pids)
         if self.client is not None:
             if not force:
-                polite_shutdown(self.client, wait=2.0, ranks=self._rank_pids())
+                polite_shutdown(self.client, wait=2.0, ranks=self.rank_pids())
             try:
                 self.client.close(linger=0)
             except Exception:
@@ -529,7 +543,9 @@ class Cluster:
         self.store_host.close()
         self.membership = None
         if profile is not None:
-            _remove_cluster_files(profile, self.cluster_id)
+            # ipyparallel removes its own files on a clean stop, but not the hub's
+            # engine-state file, the Slurm script, or a killed controller's
+            remove_files(cluster_files(profile, self.cluster_id))
         wd, self._watchdog = self._watchdog, None
         if wd is not None and wd.poll() is None:
             wd.terminate()
@@ -551,11 +567,12 @@ class Cluster:
                 pass
         return sorted(found)
 
-    def _rank_pids(self) -> list[int]:
+    def rank_pids(self) -> list[int]:
         """The engine processes themselves (children of each mpiexec; an elastic
         cluster's own processes)."""
 
         pids: list[int] = [p.pid for p in self.slot_processes().values()]
+        pids += self.standby.taken_pids()
         for es in self.engine_launchers():
             proc: Any = getattr(es, "process", None)  # None: AttributeError below, skipped
             try:
@@ -568,7 +585,7 @@ class Cluster:
         c = self._ipp
         # wait for the ranks (not mpiexec: gforker lingers ~2 s after its children exit),
         # then stop_engines signals whatever launcher is left
-        ranks = self._rank_pids()
+        ranks = self.rank_pids()
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and any(
             psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
@@ -585,6 +602,8 @@ class Cluster:
         if c.engines:
             await c.stop_engines()
         if c.controller is not None:
+            if self._quick_stop:  # a restart: nothing of this controller is read again
+                c.controller.signal(signal.SIGKILL)
             await c.stop_controller()
         c.remove_cluster_file()
 
@@ -623,27 +642,29 @@ class Cluster:
             0..K-1 serve, the others are workers; 0: no parameter servers again)
         min_np, max_np : an elastic cluster's bounds (``min_np=0``: a fixed-size one again)
         """
-        given = {"n": n, "backend": backend, "timeout": timeout, "oversubscribe": oversubscribe}
-        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-        if tf_ps is not None:  # 0 turns a ps cluster back into a plain one
-            changes["tf_ps"] = None if tf_ps == 0 else tf_ps
-        if min_np is not None:  # 0 turns an elastic cluster back into a fixed-size one
-            changes["min_np"] = min_np or None
-            changes["max_np"] = max_np if min_np else None
-        elif max_np is not None:
-            changes["max_np"] = max_np
-        options = {**self._options, **changes}
-        if "n" in changes and options.get("engine_sets"):
-            raise ClusterError(
-                "this cluster was started with engine sets (ranks per host): change their `n` "
-                "with a new Cluster(engine_sets=...), not restart(n=...)"
-            )
+        options = spec.changed(
+            self._options,
+            n=n,
+            backend=backend,
+            timeout=timeout,
+            oversubscribe=oversubscribe,
+            tf_ps=tf_ps,
+            min_np=min_np,
+            max_np=max_np,
+        )
         new_spec = spec.check(**options)  # refused here: nothing was stopped
-        self._teardown(force=force or bool(self.dead_ranks()))
+        t0 = time.perf_counter()
+        self._quick_stop = True
+        try:
+            self._teardown(force=force or bool(self.dead_ranks()))
+        finally:
+            self._quick_stop = False
         self._options, self.spec = options, new_spec
         self.cluster_id = f"hvdnb-{uuid.uuid4().hex[:8]}"
         self.generation = 0
-        return self.start()
+        self.start()
+        self.restart_seconds = time.perf_counter() - t0
+        return self
 
     def __enter__(self) -> Cluster:
         if not self.running:
@@ -665,20 +686,6 @@ class Cluster:
     def launcher_exit(self) -> str | None:
         """How the engines' launcher (mpiexec, sbatch) ended, or None while it runs."""
         return health.launcher_exit(self)
-
-
-def _cluster_files(profile: str, cluster_id: str) -> list[str]:
-    """Glob patterns of every file a cluster writes in its ipyparallel profile: connection
-    files (with the session key) in security/, logs, the hub's engine-state file and a
-    Slurm script and job output in log/. Each name carries the cluster id."""
-    return [os.path.join(profile, sub, f"*{cluster_id}*") for sub in ("security", "log")]
-
-
-def _remove_cluster_files(profile: str, cluster_id: str) -> None:
-    """After a stop: ipyparallel removes its own files on a clean stop, but not the hub's
-    engine-state file, the Slurm script, or anything of a controller that had to be
-    killed (a forced restart), so one start left up to four files behind."""
-    remove_files(_cluster_files(profile, cluster_id))
 
 
 def _stop_all_at_exit() -> None:

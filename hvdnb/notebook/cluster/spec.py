@@ -25,6 +25,7 @@ __all__ = [
     "LOCAL_LAUNCHERS",
     "ClusterError",
     "StartSpec",
+    "changed",
     "check",
     "hostfile_hosts",
     "hostfile_slots",
@@ -158,6 +159,28 @@ def check(
         min_np=min_np,
         max_np=max_np,
     )
+
+
+def changed(options: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """A restart's start options: ``options`` with those ``given`` (None: kept) changed.
+    ``tf_ps=0`` turns a ps cluster back into a plain one, ``min_np=0`` an elastic cluster
+    back into a fixed-size one. Not checked here (``check`` does that)."""
+    tf_ps, min_np, max_np = given.pop("tf_ps"), given.pop("min_np"), given.pop("max_np")
+    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if tf_ps is not None:
+        changes["tf_ps"] = None if tf_ps == 0 else tf_ps
+    if min_np is not None:
+        changes["min_np"] = min_np or None
+        changes["max_np"] = max_np if min_np else None
+    elif max_np is not None:
+        changes["max_np"] = max_np
+    out = {**options, **changes}
+    if "n" in changes and out.get("engine_sets"):
+        raise ClusterError(
+            "this cluster was started with engine sets (ranks per host): change their `n` "
+            "with a new Cluster(engine_sets=...), not restart(n=...)"
+        )
+    return out
 
 
 def _check_elastic(

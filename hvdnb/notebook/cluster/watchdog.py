@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 def _alive(pid: int) -> bool:
@@ -72,6 +73,13 @@ def _parse(argv: list[str]) -> tuple[int, list[int], list[list[str]], list[str]]
     return kernel, pids, cancels, files
 
 
+def cluster_files(profile: str, cluster_id: str) -> list[str]:
+    """Glob patterns of every file a cluster writes in its ipyparallel profile: connection
+    files (with the session key) in security/, logs, the hub's engine-state file and a
+    Slurm script and job output in log/. Each name carries the cluster id."""
+    return [os.path.join(profile, sub, f"*{cluster_id}*") for sub in ("security", "log")]
+
+
 def remove_files(patterns: list[str]) -> None:
     """Remove the files matching ``patterns`` (a directory with what it holds); one
     already gone is fine."""
@@ -84,6 +92,27 @@ def remove_files(patterns: list[str]) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def watch(pids: list[int], launchers: list[Any], files: list[str]) -> subprocess.Popen[bytes]:
+    """Start the watchdog of this kernel's cluster: its processes ``pids``, the batch
+    jobs of its engine ``launchers`` (Slurm, PBS...: cancelled, not killed) and its
+    ``files``."""
+    cancel: list[str] = []
+    for es in launchers:
+        job, delete = getattr(es, "job_id", None), getattr(es, "delete_command", None)
+        if job and delete:
+            cancel += ["--cancel", *map(str, delete), str(job)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "hvdnb.notebook.cluster.watchdog", str(os.getpid())]
+        + [str(pid) for pid in pids]
+        + cancel
+        + ["--files", *files],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def main(argv: list[str]) -> int:

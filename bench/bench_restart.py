@@ -1,0 +1,123 @@
+"""What ``%dist restart`` costs a person, cold and warm, side by side in one real kernel.
+
+The "Python 3 (hvdnb)" kernel is started from its kernelspec and driven over jupyter_client
+(``hvdnb.notebook.runner.Kernel``), as JupyterLab drives it. Each pair, in alternating
+order:
+
+- **cold**: ``HVDNB_STANDBY=0`` in the kernel and a restart that takes the standby away (not
+  timed), then ``%dist restart``: fresh interpreters import torch, a fresh controller starts;
+- **warm**: the standby is back (a restart with ``HVDNB_STANDBY=auto`` spawns it, not
+  timed), ready (``hvdnb.current().standby.ready()``), then ``%dist restart``: the ranks
+  are handed to standby processes and the spare controller serves the start.
+
+A restart's time is the time from sending the ``%dist restart`` execute request to the
+kernel's ``idle`` for it (stop, start and the standby's refill all included: the person
+waits for all of it). The anchor is the cell that follows, ``%%px`` on the new engines
+(ipyparallel's own): the time to its idle, so that a fast restart whose engines are not
+really ready would show here. Each warm restart's ranks are checked to be the standby's
+(``HVDNB_STARTED=warm``) and every cold one's cold.
+
+Usage: ``python bench/bench_restart.py [--pairs 5] [-n 2] [--json bench/results/restart.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hvdnb.notebook.runner import Kernel
+
+PX = "%%px\nimport os\nprint(os.environ.get('HVDNB_STARTED', 'cold'))"
+SETUP_PX = "import hvdnb\nv = hvdnb.current().client[:]\nv.block = True\nv.activate()"
+
+
+def _restart(k: Kernel, mode: str, n: int) -> dict[str, float]:
+    r = k.run("%dist restart")
+    assert r.error is None, r
+    said = re.search(r"ready in ([0-9.]+) s", r.text)
+    assert said, r.text
+    k.run(SETUP_PX)  # %%px follows the new engines
+    px = k.run(PX)
+    assert px.error is None, px
+    shown = "".join(px.displayed.values())  # %%px draws each engine's stdout as a display
+    starts = [line for line in shown.splitlines() if "warm" in line or "cold" in line]
+    warm = sum("warm" in s for s in starts)
+    want = n if mode == "warm" else 0
+    assert len(starts) == n and warm == want, f"{mode} restart: {warm} warm of {n}: {shown}"
+    return {"restart_s": r.seconds, "said_s": float(said.group(1)), "px_after_s": px.seconds}
+
+
+def _wait_ready(k: Kernel, n: int) -> None:
+    code = (
+        "import time, hvdnb\nc = hvdnb.current()\nt = time.monotonic()\n"
+        f"while c.standby.ready() < {n} and time.monotonic() - t < 180: time.sleep(0.05)\n"
+        f"assert c.standby.ready() >= {n}, c.standby.line()"
+    )
+    r = k.run(code)
+    assert r.error is None, r
+
+
+def run(pairs: int = 5, n: int = 2) -> dict[str, Any]:
+    k = Kernel({"HVDNB_STANDBY": "auto", "HVDNB_RANKS": str(n)})
+    out: dict[str, Any] = {"pairs": pairs, "n": n, "cold": [], "warm": []}
+    try:
+        r = k.run(f"%dist start -n {n}")
+        assert r.error is None, r
+        out["start_s"] = r.seconds
+        for i in range(pairs):
+            order = ["cold", "warm"] if i % 2 == 0 else ["warm", "cold"]
+            for mode in order:
+                setting = "0" if mode == "cold" else "auto"
+                k.run(f"import os\nos.environ['HVDNB_STANDBY'] = '{setting}'")
+                k.run("%dist restart")  # takes the standby away, or brings it back (untimed)
+                if mode == "warm":
+                    _wait_ready(k, n)
+                out[mode].append(_restart(k, mode, n))
+        k.run("import os\nos.environ['HVDNB_STANDBY'] = 'auto'")
+        k.run("%dist restart")
+        _wait_ready(k, n)
+        mem = k.run("import json\nprint(json.dumps(hvdnb.current().standby.rows()))")
+        out["standby"] = json.loads(mem.text.strip().splitlines()[-1])
+        k.run("%dist stop")
+    finally:
+        k.close()
+    med = statistics.median
+    for mode in ("cold", "warm"):
+        out[f"{mode}_median_s"] = med(x["restart_s"] for x in out[mode])
+        out[f"{mode}_px_median_s"] = med(x["px_after_s"] for x in out[mode])
+    out["ratio"] = out["warm_median_s"] / out["cold_median_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("-n", type=int, default=2)
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "restart.json"))
+    a = ap.parse_args()
+    out = run(a.pairs, a.n)
+    print(
+        f"%dist restart at {a.n} ranks, {a.pairs} pairs in one kernel (median; all samples in JSON)"
+    )
+    print(f"{'':>6} {'restart s':>10} {'%%px after s':>13}")
+    for mode in ("cold", "warm"):
+        print(f"{mode:>6} {out[mode + '_median_s']:>10.3f} {out[mode + '_px_median_s']:>13.3f}")
+    print(f"warm / cold: {out['ratio']:.2f}")
+    for r in out["standby"]:
+        print(
+            f"standby pid {r['pid']}: {r['rss_mib']} MiB resident, {r['uss_mib']} MiB its "
+            f"own ({', '.join(r['modules'])})"
+        )
+    Path(a.json).write_text(json.dumps(out, indent=1))
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()

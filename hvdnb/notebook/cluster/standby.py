@@ -1,0 +1,378 @@
+"""Warm standby for ``%dist restart``: processes that have imported torch (and the
+frameworks the ranks imported), and a spare controller, ready for the cluster's next start.
+
+Owns: the policy (on, off, how many, and why), the standby processes
+(``hvdnb.rank.standby``, started here, each with a control socket) and the listening
+socket they share, the spare ``ipyparallel.Cluster`` whose controller is already up, and
+the hand-over: a warm start's launcher runs the stand-in ``hvdnb.rank.adopt`` in place of
+each engine, which gives its rank to whichever standby accepts (``HVDNB_STANDBY_READY``
+of them; the others start cold). After a start the pool is topped up again.
+
+Rule for the default (``HVDNB_STANDBY=auto``): one standby per rank, on this host only, and
+only while the host's available memory is at least ``MEMORY_FACTOR`` times what the standby
+takes (its processes' count times a rank's resident memory now): a standby never takes
+more than a quarter of what is left. ``HVDNB_STANDBY=0`` turns it off, ``=on`` sets one per
+rank and ``=K`` K processes, whatever the memory.
+
+Never: start a rank (a standby becomes one only through a launcher's hand-over), let a
+standby outlive the kernel (its control socket closes with it), or block a start on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from hvdnb.config import get_config
+from hvdnb.notebook.cluster import launch
+from hvdnb.notebook.cluster.spec import StartSpec
+
+__all__ = ["MEMORY_FACTOR", "Proc", "Standby", "policy", "switched_off"]
+
+MEMORY_FACTOR = 4
+_ADOPT = str(Path(__file__).resolve().parents[2] / "rank" / "adopt.py")
+
+
+_OFF = ("0", "off", "false", "no")
+
+
+def switched_off() -> bool:
+    """Has the user turned the standby off (``HVDNB_STANDBY=0``)?"""
+    return str(get_config().standby).strip().lower() in _OFF
+
+
+def policy(spec: StartSpec, rank_rss: list[int]) -> tuple[int, str]:
+    """How many standby processes a cluster of ``spec`` gets (0: none) and why, given its
+    ranks' resident memory in bytes."""
+    setting = str(get_config().standby).strip().lower()
+    if setting in _OFF:
+        return 0, "HVDNB_STANDBY=0 turned it off"
+    if setting not in ("auto", "on") and not setting.isdigit():
+        return 0, (
+            f"HVDNB_STANDBY={setting!r} is none of auto, on, 0 or a count; set one of "
+            "those (auto: one per rank where memory allows)"
+        )
+    if spec.multi_host:
+        return 0, "its ranks run on other hosts (a standby waits on this one)"
+    if spec.tf_ps:
+        return 0, "a parameter-server cluster's ranks keep TensorFlow servers"
+    if setting.isdigit():
+        return int(setting), f"HVDNB_STANDBY={setting}"
+    if setting == "on":
+        return spec.n, "HVDNB_STANDBY=on"
+    per = max(rank_rss) if rank_rss else 0
+    need = MEMORY_FACTOR * spec.n * per
+    avail = psutil.virtual_memory().available
+    if per and avail < need:
+        return 0, (
+            f"{avail / 2**30:.1f} GiB is available and {spec.n} standby processes of "
+            f"{per / 2**20:.0f} MiB need {MEMORY_FACTOR}x that free "
+            "(HVDNB_STANDBY=on overrides)"
+        )
+    return spec.n, f"{avail / 2**30:.1f} GiB available (>= {MEMORY_FACTOR}x what it takes)"
+
+
+@dataclass
+class Proc:
+    """One standby process and its control socket."""
+
+    popen: subprocess.Popen[bytes]
+    control: socket.socket
+    ready: bool = False
+    adopted: bool = False
+    #: modules it has imported beyond torch (``import`` lines it answered)
+    modules: list[str] = field(default_factory=list)
+    _buf: bytes = b""
+
+    @property
+    def pid(self) -> int:
+        return int(self.popen.pid)
+
+    def poll(self) -> None:
+        """Read what it has said (ready, imported ...), without blocking."""
+        while True:
+            try:
+                chunk = self.control.recv(4096, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:  # it has exited
+                return
+            self._buf += chunk
+            *lines, self._buf = self._buf.split(b"\n")
+            for line in lines:
+                words = line.decode(errors="replace").split()
+                if words[:1] == ["ready"]:
+                    self.ready = True
+                elif words[:1] == ["taken"]:
+                    self.adopted = True
+                elif words[:1] == ["imported"] and words[1] not in self.modules:
+                    self.modules.append(words[1])
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def memory(self) -> tuple[int, int]:
+        """(resident, unique) bytes of this standby and the nanny it holds: resident
+        counts pages shared with the ranks (torch's libraries), unique (USS) only what
+        ending it would free."""
+        rss = uss = 0
+        try:
+            top = psutil.Process(self.pid)
+            for p in [top, *top.children(recursive=True)]:
+                info = p.memory_full_info()
+                rss, uss = rss + int(info.rss), uss + int(info.uss)
+        except psutil.Error:
+            pass
+        return rss, uss
+
+
+class Standby:
+    """The warm standby of one ``Cluster``, kept across its restarts."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+        #: standby processes a start took: ranks now, but this kernel's children to reap
+        self.taken: list[Proc] = []
+        #: why there is no standby (None: there is one, or none was asked for yet)
+        self.why_off: str | None = None
+        self.count = 0
+        #: frameworks the ranks imported: every standby imports them too
+        self.modules: list[str] = []
+        self._dir: str | None = None
+        self._listener: socket.socket | None = None
+        self._spare: Any = None
+        self._spare_key: tuple[Any, ...] | None = None
+
+    # ------------------------------------------------------------------ the pool
+    @property
+    def path(self) -> str | None:
+        """The socket a stand-in hands its rank over on."""
+        return os.path.join(self._dir, "standby.sock") if self._dir else None
+
+    def idle(self) -> list[Proc]:
+        """Standby processes alive and not taken (their state read now)."""
+        for p in self.procs:
+            p.poll()
+        self.taken += [p for p in self.procs if p.adopted]
+        self.procs = [p for p in self.procs if p.alive() and not p.adopted]
+        return self.procs
+
+    def taken_pids(self) -> list[int]:
+        """Standby processes that became ranks and still run (reaping those that ended:
+        they are this kernel's children)."""
+        self.idle()
+        self.taken = [p for p in self.taken if p.alive()]
+        return [p.pid for p in self.taken]
+
+    def ready(self) -> int:
+        """How many can take a rank now."""
+        return sum(p.ready for p in self.idle())
+
+    def refill(self, cluster: Any) -> None:
+        """After a start: top the pool up to what the policy allows for ``cluster``, and
+        start a spare controller for its next start. Never raises: a start does not fail
+        for its standby."""
+        try:
+            rss = [p.memory_info().rss for p in map(_proc, cluster.rank_pids()) if p]
+            self.count, why = policy(cluster.spec, rss)
+            if self.count == 0:
+                self.why_off = why
+                self.close()
+                return
+            self.why_off = None
+            self._open()
+            missing = self.count - len(self.idle())
+            for _ in range(max(0, missing)):
+                self.procs.append(self._spawn())
+            self._start_spare(cluster)
+        except Exception as exc:  # the standby is an extra
+            self.why_off = f"it could not start: {type(exc).__name__}: {exc}"
+            self.close()
+
+    def _open(self) -> None:
+        if self._listener is not None:
+            return
+        self._dir = tempfile.mkdtemp(prefix="hvdnb-standby-")  # 0700: only we hand over
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(os.path.join(self._dir, "standby.sock"))
+        sock.listen(64)
+        self._listener = sock
+
+    def _spawn(self) -> Proc:
+        assert self._listener is not None
+        ours, theirs = socket.socketpair()
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hvdnb.rank.standby",
+                str(self._listener.fileno()),
+                str(theirs.fileno()),
+                *self.modules,
+            ],
+            pass_fds=(self._listener.fileno(), theirs.fileno()),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            # its own session: an interrupt of the kernel's process group is not for it
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        theirs.close()
+        return Proc(popen, ours)
+
+    def preload(self, module: str) -> None:
+        """A rank imported ``module``: every standby (and every later one) imports it."""
+        if module in self.modules:
+            return
+        self.modules.append(module)
+        for p in self.idle():
+            try:
+                p.control.sendall(f"import {module}\n".encode())
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ a warm start
+    def engines(self, n: int) -> dict[str, Any] | None:
+        """How a start of ``n`` ranks hands them to the standby (``launch.configure_engines``),
+        or None when none is ready."""
+        ready = self.ready()
+        if not ready or self.path is None or switched_off():
+            return None
+        return {
+            "cmd": [sys.executable, "-I", "-S", _ADOPT, self.path],
+            "env": {"HVDNB_STANDBY_READY": str(min(ready, n)), "HVDNB_STANDBY": "1"},
+        }
+
+    def take_controller(self, spec: StartSpec, loop: Any) -> Any:
+        """The spare ``ipyparallel.Cluster`` with its controller up, for a start of ``spec``
+        (None: none, or it was started for an incompatible spec; it is then stopped)."""
+        spare, key = self._spare, self._spare_key
+        self._spare = self._spare_key = None
+        if spare is None:
+            return None
+        ok = key == launch.controller_key(spec) and not switched_off()
+        if ok and spare.controller is not None and spare.controller.stop_data is None:
+            return spare
+        _stop_spare(spare, loop)
+        return None
+
+    def _start_spare(self, cluster: Any) -> None:
+        if self._spare is not None:
+            return
+        import uuid  # noqa: PLC0415
+
+        spare = launch.make_ipp(cluster.spec, f"hvdnb-{uuid.uuid4().hex[:8]}", None, None)
+        # the launch itself (a Popen) is quick; its connection file comes ~0.5 s later,
+        # which a start waits for (``get_connection_info``) only if it comes that soon
+        cluster.run_async(spare.start_controller(), timeout=30)
+        self._spare, self._spare_key = spare, launch.controller_key(cluster.spec)
+
+    def spare_pid(self) -> int | None:
+        ctrl = getattr(self._spare, "controller", None)
+        proc = getattr(ctrl, "process", None)
+        return getattr(proc, "pid", None)
+
+    def pids(self) -> list[int]:
+        """The standby's processes (idle standby and the spare controller)."""
+        pids = [p.pid for p in self.idle()]
+        spare = self.spare_pid()
+        return pids + ([spare] if spare else [])
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per standby process for ``%dist status``."""
+        rows = []
+        for p in self.idle():
+            rss, uss = p.memory()
+            rows.append(
+                {
+                    "pid": p.pid,
+                    "state": "ready" if p.ready else "importing",
+                    "rss_mib": round(rss / 2**20),
+                    "uss_mib": round(uss / 2**20),
+                    "modules": ["torch", *p.modules],
+                }
+            )
+        return rows
+
+    def line(self) -> str:
+        """One line for ``%dist status`` and a restart: what the standby is, or why none."""
+        if self.why_off is not None:
+            return f"standby: off, because {self.why_off}"
+        rows = self.rows()
+        if not rows:
+            return "standby: none"
+        ready = sum(r["state"] == "ready" for r in rows)
+        mods = ", ".join(rows[0]["modules"])
+        mem = "; ".join(
+            f"pid {r['pid']} {r['rss_mib']} MiB resident, {r['uss_mib']} MiB its own" for r in rows
+        )
+        return (
+            f"standby: {ready} of {len(rows)} ready for `%dist restart` ({mods} imported; "
+            f"not ranks): {mem}"
+        )
+
+    def close(self, loop: Any = None) -> None:
+        """End every idle standby and the spare controller (taken ones are ranks now)."""
+        for p in self.procs:
+            try:
+                p.control.close()  # it exits on EOF ...
+                p.popen.kill()  # ... or now, mid-import
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.popen.wait(2)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs = []
+        if self._spare is not None:
+            _stop_spare(self._spare, loop)
+            self._spare = self._spare_key = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _proc(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _stop_spare(spare: Any, loop: Any) -> None:
+    ctrl = getattr(spare, "controller", None)
+    if ctrl is None:
+        return
+    try:
+        if loop is not None:
+            loop.run(spare.stop_controller(), timeout=10)
+        else:
+            asyncio.run(spare.stop_controller())
+    except Exception:
+        proc = getattr(ctrl, "process", None)
+        try:
+            if proc is not None:
+                proc.kill()
+        except Exception:
+            pass
+    try:
+        spare.remove_cluster_file()
+    except Exception:
+        pass

@@ -1,0 +1,171 @@
+"""Warm standby for ``%dist restart``: real standby processes, real hand-overs under a real
+mpiexec, real gloo groups afterwards (``hvdnb/notebook/cluster/standby.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import hvdnb
+from hvdnb.notebook.cluster import health
+from hvdnb.notebook.cluster import spec as spec_mod
+from hvdnb.notebook.cluster.standby import MEMORY_FACTOR, policy
+from tests.conftest import alive
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
+HOW = "import os, torch.distributed as d; (os.getpid(), os.environ.get('HVDNB_STARTED'), d.get_world_size())"
+
+
+def _ready(c, k: int) -> list[int]:
+    """Wait (not a timing assertion: a deadline for a broken standby) until ``k`` standby
+    processes are ready; their pids."""
+    deadline = time.monotonic() + 180
+    while c.standby.ready() < k:
+        assert time.monotonic() < deadline, c.standby.line()
+        time.sleep(0.1)
+    return [r["pid"] for r in c.standby.rows()]
+
+
+def _ranks(shell) -> dict[int, tuple[int, str, int]]:
+    shell.run_cell_magic("distributed", "-q -o r", HOW)
+    return dict(shell.user_ns["r"])
+
+
+@pytest.fixture
+def standby_on(monkeypatch):
+    monkeypatch.setenv("HVDNB_STANDBY", "auto")
+
+
+def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(shell, standby_on, capsys):
+    running = hvdnb.current()
+    if running is not None and running.running:
+        running.stop()
+    shell.run_line_magic("dist", "start -n 2 --timeout 120")
+    c = hvdnb.current()
+    try:
+        waiting = _ready(c, 2)
+        # not ranks: the controller and %%px see two engines, collectives two ranks
+        assert sorted(c.client.ids) == [0, 1]
+        assert not set(waiting) & {pid for pid, _, _ in _ranks(shell).values()}
+        assert {w for _, _, w in _ranks(shell).values()} == {2}
+        capsys.readouterr()
+        shell.run_line_magic("dist", "status")
+        status = capsys.readouterr().out
+        rows = [line.split() for line in status.splitlines() if line.startswith("standby ")]
+        assert sorted(int(r[2]) for r in rows) == sorted(waiting)  # listed, not numbered
+        assert "standby: 2 of 2 ready" in status and "MiB resident" in status
+        old = c.pids()
+
+        shell.run_line_magic("dist", "restart")
+        out = capsys.readouterr().out
+        assert "warm (every rank from the standby)" in out, out
+        assert c.warm_ranks == 2
+        ranks = _ranks(shell)
+        assert {pid for pid, _, _ in ranks.values()} == set(waiting)  # they became the ranks
+        assert {how for _, how, _ in ranks.values()} == {"warm"}
+        assert {w for _, _, w in ranks.values()} == {2}
+        shell.run_cell_magic(
+            "distributed",
+            "-q -o s",
+            "import torch, torch.distributed as d\nt = torch.ones(1) * (d.get_rank() + 1)\n"
+            "d.all_reduce(t)\nint(t)",
+        )
+        assert shell.user_ns["s"] == {0: 3, 1: 3}
+        assert alive(old) == []  # the old ranks, mpiexec and controller are gone
+
+        # a restart with more ranks than the standby has: those it has are warm
+        again = _ready(c, 2)
+        shell.run_line_magic("dist", "restart -n 3 --oversubscribe")
+        out = capsys.readouterr().out
+        assert "2 of 3 ranks warm" in out, out
+        ranks = _ranks(shell)
+        hows = sorted(how for _, how, _ in ranks.values())
+        assert hows[-1] == "warm" and hows.count("warm") == 2 and hows[0].startswith("cold")
+        assert {pid for pid, how, _ in ranks.values() if how == "warm"} == set(again)
+        assert {w for _, _, w in ranks.values()} == {3}
+
+        # a rank imports a framework: the standby imports it too, before the next restart
+        _ready(c, 3)
+        shell.run_cell_magic("distributed", "-q", "import sklearn")
+        deadline = time.monotonic() + 120
+        while not all("sklearn" in r["modules"] for r in c.standby.rows()):
+            assert time.monotonic() < deadline, c.standby.rows()
+            time.sleep(0.2)
+        spare = c.standby.pids()
+    finally:
+        shell.run_line_magic("dist", "stop")
+    assert alive(spare + c.standby.taken_pids()) == []
+    assert c.standby.rows() == [] and c.standby.path is None
+
+
+def test_standby_off_or_refused_restarts_cold_and_says_why(shell, monkeypatch, capsys):
+    monkeypatch.setenv("HVDNB_STANDBY", "on")
+    c = hvdnb.Cluster(n=2, timeout=120).start()
+    try:
+        _ready(c, 2)
+        # a variable the interpreter read at its start differs now: the standby refuses
+        monkeypatch.setenv(
+            "OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2"
+        )
+        c.restart()
+        assert c.warm_ranks == 0
+        hows = [how for _, how, _ in _ranks(shell).values()]
+        assert len(hows) == 2 and all(h.startswith("cold") for h in hows), hows
+        assert "other OMP_NUM_THREADS" in health.engine_output(c)
+
+        monkeypatch.setenv("HVDNB_STANDBY", "0")
+        shell.run_line_magic("dist", "restart")
+        out = capsys.readouterr().out
+        assert "cold: no standby, because HVDNB_STANDBY=0 turned it off" in out, out
+        assert c.standby.rows() == [] and c.standby.pids() == []
+        shell.run_line_magic("dist", "status")
+        assert "standby: off, because HVDNB_STANDBY=0" in capsys.readouterr().out
+    finally:
+        c.stop()
+
+
+def test_a_killed_kernel_takes_its_standby_with_it(tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, sys, time
+        os.environ["HVDNB_STANDBY"] = "on"
+        import hvdnb
+        c = hvdnb.Cluster(n=2, timeout=120).start()
+        while c.standby.ready() < 2:
+            time.sleep(0.1)
+        print(*c.pids(), *c.standby.pids(), flush=True)
+        time.sleep(600)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) >= 7  # controller, mpiexec, 2 ranks, 2 standby, spare controller
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        assert alive(pids, within=20) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_the_memory_rule(monkeypatch):
+    s = spec_mod.check(n=2)
+    avail = psutil.virtual_memory().available
+    big = avail // (MEMORY_FACTOR * 2) + 2**30  # what 2 such standby need is not free
+    monkeypatch.setenv("HVDNB_STANDBY", "auto")
+    count, why = policy(s, [big])
+    assert count == 0 and "HVDNB_STANDBY=on overrides" in why
+    count, why = policy(s, [avail // (MEMORY_FACTOR * 2 * 4)])
+    assert count == 2
+    monkeypatch.setenv("HVDNB_STANDBY", "sometimes")
+    count, why = policy(s, [1])
+    assert count == 0 and "none of auto, on, 0 or a count" in why
