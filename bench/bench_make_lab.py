@@ -20,6 +20,7 @@ Usage: ``python bench/bench_make_lab.py [--rev REV] [--label before]``; writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,30 @@ def start_lab(
             except OSError:
                 pass
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def fresh_lab(tmp: str, rev: str = "HEAD") -> Iterator[tuple[Path, str, str, float]]:
+    """A fresh clone of ``rev`` in ``tmp`` with ``make lab`` serving, as a newcomer gets it
+    (its own Jupyter folders and run store): (the clone, the address, the token, the
+    seconds ``make lab`` took). Stopped on exit."""
+    clone = Path(tmp) / "hvdnb"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    subprocess.run(["git", "checkout", "-q", rev], cwd=clone, check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(
+        BROWSER="true",
+        JUPYTER_RUNTIME_DIR=str(Path(tmp) / "runtime"),
+        JUPYTER_CONFIG_DIR=str(Path(tmp) / "jupyter-config"),
+        JUPYTERLAB_WORKSPACES_DIR=str(Path(tmp) / "workspaces"),
+        HVDNB_HOME=str(Path(tmp) / "hvdnb-home"),
+    )
+    proc, url, token, start_s = start_lab(clone, env)
+    print(f"make lab: JupyterLab serving after {start_s:.1f} s", flush=True)
+    try:
+        yield clone, url, token, start_s
+    finally:
+        stop_lab(proc)
 
 
 def stop_lab(proc: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from bench_make_lab import start_lab, stop_lab
+from bench_make_lab import fresh_lab
 
 from tests.browser._lab import ARGS, CHROMIUM, write_notebook
 
@@ -131,31 +130,18 @@ def main() -> None:
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    with tempfile.TemporaryDirectory(prefix="hvdnb-walk-") as tmp:
-        clone = Path(tmp) / "hvdnb"
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        subprocess.run(["git", "checkout", "-q", args.rev], cwd=clone, check=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        env.update(
-            BROWSER="true",
-            JUPYTER_RUNTIME_DIR=str(Path(tmp) / "runtime"),
-            JUPYTER_CONFIG_DIR=str(Path(tmp) / "jupyter-config"),
-            JUPYTERLAB_WORKSPACES_DIR=str(Path(tmp) / "workspaces"),
-            HVDNB_HOME=str(Path(tmp) / "hvdnb-home"),
-        )
-        proc, url, token, start_s = start_lab(clone, env)
-        print(f"make lab: JupyterLab serving after {start_s:.1f} s", flush=True)
-        try:
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-                page = browser.new_page(viewport={"width": 1500, "height": 950})
-                row = walk(page, url, token, clone)
-                page.locator(".lm-MenuBar-itemLabel:text-is('Kernel')").click()
-                page.locator(".lm-Menu-itemLabel:text-is('Shut Down Kernel')").click()
-                time.sleep(3)
-                browser.close()
-        finally:
-            stop_lab(proc)
+    with (
+        tempfile.TemporaryDirectory(prefix="hvdnb-walk-") as tmp,
+        fresh_lab(tmp, args.rev) as (clone, url, token, start_s),
+        sync_playwright() as pw,
+    ):
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1500, "height": 950})
+        row = walk(page, url, token, clone)
+        page.locator(".lm-MenuBar-itemLabel:text-is('Kernel')").click()
+        page.locator(".lm-Menu-itemLabel:text-is('Shut Down Kernel')").click()
+        time.sleep(3)
+        browser.close()
     row["make_lab_s"] = round(start_s, 1)
     print(json.dumps(row, indent=1))
     OUT.parent.mkdir(parents=True, exist_ok=True)
