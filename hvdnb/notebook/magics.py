@@ -559,7 +559,7 @@ def _warmth(c: Any) -> str:
         return "warm (every rank from the standby)"
     if c.warm_ranks:
         return f"{c.warm_ranks} of {c.n} ranks warm (the standby had {c.warm_ranks}), the rest cold"
-    why = c.standby.why_off or "its processes were not ready yet"
+    why = c.standby.why_off or c.standby.refused or "its processes were not ready yet"
     return f"cold: no standby, because {why}"
 
 

@@ -35,25 +35,12 @@ import sys
 import threading
 from typing import Any
 
+from hvdnb.protocol.handover import import_time_diff
 from hvdnb.rank import standin
 
-__all__ = [
-    "IMPORT_TIME_PREFIXES",
-    "import_time_diff",
-    "main",
-]
+__all__ = ["main"]
 
-#: variables read when the interpreter or a native library starts: a standby started under
-#: other values than the rank's cannot serve it
-IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_")
 _ADOPTED = threading.Event()
-
-
-def import_time_diff(started: dict[str, str], rank: dict[str, str]) -> list[str]:
-    """The import-time variables whose values differ between two environments."""
-    keys = {k for k in (*started, *rank) if k.startswith(IMPORT_TIME_PREFIXES)}
-    keys.discard("PYTHONUNBUFFERED")  # read by the engine's streams at run time, not at start
-    return sorted(k for k in keys if started.get(k) != rank.get(k))
 
 
 def _control(sock: socket.socket) -> None:

@@ -14,14 +14,13 @@ import psutil
 import pytest
 
 import hvdnb
-from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import spec as spec_mod
 from hvdnb.notebook.cluster.standby import MEMORY_FACTOR, policy
 from tests.conftest import alive
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
-HOW = "import os, torch.distributed as d; (os.getpid(), os.environ.get('HVDNB_STARTED'), d.get_world_size())"
+HOW = "import os, torch.distributed as d; (os.getpid(), os.environ.get('HVDNB_STARTED', 'cold'), d.get_world_size())"
 
 
 def _ready(c, k: int) -> list[int]:
@@ -44,7 +43,9 @@ def standby_on(monkeypatch):
     monkeypatch.setenv("HVDNB_STANDBY", "auto")
 
 
-def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(shell, standby_on, capsys):
+def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(
+    shell, standby_on, monkeypatch, capsys
+):
     running = hvdnb.current()
     if running is not None and running.running:
         running.stop()
@@ -61,7 +62,7 @@ def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(shell, stand
         status = capsys.readouterr().out
         rows = [line.split() for line in status.splitlines() if line.startswith("standby ")]
         assert sorted(int(r[2]) for r in rows) == sorted(waiting)  # listed, not numbered
-        assert "standby: 2 of 2 ready" in status and "MiB resident" in status
+        assert "standby: 2 of 2 ready" in status and "its own)" in status
         old = c.pids()
 
         shell.run_line_magic("dist", "restart")
@@ -100,36 +101,33 @@ def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(shell, stand
             assert time.monotonic() < deadline, c.standby.rows()
             time.sleep(0.2)
         spare = c.standby.pids()
-    finally:
-        shell.run_line_magic("dist", "stop")
-    assert alive(spare + c.standby.taken_pids()) == []
-    assert c.standby.rows() == [] and c.standby.path is None
 
-
-def test_standby_off_or_refused_restarts_cold_and_says_why(shell, monkeypatch, capsys):
-    monkeypatch.setenv("HVDNB_STANDBY", "on")
-    c = hvdnb.Cluster(n=2, timeout=120).start()
-    try:
-        _ready(c, 2)
-        # a variable the interpreter read at its start differs now: the standby refuses
-        monkeypatch.setenv(
-            "OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2"
-        )
-        c.restart()
+        # a variable the interpreter read at its start differs now: the standby refuses,
+        # the ranks start cold, and their launcher's output says why
+        was = os.environ.get("OMP_NUM_THREADS")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1" if was != "1" else "2")
+        shell.run_line_magic("dist", "restart")
+        out = capsys.readouterr().out
+        assert "cold: no standby, because its processes started with other OMP_NUM_THREADS" in out
         assert c.warm_ranks == 0
         hows = [how for _, how, _ in _ranks(shell).values()]
-        assert len(hows) == 2 and all(h.startswith("cold") for h in hows), hows
-        assert "other OMP_NUM_THREADS" in health.engine_output(c)
+        assert len(hows) == 3 and all(h.startswith("cold") for h in hows), hows
+        assert alive(spare[:-1]) == []  # they could serve no rank: replaced by new ones
+        fresh = [r["pid"] for r in c.standby.rows()]  # still importing: closed mid-import below
+        assert len(fresh) == 3 and not set(fresh) & set(spare)
 
         monkeypatch.setenv("HVDNB_STANDBY", "0")
         shell.run_line_magic("dist", "restart")
         out = capsys.readouterr().out
         assert "cold: no standby, because HVDNB_STANDBY=0 turned it off" in out, out
         assert c.standby.rows() == [] and c.standby.pids() == []
+        assert alive(fresh) == []
         shell.run_line_magic("dist", "status")
         assert "standby: off, because HVDNB_STANDBY=0" in capsys.readouterr().out
     finally:
-        c.stop()
+        shell.run_line_magic("dist", "stop")
+    assert alive(c.standby.taken_pids()) == []
+    assert c.standby.rows() == [] and c.standby.path is None
 
 
 def test_a_killed_kernel_takes_its_standby_with_it(tmp_path):

@@ -151,7 +151,12 @@ LAB_RANKS = 2
 NEEDS_TENSORFLOW = {"08-tensorflow-multiworker", "09-tf-parameter-server"}
 #: notebooks that need the frameworks extra (Accelerate, transformers, Lightning)
 NEEDS_FRAMEWORKS = {"10-frameworks"}
-MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES]
+#: sizes whose run another test covers with the same code path, kept out of the matrix to
+#: keep the suite inside its 20 minutes: the parameter-server lesson at 3 ranks (1 server, 2
+#: workers) is ``tests/integration/test_tf_strategies.py``'s ``ps_cluster`` (the same
+#: ``--tf-ps 1`` cluster at 3 ranks, both workers training, the panel, a server's death)
+ELSEWHERE = {("09-tf-parameter-server", 3)}
+MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES if (p.stem, n) not in ELSEWHERE]
 
 
 def _hvdnb(*args: str, timeout: float, bindir: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -259,7 +259,7 @@ def status_report(cluster: Watched) -> str:
                     "rank": "standby",
                     "host": socket.gethostname(),
                     "pid": r["pid"],
-                    "state": f"{r['state']}, {r['rss_mib']} MiB ({r['uss_mib']} own)",
+                    "state": r["state"],
                 }
             )
     lines = [_table(rows + extra)]

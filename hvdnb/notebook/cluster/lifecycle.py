@@ -322,7 +322,7 @@ class Cluster:
         """This start's ``ipyparallel.Cluster``: the standby's spare one (its controller up)
         where it serves this spec, its ranks handed to standby processes where any are ready."""
         channel = self.channel_endpoint if self.channel is not None else None
-        warm = self.standby.engines(self.spec.n)
+        warm = self.standby.engines(self.spec.n, {**os.environ, **self.spec.engine_env})
         spare = self.standby.take_controller(self.spec, self._loop)
         if spare is None:
             self._ipp = launch.make_ipp(self.spec, self.cluster_id, channel, self.state_dir, warm)

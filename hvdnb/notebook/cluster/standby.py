@@ -36,6 +36,7 @@ import psutil
 from hvdnb.config import get_config
 from hvdnb.notebook.cluster import launch
 from hvdnb.notebook.cluster.spec import StartSpec
+from hvdnb.protocol.handover import import_time_diff
 
 __all__ = ["MEMORY_FACTOR", "Proc", "Standby", "policy", "switched_off"]
 
@@ -148,6 +149,10 @@ class Standby:
         #: why there is no standby (None: there is one, or none was asked for yet)
         self.why_off: str | None = None
         self.count = 0
+        #: why the last start's ranks were not handed to a ready standby (None: they were,
+        #: or none was ready)
+        self.refused: str | None = None
+        self._env: dict[str, str] = {}
         #: frameworks the ranks imported: every standby imports them too
         self.modules: list[str] = []
         self._dir: str | None = None
@@ -192,6 +197,8 @@ class Standby:
                 self.close()
                 return
             self.why_off = None
+            if import_time_diff(self._env, dict(os.environ)):  # they can serve no rank now
+                self.close()
             self._open()
             missing = self.count - len(self.idle())
             for _ in range(max(0, missing)):
@@ -204,6 +211,7 @@ class Standby:
     def _open(self) -> None:
         if self._listener is not None:
             return
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # every standby of this pool's
         self._dir = tempfile.mkdtemp(prefix="hvdnb-standby-")  # 0700: only we hand over
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(os.path.join(self._dir, "standby.sock"))
@@ -228,7 +236,7 @@ class Standby:
             stderr=subprocess.DEVNULL,
             # its own session: an interrupt of the kernel's process group is not for it
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=self._env,
         )
         theirs.close()
         return Proc(popen, ours)
@@ -245,11 +253,20 @@ class Standby:
                 pass
 
     # ------------------------------------------------------------------ a warm start
-    def engines(self, n: int) -> dict[str, Any] | None:
-        """How a start of ``n`` ranks hands them to the standby (``launch.configure_engines``),
-        or None when none is ready."""
+    def engines(self, n: int, rank_env: dict[str, str]) -> dict[str, Any] | None:
+        """How a start of ``n`` ranks with environment ``rank_env`` hands them to the
+        standby (``launch.configure_engines``), or None when none can take them (then
+        ``refused`` says why, where one was ready)."""
+        self.refused = None
         ready = self.ready()
         if not ready or self.path is None or switched_off():
+            return None
+        diff = import_time_diff(self._env, rank_env)
+        if diff:
+            self.refused = (
+                f"its processes started with other {', '.join(diff)} than the ranks have now "
+                "(read when Python starts); the next start makes new ones"
+            )
             return None
         return {
             "cmd": [sys.executable, "-I", "-S", _ADOPT, self.path],
@@ -316,12 +333,10 @@ class Standby:
             return "standby: none"
         ready = sum(r["state"] == "ready" for r in rows)
         mods = ", ".join(rows[0]["modules"])
-        mem = "; ".join(
-            f"pid {r['pid']} {r['rss_mib']} MiB resident, {r['uss_mib']} MiB its own" for r in rows
-        )
+        mem = "; ".join(f"{r['rss_mib']} MiB ({r['uss_mib']} its own)" for r in rows)
         return (
-            f"standby: {ready} of {len(rows)} ready for `%dist restart` ({mods} imported; "
-            f"not ranks): {mem}"
+            f"standby: {ready} of {len(rows)} ready for `%dist restart`, not ranks; "
+            f"{mods}; resident: {mem}"
         )
 
     def close(self, loop: Any = None) -> None:
