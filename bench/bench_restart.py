@@ -17,7 +17,9 @@ waits for all of it). The anchor is the cell that follows, ``%%px`` on the new e
 really ready would show here. Each warm restart's ranks are checked to be the standby's
 (``HVDNB_STARTED=warm``) and every cold one's cold.
 
-Usage: ``python bench/bench_restart.py [--pairs 5] [-n 2] [--json bench/results/restart.json]``
+Usage: ``python bench/bench_restart.py [--pairs 5] [-n 2] [--min-np M] [--json PATH]``
+(default ``bench/results/restart.json``; ``--min-np``: an elastic cluster, one engine set
+per rank and no mpiexec)
 """
 
 from __future__ import annotations
@@ -64,11 +66,12 @@ def _wait_ready(k: Kernel, n: int) -> None:
     assert r.error is None, r
 
 
-def run(pairs: int = 5, n: int = 2) -> dict[str, Any]:
+def run(pairs: int = 5, n: int = 2, min_np: int = 0) -> dict[str, Any]:
     k = Kernel({"HVDNB_STANDBY": "auto", "HVDNB_RANKS": str(n)})
-    out: dict[str, Any] = {"pairs": pairs, "n": n, "cold": [], "warm": []}
+    out: dict[str, Any] = {"pairs": pairs, "n": n, "min_np": min_np, "cold": [], "warm": []}
+    elastic = f" --min-np {min_np}" if min_np else ""
     try:
-        r = k.run(f"%dist start -n {n}")
+        r = k.run(f"%dist start -n {n}{elastic}")
         assert r.error is None, r
         out["start_s"] = r.seconds
         for i in range(pairs):
@@ -100,12 +103,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("-n", type=int, default=2)
+    ap.add_argument("--min-np", type=int, default=0, help="an elastic cluster (0: fixed size)")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "restart.json"))
     a = ap.parse_args()
-    out = run(a.pairs, a.n)
-    print(
-        f"%dist restart at {a.n} ranks, {a.pairs} pairs in one kernel (median; all samples in JSON)"
-    )
+    out = run(a.pairs, a.n, a.min_np)
+    kind = f"an elastic cluster (--min-np {a.min_np})" if a.min_np else "a fixed-size cluster"
+    print(f"%dist restart of {kind} at {a.n} ranks, {a.pairs} pairs in one kernel (median)")
     print(f"{'':>6} {'restart s':>10} {'%%px after s':>13}")
     for mode in ("cold", "warm"):
         print(f"{mode:>6} {out[mode + '_median_s']:>10.3f} {out[mode + '_px_median_s']:>13.3f}")

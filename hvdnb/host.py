@@ -15,7 +15,24 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["cores", "gpu_count", "ifname_of", "is_loopback", "reachable_addr", "route_addr"]
+__all__ = [
+    "available_memory",
+    "cores",
+    "gpu_count",
+    "ifname_of",
+    "is_loopback",
+    "reachable_addr",
+    "route_addr",
+]
+
+#: where a container's memory limit and use are (cgroup v2, then v1)
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+    ),
+)
 
 
 def cores() -> int:
@@ -24,6 +41,24 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def available_memory() -> int:
+    """Bytes this process's container can still take: the host's available memory, or less
+    where a cgroup limits it (Binder's 2 GB; the host's figure says nothing of that limit)."""
+    import psutil  # noqa: PLC0415  only where memory is asked about
+
+    avail = int(psutil.virtual_memory().available)
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" or a huge number: no limit
+            avail = min(avail, max(0, int(limit) - usage))
+        break
+    return avail
 
 
 def gpu_count() -> int:

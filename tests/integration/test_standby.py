@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import hvdnb
+from hvdnb import host
 from hvdnb.notebook.cluster import spec as spec_mod
 from hvdnb.notebook.cluster.standby import MEMORY_FACTOR, policy
 from tests.conftest import alive
@@ -155,9 +156,21 @@ def test_a_killed_kernel_takes_its_standby_with_it(tmp_path):
             p.kill()
 
 
+def test_a_containers_limit_is_the_memory_available(tmp_path, monkeypatch):
+    """Binder gives a notebook 2 GB while the host has far more: the cgroup's limit counts."""
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(f"{2 * 2**30}\n")
+    usage.write_text(f"{int(1.5 * 2**30)}\n")
+    monkeypatch.setattr(host, "_CGROUP_FILES", ((str(limit), str(usage)),))
+    assert host.available_memory() == min(psutil.virtual_memory().available, 2**29)
+    limit.write_text("max\n")  # cgroup v2 without a limit: the host's figure
+    got = host.available_memory()
+    assert abs(got - psutil.virtual_memory().available) < 2**28
+
+
 def test_the_memory_rule(monkeypatch):
     s = spec_mod.check(n=2)
-    avail = psutil.virtual_memory().available
+    avail = host.available_memory()
     big = avail // (MEMORY_FACTOR * 2) + 2**30  # what 2 such standby need is not free
     monkeypatch.setenv("HVDNB_STANDBY", "auto")
     count, why = policy(s, [big])

@@ -9,9 +9,10 @@ each engine, which gives its rank to whichever standby accepts (``HVDNB_STANDBY_
 of them; the others start cold). After a start the pool is topped up again.
 
 Rule for the default (``HVDNB_STANDBY=auto``): one standby per rank, on this host only, and
-only while the host's available memory is at least ``MEMORY_FACTOR`` times what the standby
-takes (its processes' count times a rank's resident memory now): a standby never takes
-more than a quarter of what is left. ``HVDNB_STANDBY=0`` turns it off, ``=on`` sets one per
+only while the memory available (the host's, or what a container's cgroup limit leaves, as
+on Binder) is at least ``MEMORY_FACTOR`` times what the standby takes (its processes' count
+times a rank's resident memory now): a standby never takes more than a quarter of what is
+left. ``HVDNB_STANDBY=0`` turns it off, ``=on`` sets one per
 rank and ``=K`` K processes, whatever the memory.
 
 Never: start a rank (a standby becomes one only through a launcher's hand-over), let a
@@ -34,6 +35,7 @@ from typing import Any
 import psutil
 
 from hvdnb.config import get_config
+from hvdnb.host import available_memory
 from hvdnb.notebook.cluster import launch
 from hvdnb.notebook.cluster.spec import StartSpec
 from hvdnb.protocol.handover import import_time_diff
@@ -73,7 +75,7 @@ def policy(spec: StartSpec, rank_rss: list[int]) -> tuple[int, str]:
         return spec.n, "HVDNB_STANDBY=on"
     per = max(rank_rss) if rank_rss else 0
     need = MEMORY_FACTOR * spec.n * per
-    avail = psutil.virtual_memory().available
+    avail = available_memory()
     if per and avail < need:
         return 0, (
             f"{avail / 2**30:.1f} GiB is available and {spec.n} standby processes of "
