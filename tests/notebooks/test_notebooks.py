@@ -151,11 +151,15 @@ LAB_RANKS = 2
 NEEDS_TENSORFLOW = {"08-tensorflow-multiworker", "09-tf-parameter-server"}
 #: notebooks that need the frameworks extra (Accelerate, transformers, Lightning)
 NEEDS_FRAMEWORKS = {"10-frameworks"}
-#: sizes whose run another test covers with the same code path, kept out of the matrix to
-#: keep the suite inside its 20 minutes: the parameter-server lesson at 3 ranks (1 server, 2
-#: workers) is ``tests/integration/test_tf_strategies.py``'s ``ps_cluster`` (the same
-#: ``--tf-ps 1`` cluster at 3 ranks, both workers training, the panel, a server's death)
-ELSEWHERE = {("09-tf-parameter-server", 3)}
+#: sizes whose run other tests cover, kept out of the matrix to keep the suite inside its 20
+#: minutes:
+#: - the parameter-server lesson at 3 ranks (1 server, 2 workers) is
+#:   ``tests/integration/test_tf_strategies.py``'s ``ps_cluster`` (the same ``--tf-ps 1``
+#:   cluster at 3 ranks, both workers training, the panel, a server's death);
+#: - the multi-worker lesson at 3 ranks: what hvdnb gives it, ``TF_CONFIG``, is checked at
+#:   3 workers in ``tests/unit/test_tfconfig.py``, TensorFlow at 3 ranks trains in
+#:   ``tests/integration/test_hvdnb_tensorflow.py``, and the lesson runs at 1 and 2 ranks
+ELSEWHERE = {("09-tf-parameter-server", 3), ("08-tensorflow-multiworker", 3)}
 MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES if (p.stem, n) not in ELSEWHERE]
 
 
