@@ -75,6 +75,7 @@ def _take(listener: socket.socket, started: dict[str, str]) -> dict[str, Any]:
     """Wait for a rank to be handed over; return its payload with its descriptors."""
     while True:
         conn, _ = listener.accept()
+        fds: list[int] = []  # this hand-over's (never a refused one's, closed already)
         try:
             conn.settimeout(5.0)
             msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 8)
@@ -96,7 +97,7 @@ def _take(listener: socket.socket, started: dict[str, str]) -> dict[str, Any]:
             payload["fds"], payload["link"] = fds, conn
             return payload
         except (OSError, ValueError):
-            for fd in locals().get("fds", []):
+            for fd in fds:
                 os.close(fd)
             conn.close()
 

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,7 @@ class Standby:
     """The warm standby of one ``Cluster``, kept across its restarts."""
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()
         self.procs: list[Proc] = []
         #: standby processes a start took: ranks now, but this kernel's children to reap
         self.taken: list[Proc] = []
@@ -169,19 +171,22 @@ class Standby:
         return os.path.join(self._dir, "standby.sock") if self._dir else None
 
     def idle(self) -> list[Proc]:
-        """Standby processes alive and not taken (their state read now)."""
-        for p in self.procs:
-            p.poll()
-        self.taken += [p for p in self.procs if p.adopted]
-        self.procs = [p for p in self.procs if p.alive() and not p.adopted]
-        return self.procs
+        """Standby processes alive and not taken (their state read now). Any thread: the
+        side channel's calls ``preload``."""
+        with self._lock:
+            for p in self.procs:
+                p.poll()
+            self.taken += [p for p in self.procs if p.adopted]
+            self.procs = [p for p in self.procs if p.alive() and not p.adopted]
+            return list(self.procs)
 
     def taken_pids(self) -> list[int]:
         """Standby processes that became ranks and still run (reaping those that ended:
         they are this kernel's children)."""
-        self.idle()
-        self.taken = [p for p in self.taken if p.alive()]
-        return [p.pid for p in self.taken]
+        with self._lock:
+            self.idle()
+            self.taken = [p for p in self.taken if p.alive()]
+            return [p.pid for p in self.taken]
 
     def ready(self) -> int:
         """How many can take a rank now."""
@@ -202,9 +207,9 @@ class Standby:
             if import_time_diff(self._env, dict(os.environ)):  # they can serve no rank now
                 self.close()
             self._open()
-            missing = self.count - len(self.idle())
-            for _ in range(max(0, missing)):
-                self.procs.append(self._spawn())
+            with self._lock:
+                missing = self.count - len(self.idle())
+                self.procs += [self._spawn() for _ in range(max(0, missing))]
             self._start_spare(cluster)
         except Exception as exc:  # the standby is an extra
             self.why_off = f"it could not start: {type(exc).__name__}: {exc}"
@@ -245,9 +250,10 @@ class Standby:
 
     def preload(self, module: str) -> None:
         """A rank imported ``module``: every standby (and every later one) imports it."""
-        if module in self.modules:
-            return
-        self.modules.append(module)
+        with self._lock:
+            if module in self.modules:
+                return
+            self.modules.append(module)
         for p in self.idle():
             try:
                 p.control.sendall(f"import {module}\n".encode())
@@ -343,18 +349,19 @@ class Standby:
 
     def close(self, loop: Any = None) -> None:
         """End every idle standby and the spare controller (taken ones are ranks now)."""
-        for p in self.procs:
+        with self._lock:
+            procs, self.procs = self.procs, []
+        for p in procs:
             try:
                 p.control.close()  # it exits on EOF ...
                 p.popen.kill()  # ... or now, mid-import
             except OSError:
                 pass
-        for p in self.procs:
+        for p in procs:  # reaped: they are this kernel's children
             try:
                 p.popen.wait(2)
             except subprocess.TimeoutExpired:
                 pass
-        self.procs = []
         if self._spare is not None:
             _stop_spare(self._spare, loop)
             self._spare = self._spare_key = None
