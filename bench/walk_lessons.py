@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from bench_make_lab import start_lab, stop_lab
+from bench_make_lab import fresh_lab
+from walkkit import shut_down_kernel
 
 from tests.browser._lab import ARGS, CHROMIUM
 
@@ -119,53 +118,43 @@ def main() -> None:
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="hvdnb-walk-") as tmp:
-        clone = Path(tmp) / "hvdnb"
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        subprocess.run(["git", "checkout", "-q", args.rev], cwd=clone, check=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        env.update(
-            BROWSER="true",
-            JUPYTER_RUNTIME_DIR=str(Path(tmp) / "runtime"),
-            JUPYTER_CONFIG_DIR=str(Path(tmp) / "jupyter-config"),
-            JUPYTERLAB_WORKSPACES_DIR=str(Path(tmp) / "workspaces"),
-            HVDNB_HOME=str(Path(tmp) / "hvdnb-home"),
-        )
-        proc, url, token, start_s = start_lab(clone, env)
-        print(f"make lab: JupyterLab serving after {start_s:.1f} s", flush=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="hvdnb-walk-") as tmp,
+        fresh_lab(tmp, args.rev) as (
+            clone,
+            url,
+            token,
+            start_s,
+        ),
+    ):
         names = sorted(p.name for p in (clone / "notebooks").glob("[0-9][0-9]-*.ipynb"))
         if args.lessons:
             names = [n for n in names if any(n.startswith(x) for x in args.lessons)]
-        try:
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-                for name in names:
-                    page = browser.new_page(viewport={"width": 1500, "height": 950})
-                    try:
-                        row = walk(page, url, token, clone, name, args.timeout)
-                    except Exception as exc:  # the table says which lesson and why
-                        shot = SHOTS / f"{Path(name).stem}-failed.png"
-                        page.screenshot(path=str(shot))
-                        row = {
-                            "lesson": Path(name).stem,
-                            "errors": [f"walk: {exc}"[:300]],
-                            "screenshots": [str(shot)],
-                        }
-                    # shut the lesson's kernel down (its cluster with it) before the next one
-                    page.locator(".lm-MenuBar-itemLabel:text-is('Kernel')").click()
-                    page.locator(".lm-Menu-itemLabel:text-is('Shut Down Kernel')").click()
-                    time.sleep(3)
-                    page.close()
-                    rows.append(row)
-                    print(
-                        f"| {row['lesson']} | {row.get('seconds', '-')} s | "
-                        f"{row.get('cells_run', '-')}/{row.get('cells', '-')} cells | "
-                        f"{len(row['errors'])} errors | {'; '.join(row['errors'])[:200]}",
-                        flush=True,
-                    )
-                browser.close()
-        finally:
-            stop_lab(proc)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+            for name in names:
+                page = browser.new_page(viewport={"width": 1500, "height": 950})
+                try:
+                    row = walk(page, url, token, clone, name, args.timeout)
+                except Exception as exc:  # the table says which lesson and why
+                    shot = SHOTS / f"{Path(name).stem}-failed.png"
+                    page.screenshot(path=str(shot))
+                    row = {
+                        "lesson": Path(name).stem,
+                        "errors": [f"walk: {exc}"[:300]],
+                        "screenshots": [str(shot)],
+                    }
+                # shut the lesson's kernel down (its cluster with it) before the next one
+                shut_down_kernel(page)
+                page.close()
+                rows.append(row)
+                print(
+                    f"| {row['lesson']} | {row.get('seconds', '-')} s | "
+                    f"{row.get('cells_run', '-')}/{row.get('cells', '-')} cells | "
+                    f"{len(row['errors'])} errors | {'; '.join(row['errors'])[:200]}",
+                    flush=True,
+                )
+            browser.close()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"make_lab_s": round(start_s, 1), "rows": rows}, indent=1) + "\n")
     print(f"wrote {OUT}; screenshots in {SHOTS}")

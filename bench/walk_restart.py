@@ -12,19 +12,17 @@ not list the standby, or a cell shows an error. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from bench_make_lab import fresh_lab
+from walkkit import walk_in_lab
 
-from tests.browser._lab import ARGS, CHROMIUM, write_notebook
+from tests.browser._lab import write_notebook
 
 SHOTS = ROOT / "test-artifacts" / "walk"
 OUT = ROOT / "bench" / "results" / "walk_restart.json"
@@ -104,24 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rev", default="HEAD")
     args = ap.parse_args()
-    from playwright.sync_api import sync_playwright
-
-    with (
-        tempfile.TemporaryDirectory(prefix="hvdnb-walk-") as tmp,
-        fresh_lab(tmp, args.rev) as (clone, url, token, start_s),
-        sync_playwright() as pw,
-    ):
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1500, "height": 950})
-        row = walk(page, url, token, clone)
-        page.locator(".lm-MenuBar-itemLabel:text-is('Kernel')").click()
-        page.locator(".lm-Menu-itemLabel:text-is('Shut Down Kernel')").click()
-        time.sleep(3)
-        browser.close()
-    row["make_lab_s"] = round(start_s, 1)
-    print(json.dumps(row, indent=1))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(row, indent=1) + "\n")
+    row = walk_in_lab(walk, args.rev, OUT)
     ok = row["warm"] and row["status_lists_standby"] and not row["error_outputs"]
     sys.exit(0 if ok else 1)
 
