@@ -1,9 +1,10 @@
 """A rank's death, walked as a person meets it: ``make lab`` on a fresh clone, a notebook in
 JupyterLab (headless Chromium) that starts an elastic cluster of 3 ranks and trains below
-the fold, and one rank killed from a terminal (``kill -9 PID``) while it trains.
+the fold, and one rank killed from a terminal (``kill -9 PID``) while it trains; then
+``ranks=3`` typed in the panel's set box brings a third rank back into the running loop.
 
 Screenshots (``test-artifacts/walk/elastic-*.png``): the page while the cell trains after
-the kill, the training cell's end (its last line names the dead rank and the new size), the
+the kill, after the scale was asked for, the training cell's end (its last line names the dead rank and the new size), the
 panel beside the notebook (its loss chart marks the step). It prints what the page shows
 and writes ``bench/results/walk_elastic.json``; exits 1 when the line is not on the page or
 the cell shows an error. Usage: ``python bench/walk_elastic.py [--rev REV]``.
@@ -30,6 +31,7 @@ SHOTS = ROOT / "test-artifacts" / "walk"
 OUT = ROOT / "bench" / "results" / "walk_elastic.json"
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 LINE = "rank 1 of generation 0 died; training goes on with 2 ranks"
+SCALED = "the cluster now has 3 ranks (generation 2)"
 
 TRAIN = """%%distributed
 import time, torch, hvdnb, torch.distributed as dist
@@ -97,6 +99,14 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
     SHOTS.mkdir(parents=True, exist_ok=True)
     shots = [str(SHOTS / "elastic-after-kill.png")]
     page.screenshot(path=shots[-1])
+    # back to 3 ranks while the loop trains: the panel's set box, as a person types it
+    box = page.get_by_placeholder("e.g. lr=0.05, warmup_steps=50")
+    box.fill("ranks=3")
+    box.press("Enter")
+    t_ask = time.monotonic()
+    time.sleep(3)
+    shots.append(str(SHOTS / "elastic-after-scale.png"))
+    page.screenshot(path=shots[-1])
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         busy = page.evaluate(
@@ -114,7 +124,9 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
     errors = page.locator(f"{PANEL} .jp-OutputArea-output[data-mime-type*='error']").count()
     return {
         "line_on_page": LINE in text,
-        "finished_line": "finished: size 2 step 600" in text,
+        "finished_line": "finished: size 3 step 600" in text,
+        "scaled_line": SCALED in text,
+        "seconds_after_scale": round(time.monotonic() - t_ask, 1),
         "error_outputs": errors,
         "seconds_after_kill": round(time.monotonic() - t_kill, 1),
         "cell_tail": text[-600:],
@@ -127,7 +139,8 @@ def main() -> None:
     ap.add_argument("--rev", default="HEAD")
     args = ap.parse_args()
     row = walk_in_lab(walk, args.rev, OUT)
-    sys.exit(0 if row["line_on_page"] and not row["error_outputs"] else 1)
+    ok = row["line_on_page"] and row["scaled_line"] and row["finished_line"]
+    sys.exit(0 if ok and not row["error_outputs"] else 1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any, Final, Literal
 
 __all__ = [
     "ELASTIC_LEFT",
+    "ELASTIC_LOOP",
     "ELASTIC_RESET",
     "HELLO",
     "IMPORTED",
@@ -176,6 +177,14 @@ ELASTIC_LEFT: Final = Kind(
     ("error",),
     doc="a rank's own code raised inside an elastic loop: it leaves the cluster",
 )
+ELASTIC_LOOP: Final = Kind(
+    "elastic_loop",
+    "rank",
+    ("slot", "inside"),
+    doc="a rank entered (``inside`` True) or left its outermost elastic loop: a "
+    "``%dist scale`` asked for while a cell runs happens at the loop's next commit only "
+    "while every rank is inside one",
+)
 IMPORTED: Final = Kind(
     "imported",
     "rank",
@@ -212,6 +221,7 @@ KINDS: Final[dict[str, Kind]] = {
         RDV_STORE,
         ELASTIC_RESET,
         ELASTIC_LEFT,
+        ELASTIC_LOOP,
         IMPORTED,
         WHERE_ASK,
         WHERE,

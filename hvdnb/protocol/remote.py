@@ -24,6 +24,7 @@ __all__ = [
     "DEBUG_COMMAND",
     "ENGINE_INFO",
     "INSPECT",
+    "JOIN_CELL",
     "REBUILD_GROUP",
     "RUN_CELL",
     "RemoteCall",
@@ -67,6 +68,9 @@ RUN_CELL: Final = RemoteCall("hvdnb.rank.engine:run_cell")
 REBUILD_GROUP: Final = RemoteCall("hvdnb.rank.engine:rebuild_group")
 #: bring an idle rank of an elastic cluster to the notebook's generation (generation, members)
 ELASTIC_REJOIN: Final = RemoteCall("hvdnb.rank.engine:elastic_rejoin")
+#: a rank started while a cell trains joins the generation, then runs the cell (generation,
+#: members, code, cell number); returns a ``replies.CellReply``
+JOIN_CELL: Final = RemoteCall("hvdnb.rank.engine:join_cell")
 #: a rank's host, pid, device and state, for ``%dist status``; returns a ``replies.EngineInfo``
 ENGINE_INFO: Final = RemoteCall("hvdnb.rank.engine:engine_info")
 #: connect the rank's side channel now (``%dist start`` returns once every rank has); None

@@ -11,6 +11,7 @@ ipyparallel sends it whole (it only walks plain lists, tuples and dicts).
 remote call            returns                     read by
 =====================  ==========================  =============================
 ``RUN_CELL``           ``CellReply``               ``notebook.cellout.cells``
+``JOIN_CELL``          ``CellReply``               ``notebook.cellout.cells``
 ``ENGINE_INFO``        ``EngineInfo``              ``notebook.cluster.health``
 ``DEBUG_COMMAND``      ``DebugReply``              ``notebook.magics`` (%dist debug)
 ``REBUILD_GROUP``      ``None``

@@ -408,10 +408,14 @@ def run_fn(func: F, reset: Callable[[], None], generation: Callable[[], int]) ->
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
         _NOTICES.states.add(state)
         _LOOPS[0] += 1
+        if _LOOPS[0] == 1:
+            _say_inside(True)
         try:
             return _loop(state, args, kwargs)
         finally:
             _LOOPS[0] -= 1
+            if _LOOPS[0] == 0:
+                _say_inside(False)
 
     def _loop(state: Any, args: Any, kwargs: Any) -> Any:
         skip_sync = False
@@ -437,6 +441,18 @@ def run_fn(func: F, reset: Callable[[], None], generation: Callable[[], int]) ->
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _say_inside(inside: bool) -> None:
+    """Tell the notebook this rank entered or left its outermost elastic loop: a scale
+    asked for while a cell runs happens at a commit only while every rank is in one."""
+    if not enabled():
+        return
+    from hvdnb.rank import channel  # noqa: PLC0415  the side channel (zmq): only on an elastic cluster
+
+    ch = channel.get()
+    if ch is not None:
+        ch.send(kinds.ELASTIC_LOOP, slot=slot(), inside=inside)
 
 
 def _grace() -> float:

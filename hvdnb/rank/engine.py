@@ -56,6 +56,7 @@ __all__ = [
     "connect_channel",
     "elastic_rejoin",
     "engine_info",
+    "join_cell",
     "main",
     "rebuild_group",
     "run_cell",
@@ -437,6 +438,17 @@ def elastic_rejoin(generation: int, members: list[int]) -> int:
     if generation > rendezvous.generation():
         elastic.reform()
     return rendezvous.world().rank
+
+
+def join_cell(generation: int, members: list[int], code: str, cell_no: int) -> CellReply:
+    """A rank started while a cell trains (``%dist scale`` at a commit): join the group's
+    ``generation`` (the running loop's ranks re-form with it at their next commit), then
+    run the cell from its top. A join that fails is this rank's error reply."""
+    try:
+        elastic_rejoin(generation, members)
+    except BaseException as exc:
+        return _error_reply(exc, int(os.environ.get("RANK", -1)))
+    return run_cell(code, cell_no)
 
 
 def _release_peers() -> None:

@@ -195,3 +195,103 @@ def test_below_min_np_the_cell_fails_naming_it(two, capsys):
 def test_scale_refuses_outside_the_bounds(two):
     with pytest.raises(hvdnb.ClusterError, match="takes 2 to 2 ranks"):
         two.scale(3)
+
+
+#: a loop that trains until the cluster has ``{target}`` ranks and then ``{more}`` steps
+#: more: it ends only after the scale happened, whenever that is (never timing luck)
+GROW_TRAIN = """
+import os, pathlib, torch, hvdnb.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+)
+state = hvd.elastic.TorchState(model, opt, step=0, since=0)
+resets = []
+state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+@hvd.elastic.run
+def train(state):
+    while state.since < {more}:
+        if hvd.rank() == 0 and state.step == 4:
+            pathlib.Path({flag!r}).touch()  # the test asks for the scale now
+        x = torch.randn(8, 4)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        state.step += 1
+        state.since = state.since + 1 if hvd.size() == {target} else 0
+        state.commit()
+train(state)
+(hvd.rank(), hvd.size(), resets, [round(float(p.detach().sum()), 5) for p in model.parameters()])
+"""
+
+
+def _scale_mid_loop(cluster, target: int, flag) -> object:
+    """Run GROW_TRAIN; once rank 0 reaches step 4, ask for ``target`` ranks from another
+    thread, as the panel's ``ranks=N`` does from its subshell."""
+    import threading
+    import time
+
+    said: list[str] = []
+
+    def ask() -> None:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        said.append(cluster.request_scale(target))
+
+    t = threading.Thread(target=ask)
+    t.start()
+    try:
+        code = GROW_TRAIN.format(target=target, more=6, flag=str(flag))
+        return run_cell(cluster, code, quiet=True), said
+    finally:
+        t.join()
+
+
+@pytest.fixture(scope="module")
+def growing():
+    c = hvdnb.Cluster(n=2, min_np=1, max_np=3, oversubscribe=True)
+    c.start()
+    yield c
+    pids = c.pids()
+    c.stop()
+    assert not alive(pids)
+
+
+def test_a_scale_asked_for_mid_loop_happens_at_a_commit(growing, tmp_path, capsys):
+    # up: a third rank starts, joins at a commit and runs the cell from its top
+    r, said = _scale_mid_loop(growing, 3, tmp_path / "up")
+    err = capsys.readouterr().err
+    assert said and "scaling to 3 ranks" in said[0], said
+    assert r.ok and growing.n == 3
+    outs = sorted(r.values.values())
+    assert [o[:2] for o in outs] == [(0, 3), (1, 3), (2, 3)], r.values
+    assert outs[0][2] == [3] and outs[1][2] == [3]  # the first two re-formed once, at 3
+    assert len({tuple(o[3]) for o in outs}) == 1  # the newcomer got rank 0's parameters
+    assert "the cluster now has 3 ranks" in err
+    # down: the highest rank leaves at a commit, its engine is stopped after it left
+    leaving = growing.slot_processes()[growing.membership.slot_of(2)]
+    r, said = _scale_mid_loop(growing, 2, tmp_path / "down")
+    err = capsys.readouterr().err
+    assert r.ok and growing.n == 2, r.errors
+    outs = sorted(r.values.values())
+    assert [o[:2] for o in outs] == [(0, 2), (1, 2)]
+    assert len({tuple(o[3]) for o in outs}) == 1
+    assert list(r.lost) == [2] and r.lost[2]["ename"] == "RankRemoved"
+    assert "the cluster now has 2 ranks" in err and "Traceback" not in err
+    leaving.wait(10)  # retired: killed once its cell ended
+    # and the next cell runs at the new size
+    r = run_cell(growing, "import torch.distributed as d; d.get_world_size()", quiet=True)
+    assert r.values == {0: 2, 1: 2}
+
+
+def test_a_scale_asked_for_outside_a_loop_waits_for_the_next_cell(growing, capsys):
+    said = growing.request_scale(3)
+    assert "before the next cell" in said
+    r = run_cell(growing, "import torch.distributed as d; d.get_world_size()", quiet=True)
+    assert "the cluster now has 3 ranks" in capsys.readouterr().err
+    assert r.values == {0: 3, 1: 3, 2: 3}
+    with pytest.raises(hvdnb.ClusterError, match="takes 1 to 3 ranks"):
+        growing.request_scale(4)

@@ -64,6 +64,7 @@ def _rank_messages(tmp_path: Path) -> dict[str, dict]:
         (kinds.METRICS, _recorder_message(tmp_path)),
         (kinds.HELLO, {"pid": os.getpid()}),
         (kinds.ELASTIC_LEFT, {"slot": 1, "error": "RuntimeError: check_rank and exit"}),
+        (kinds.ELASTIC_LOOP, {"slot": 1, "inside": True}),
         (kinds.IMPORTED, {"module": "sklearn"}),
         (kinds.RANK_INFO, {"host": "node-1", "local_rank": 0, "pid": 12}),
         (kinds.STOP_PLAN, {"id": "s1", "stop_at": 40, "reason": "loss is NaN", "cell": 3}),

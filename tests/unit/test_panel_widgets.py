@@ -171,6 +171,23 @@ def test_knob_controls_send_to_rank0_and_refuse_bad_values(sent, recording_chann
     assert "refused" in p.controls.note
 
 
+def test_ranks_in_the_set_box_refuses_on_a_fixed_size_cluster_and_sends_no_knob(
+    sent, recording_channel
+):
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel import Panel
+    from hvdnb.rank.metrics import knobs as kn
+
+    st = MetricsStore()
+    st._channel = recording_channel([0, 1])
+    st.on_spec({"spec": kn.make_spec({"lr": 0.1})})
+    p = Panel(st)
+    p._idle.stop()
+    p.knob_text.value = "ranks=3"  # no cluster attached: nothing to scale
+    assert "refused: ranks=N changes an elastic cluster's size" in p.controls.note
+    assert st._channel.sent == []  # "ranks" never goes to rank 0 as a knob
+
+
 def test_missing_memory_is_na_never_zero(sent):
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel import Panel

@@ -15,7 +15,6 @@ per rank.
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
 import sys
@@ -23,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -42,14 +42,14 @@ from hvdnb.notebook.cellout.cellwait import (
 )
 from hvdnb.notebook.cellout.elasticcell import CellMembers, elastic_between_cells, rejoin_note
 from hvdnb.notebook.cellout.output import format_ranks
+from hvdnb.notebook.cellout.pdbprompt import PdbPrompt
 from hvdnb.notebook.cellout.streaming import Intake, Streamer
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.export import ExportCell
 from hvdnb.notebook.metrics.runlog import outcome_of
 from hvdnb.notebook.metrics.store import get_store
 from hvdnb.notebook.stall import StallWatch
-from hvdnb.protocol import kinds
-from hvdnb.protocol.remote import REBUILD_GROUP, RUN_CELL
+from hvdnb.protocol.remote import JOIN_CELL, REBUILD_GROUP, RUN_CELL
 from hvdnb.protocol.replies import CellReply
 
 __all__ = [
@@ -270,46 +270,6 @@ def _engine_runner() -> Any:
     return _RUNNER
 
 
-class _PdbPrompt:
-    """Ranks paused at ``breakpoint()``: their pdb output arrives on the side channel (any
-    thread); the cell's waiting loop (main thread) prints it and asks for the next command
-    with ``input()``, as Jupyter asks for any input, and sends the answer to that rank."""
-
-    _RESUME = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
-
-    def __init__(self, cluster: Any) -> None:
-        self.channel = getattr(cluster, "channel", None)
-        self.waiting: Any = queue.Queue()
-        self.paused = False  # a prompt is being answered now (the stall watch holds off)
-        if self.channel is not None:
-            self.channel.on(kinds.PDB_OUT, self._on_out)
-
-    def _on_out(self, msg: dict[str, Any]) -> None:
-        if isinstance(msg.get("rank"), int):
-            self.waiting.put((msg["rank"], str(msg.get("text", ""))))
-
-    def serve(self) -> bool:
-        """Answer every rank waiting for a command; returns whether any was."""
-        served = False
-        while not self.waiting.empty():
-            rank, text = self.waiting.get()
-            served = self.paused = True
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            try:
-                line = input(f"(Pdb rank {rank}) ")
-            except (EOFError, KeyboardInterrupt):
-                line = "continue"
-            if self.channel is not None:
-                self.channel.send(rank, kinds.PDB_CMD, line=line)
-            self.paused = False
-        return served
-
-    def close(self) -> None:
-        if self.channel is not None:
-            self.channel.off(kinds.PDB_OUT, self._on_out)
-
-
 def run_cell(
     cluster: Any,
     code: str,
@@ -404,7 +364,7 @@ class _CellRun:
     ) -> None:
         self.cluster, self.code, self.sent, self.stream = cluster, code, sent, stream
         self.interval = cfg.output_interval
-        self.result = CellResult(cell=sent.cell_no, ranks=sent.ranks)
+        self.result = CellResult(cell=sent.cell_no, ranks=list(sent.ranks))
         # the AsyncResult's own metadata dicts, taken when the cell was sent: the client's
         # ``metadata`` is a defaultdict that drops an entry once its output is complete, and
         # a lookup after that (a fast cell, a loaded machine) made a fresh empty one: the
@@ -431,7 +391,7 @@ class _CellRun:
             sent.ranks, sent.t0, timeout, cfg.stall_after, elastic=self.members.active
         )
         self.watch = StallWatch(cluster, sent.ranks, cfg.stall_after)
-        self.prompt = _PdbPrompt(cluster)
+        self.prompt = PdbPrompt(cluster)
         self.futures = dict(zip(sent.ranks, sent.ar._children))  # one reply future per rank
         self.children: dict[int, Any] = {}  # per-rank AsyncResults, made when ranks finish apart
         self.stuck: list[int] = []  # ranks that ignored an interrupt (the cluster restarts)
@@ -464,7 +424,10 @@ class _CellRun:
     def _poll(self) -> None:
         """Wait up to one output interval for the ranks; tell the policy who finished."""
         ar, result, done = self.sent.ar, self.result, self.policy.done
-        if ar.wait(self.interval) and ar.successful():
+        if self.members.joined:  # ranks joined the running cell: wait on every rank's reply
+            pending = [f for r, f in self.futures.items() if r not in done]
+            futures.wait(pending, timeout=self.interval, return_when=futures.FIRST_COMPLETED)
+        elif ar.wait(self.interval) and ar.successful():
             outs = ar.get(0)  # the common case: every rank done, one unpacking
             for r, out in zip(self.sent.ranks, outs):
                 if r not in done:
@@ -478,13 +441,35 @@ class _CellRun:
                 if died:
                     result.errors[r] = health.rank_died(self.cluster, r, result.cell)
                 self._carry_out(self.policy.lost(r, time.monotonic(), self.members.below))
-        for r, fut in self.futures.items():
+        joined = self.members.scale_tick()  # a scale asked for while the cell runs
+        if joined:
+            self._join(joined)
+        for r, fut in list(self.futures.items()):
             if r not in done and fut.done():
                 _collect(result, r, self.children[r], self.cluster)
                 err = result.errors.get(r)
                 dead = bool(err and err.get("dead"))
-                failed = err is not None and not self.members.excused(err)
+                failed = err is not None and not self.members.ended(r, err)
                 self._carry_out(self.policy.rank_done(r, time.monotonic(), failed, dead))
+
+    def _join(self, joined: list[tuple[int, int]]) -> None:
+        """Ranks started while the cell runs (a scale at a commit) join the group and run
+        the cell from its top; their output, replies and errors are the cell's."""
+        c, sent = self.cluster, self.sent
+        ranks, slots = [r for r, _ in joined], [s for _, s in joined]
+        members = list(c.membership.members)
+        with sent.intake.tapping(c.client):
+            ar = c.client[slots].apply_async(
+                JOIN_CELL, c.generation, members, self.code, sent.cell_no
+            )
+        sent.intake.bind_more(list(ar._children), ranks)
+        self.metadata.extend(ar._metadata)
+        self.futures.update(zip(ranks, ar._children))
+        self.children.update(zip(ranks, ar.split()))
+        self.result.ranks.extend(ranks)
+        self.policy.ranks.extend(ranks)
+        self.streamer.add_ranks(ranks)
+        self.slot_of.update(zip(ranks, slots))
 
     def _carry_out(self, actions: list[Action]) -> None:
         for action in actions:
@@ -548,7 +533,7 @@ class _CellRun:
         # in rank order, however the ranks finished (%%distributed -o keeps this dict, and a
         # lesson prints it: {1: 3.0, 0: 3.0} when rank 1 happened to end first)
         result.values = dict(sorted(result.values.items()))
-        for r, md in zip(sent.ranks, self.metadata):
+        for r, md in zip(result.ranks, self.metadata):
             result.stdout[r] = md.get("stdout") or ""
             result.stderr[r] = md.get("stderr") or ""
             state = "error" if r in result.errors else "ok"
@@ -560,7 +545,8 @@ class _CellRun:
                 sent.cell_no, self.code, None if sent.everyone else list(sent.ranks), result.ok
             )
         )
-        if result.errors and not self.members.settle(result):
+        settled = self.members.settle(result)  # an elastic cluster's changes, said
+        if result.errors and not settled:
             raise DistributedCellError(result, self._error_note())
         if not quiet:
             _show_values(result)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from hvdnb.notebook.cluster.livescale import LiveScale
 from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.store import get_store
 from hvdnb.protocol.remote import REBUILD_GROUP
@@ -47,6 +48,10 @@ def elastic_between_cells(cluster: Any) -> Callable[[int], int]:
             f"--min-np {m.min_np}: `%dist scale {m.min_np}` (or more) adds ranks, `%dist "
             "restart` starts them all afresh"
         )
+    if m.wanted is not None:  # asked for while no loop ran (the panel's ranks=N)
+        ev = cluster.scale(m.wanted)
+        sys.stderr.write(ev.line(m.min_np) + "\n")
+        get_store().mark(ev.line(m.min_np))
     m.catch_up()
     slot_of: Callable[[int], int] = m.slot_of
     return slot_of
@@ -89,6 +94,12 @@ class CellMembers:
         self.events: list[Any] = []
         #: a change left fewer than --min-np ranks: the cell fails as a fixed cluster's
         self.below = False
+        #: a scale asked for while the cell runs (``Cluster.request_scale``)
+        self.live = LiveScale(cluster, cell) if self.active else None
+        #: cell rank -> slot: ranks that leave at a commit (a scale down), and ranks that
+        #: joined the running cell (a scale up)
+        self.leaving: dict[int, int] = {}
+        self.joined: dict[int, int] = {}
 
     def tick(self) -> list[tuple[int, bool]]:
         """Ranks lost since the last tick, as ``(rank, died)``; ``died`` False: its code
@@ -110,17 +121,60 @@ class CellMembers:
                 out.append((r, self.lost[r] == "died"))
         return out
 
+    def scale_tick(self) -> list[tuple[int, int]]:
+        """Carry out a scale asked for while the cell runs (``LiveScale``); returns the
+        ranks that join now, as (cell rank, slot): numbered after the cell's highest."""
+        if self.live is None:
+            return []
+        joined, leaving = self.live.tick()
+        while self.live.events:
+            ev = self.live.events.pop(0)
+            self.events.append(ev)
+            get_store().mark(f"scaled → {ev.size}")
+        for s in leaving:
+            r = self.rank_of.get(s)
+            if r is not None:
+                self.leaving[r] = s
+        out = []
+        for s in joined:
+            r = max(self.rank_of.values(), default=-1) + 1
+            self.rank_of[s] = r
+            self.joined[r] = s
+            out.append((r, s))
+        return out
+
+    def ended(self, rank: int, err: dict[str, Any] | None) -> bool:
+        """``rank``'s cell ended (``err``: its error record, or None); True when that
+        error is not the cell's: it left an elastic loop, or a scale took it out. A rank
+        that joined the running cell and failed leaves as if its code had raised in the
+        loop, so that its peers re-form without it."""
+        if rank in self.leaving:
+            self.cluster.membership.retire(self.leaving[rank])  # out of the group: stop it
+            if err and err.get("ename") == "RankRemoved":
+                err["scaled"] = True
+        elif rank in self.joined and err and not err.get("left") and not self.below:
+            text = f"{err.get('ename')}: {err.get('evalue')}"
+            self.cluster.membership.on_left({"slot": self.joined[rank], "error": text})
+            err["left"] = True
+        return self.excused(err)
+
     def excused(self, err: dict[str, Any] | None) -> bool:
         """Is this failed rank's error its leaving an elastic loop (not the cell's end)?"""
-        return bool(self.active and not self.below and err and err.get("left"))
+        return bool(
+            self.active and not self.below and err and (err.get("left") or err.get("scaled"))
+        )
 
     def settle(self, result: Any) -> bool:
         """At the cell's end: True when the cell ends normally although ranks were lost
         (every error is a lost rank's, and a survivor finished); its lines are printed.
         False: the cell's errors stand (``lines`` then goes into its error note)."""
+        if self.live is not None and self.live.error:
+            sys.stderr.write(f"hvdnb: {self.live.error}\n")
+        for s in self.leaving.values():  # no longer in the group, whatever its cell did
+            self.cluster.membership.retire(s)
         if not self.active or not self.events:
             return False
-        lost = set(self.lost) | {r for r, e in result.errors.items() if e.get("left")}
+        lost = set(self.lost) | {r for r, e in result.errors.items() if self.excused(e)}
         survivors_ok = any(r not in lost and r not in result.errors for r in result.ranks)
         if self.below or not survivors_ok or not set(result.errors) <= lost:
             return False

@@ -68,12 +68,13 @@ class Intake:
         mid = (msg.get("parent_header") or {}).get("msg_id", "")
         content = msg.get("content") or {}
         with self._lock:
-            if self._rank_of is None:
+            # only the cell's own requests are tapped: one not bound yet (a rank joining
+            # the running cell) is kept until it is
+            rank = None if self._rank_of is None else self._rank_of.get(mid)
+            if rank is None:
                 self._early.append((mid, kind, content))
                 return
-        rank = self._rank_of.get(mid)
-        if rank is not None:
-            self.inbox.append((rank, kind, content))
+        self.inbox.append((rank, kind, content))
 
     @contextmanager
     def tapping(self, client: Any) -> Iterator[None]:
@@ -96,6 +97,18 @@ class Intake:
         targets, in one order); a future another request made meanwhile is not the cell's."""
         rank_of = {f.msg_id: t for f, t in zip(futures, targets)}
         with self._lock:
+            self._rank_of = rank_of
+            early, self._early = self._early, []
+        for mid, kind, content in early:
+            if mid in rank_of:
+                self.inbox.append((rank_of[mid], kind, content))
+
+    def bind_more(self, futures: list[Any], targets: list[int]) -> None:
+        """Requests the cell sent later (ranks that joined while it ran), and their ranks;
+        held under ``tapping`` like the first ones."""
+        with self._lock:
+            rank_of = dict(self._rank_of or {})
+            rank_of.update({f.msg_id: t for f, t in zip(futures, targets)})
             self._rank_of = rank_of
             early, self._early = self._early, []
         for mid, kind, content in early:
@@ -198,6 +211,13 @@ class Streamer:
         self._head: list[tuple[str, str]] = []  # what was shown, for the file
         self._spill: Any = None
         self._tail: collections.deque[tuple[str, str]] = collections.deque(maxlen=tail)
+
+    def add_ranks(self, ranks: list[int]) -> None:
+        """Ranks that joined the running cell (``%dist scale`` at a commit)."""
+        self.ranks.extend(r for r in ranks if r not in self.ranks)
+        self.collapser.ranks = frozenset(self.ranks)
+        for r in ranks:
+            self.drawing.setdefault(r, _RankDrawing())
 
     # ------------------------------------------------------------------ intake
     def receive(self, rank: int, msg_type: str, content: dict[str, Any]) -> None:

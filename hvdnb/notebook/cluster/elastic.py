@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,12 @@ __all__ = [
     "Event",
     "Membership",
     "StoreHost",
+    "connect_new",
+    "not_started",
+    "request",
     "scale",
     "slot_processes",
+    "start_new",
     "start_slots",
 ]
 
@@ -102,8 +107,17 @@ class Membership:
     min_np, max_np : the fewest ranks it goes on with; the most ``scale`` may add
     """
 
-    def __init__(self, cluster: Any, slots: list[int], min_np: int, max_np: int) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        slots: list[int],
+        min_np: int,
+        max_np: int,
+        on_started: Callable[[], None] = lambda: None,
+    ) -> None:
         self.cluster = cluster
+        #: called after new engines started (the watchdog learns them)
+        self.on_started = on_started
         self.members = list(slots)
         self.min_np, self.max_np = min_np, max_np
         self.next_slot = max(slots, default=-1) + 1
@@ -114,6 +128,10 @@ class Membership:
         self.behind: int | None = None
         #: slot -> its engine process (psutil)
         self.procs: dict[int, Any] = {}
+        #: slots inside an elastic loop now (``kinds.ELASTIC_LOOP``)
+        self.looping: set[int] = set()
+        #: the size a ``request_scale`` asked for, not carried out yet (None: none)
+        self.wanted: int | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
@@ -138,6 +156,27 @@ class Membership:
         if isinstance(slot, int):
             with self._lock:
                 self.left.setdefault(slot, (time.monotonic(), str(msg.get("error", ""))))
+
+    def on_loop(self, msg: dict[str, Any]) -> None:
+        """A rank entered or left its elastic loop (channel thread)."""
+        slot = msg.get("slot")
+        if isinstance(slot, int):
+            with self._lock:
+                (self.looping.add if msg.get("inside") else self.looping.discard)(slot)
+
+    def all_looping(self) -> bool:
+        """Is every member inside an elastic loop (a scale can happen at a commit)?"""
+        with self._lock:
+            return bool(self.members) and set(self.members) <= self.looping
+
+    def retire(self, s: int) -> None:
+        """Take slot ``s`` out for good: its engine process is killed if it still runs."""
+        p = self.cluster.slot_processes().get(s)
+        if p is not None:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def gone(self) -> list[int]:
         """Member slots whose engine process has exited (or left the controller)."""
@@ -196,7 +235,7 @@ class Membership:
         c = self.cluster
         lost_ranks = tuple(sorted(self.members.index(s) for s in lost))
         for s in lost:
-            self.cluster.retire_slot(s)  # a rank that raised leaves as if it had died
+            self.retire(s)  # a rank that raised leaves as if it had died
             with self._lock:
                 self.left.pop(s, None)
         _renumber(c, self.members, survivors)
@@ -212,9 +251,10 @@ class Membership:
                 c.view.block = False
         return ev
 
-    def announce(self, removed: bool, why: str) -> None:
+    def announce(self, removed: bool, why: str, also: tuple[int, ...] = ()) -> None:
         """Send the current generation to every member (they re-form when they can), with
-        the engine processes of every slot seen (a survivor cuts its links to them)."""
+        the engine processes of every slot seen (a survivor cuts its links to them); and to
+        the slots ``also`` (ranks ``%dist scale`` takes out: they leave at that reset)."""
         c = self.cluster
         msg = {
             "generation": c.generation,
@@ -225,7 +265,7 @@ class Membership:
             "pids": [p.pid for p in self.procs.values()],
         }
         if c.channel is not None:
-            for s in self.members:
+            for s in [*self.members, *also]:
                 c.channel.send(s, kinds.ELASTIC_RESET, **msg)
         self.behind = c.generation
 
@@ -241,14 +281,33 @@ class Membership:
         c.view = view
         c.view.block = False
 
-    def grew(self, slots: list[int]) -> Event:
+    def grew(self, slots: list[int], cell: int | None = None) -> Event:
         """``slots`` joined (``%dist scale``): form the next generation with them."""
         c = self.cluster
         c.generation += 1
         self.members = self.members + list(slots)
-        ev = Event(time.time(), c.generation, (), len(self.members), "scaled")
+        ev = Event(time.time(), c.generation, (), len(self.members), "scaled", cell)
         self.announce(removed=False, why="scaled")
         self.events.append(ev)
+        return ev
+
+    def shrink_at_commit(self, n: int, cell: int | None) -> Event:
+        """Keep the first ``n`` ranks, while they train in an elastic loop: every rank
+        hears of the next generation, all re-form at the same commit, and the ranks past
+        ``n`` find themselves out of it and leave their loop (``RankRemoved``); nothing is
+        killed until they have (``retire``)."""
+        c = self.cluster
+        drop = self.members[n:]
+        lost = tuple(range(n, len(self.members)))
+        _renumber(c, self.members, self.members[:n])
+        c.generation += 1
+        self.members = self.members[:n]
+        ev = Event(time.time(), c.generation, lost, n, "scaled", cell, {}, tuple(drop))
+        self.events.append(ev)
+        self.announce(removed=False, why="scaled", also=tuple(drop))
+        if c.client is not None:
+            c.view = c.client[list(self.members)]
+            c.view.block = False
         return ev
 
     def shrank(self, drop: list[int]) -> Event:
@@ -364,17 +423,8 @@ def scale(cluster: Any, n: int) -> Event:
     """Take an elastic cluster to ``n`` ranks, between cells: the highest ranks leave, or
     new engines start and join; either way the next generation forms on every rank.
     Raises ClusterError for a fixed-size cluster or an ``n`` outside ``--min-np``..``--max-np``."""
-    m: Membership | None = cluster.membership
-    if m is None:
-        raise ClusterError(
-            "`%dist scale` is for an elastic cluster (`%dist start -n N --min-np M`); this "
-            f"one has a fixed size: `%dist restart -n {n}` starts {n} fresh ranks"
-        )
-    if isinstance(n, bool) or not isinstance(n, int) or not m.min_np <= n <= m.max_np:
-        raise ClusterError(
-            f"`%dist scale {n}`: this cluster takes {m.min_np} to {m.max_np} ranks (its "
-            "--min-np and --max-np); `%dist restart -n N --min-np M --max-np K` changes them"
-        )
+    m = _checked(cluster, n)
+    m.wanted = None
     cluster.watch_members(None)  # deaths since the last cell first
     if n < m.size:
         ev = m.shrank(list(range(n, m.size)))
@@ -386,21 +436,65 @@ def scale(cluster: Any, n: int) -> Event:
     return ev
 
 
+def request(cluster: Any, n: int) -> str:
+    """``Cluster.request_scale``: remember ``n`` for the running cell's wait (it carries it
+    out at the elastic loop's next commit) or the next cell's start. Any thread."""
+    m = _checked(cluster, n)
+    m.wanted = n
+    if m.all_looping():
+        return f"scaling to {n} ranks at the elastic loop's next commit"
+    return (
+        f"scaling to {n} ranks when the ranks enter an elastic loop (hvd.elastic.run), or "
+        "before the next cell"
+    )
+
+
+def _checked(cluster: Any, n: int) -> Membership:
+    m: Membership | None = cluster.membership
+    if m is None:
+        raise ClusterError(
+            "`%dist scale` is for an elastic cluster (`%dist start -n N --min-np M`); this "
+            f"one has a fixed size: `%dist restart -n {n}` starts {n} fresh ranks"
+        )
+    if isinstance(n, bool) or not isinstance(n, int) or not m.min_np <= n <= m.max_np:
+        raise ClusterError(
+            f"`%dist scale {n}`: this cluster takes {m.min_np} to {m.max_np} ranks (its "
+            "--min-np and --max-np); `%dist restart -n N --min-np M --max-np K` changes them"
+        )
+    return m
+
+
 def _grow(cluster: Any, m: Membership, n: int) -> Event:
-    new = list(range(m.next_slot, m.next_slot + n - m.size))
-    m.next_slot += len(new)
-    cluster.run_async(start_slots(cluster, new, n, join=True), cluster.timeout + 30)
+    new = start_new(cluster, m, n)
     deadline = time.monotonic() + cluster.timeout
     while not set(new) <= set(cluster.client.ids):
         if time.monotonic() > deadline:
-            raise ClusterError(
-                f"the new rank(s) did not start within {cluster.timeout:.0f} s; `%dist status` "
-                "shows the cluster, `%dist restart` starts every rank afresh"
-            )
+            raise ClusterError(not_started(cluster))
         time.sleep(0.02)
+    connect_new(cluster, new, deadline)
+    return m.grew(new)
+
+
+def start_new(cluster: Any, m: Membership, n: int) -> list[int]:
+    """Start the engines that take ``m`` to ``n`` ranks (they join when told); their slots."""
+    new = list(range(m.next_slot, m.next_slot + n - m.size))
+    m.next_slot += len(new)
+    cluster.run_async(start_slots(cluster, new, n, join=True), cluster.timeout + 30)
+    m.on_started()  # they die with this kernel too
+    return new
+
+
+def not_started(cluster: Any) -> str:
+    return (
+        f"the new rank(s) did not start within {cluster.timeout:.0f} s; `%dist status` "
+        "shows the cluster, `%dist restart` starts every rank afresh"
+    )
+
+
+def connect_new(cluster: Any, new: list[int], deadline: float) -> None:
+    """Connect the registered engines ``new`` to the side channel (they say hello)."""
     cluster.client[new].apply_sync(CONNECT_CHANNEL)
     while cluster.channel is not None and not set(new) <= set(cluster.channel.ranks):
         if time.monotonic() > deadline:
             break
         time.sleep(0.005)
-    return m.grew(new)

@@ -50,6 +50,7 @@ from hvdnb.notebook.cluster.elastic import (
     slot_processes,
     start_slots,
 )
+from hvdnb.notebook.cluster.elastic import request as elastic_request
 from hvdnb.notebook.cluster.elastic import scale as elastic_scale
 from hvdnb.notebook.cluster.hub import Hub
 from hvdnb.notebook.cluster.launch import find_mpiexec
@@ -365,15 +366,6 @@ class Cluster:
         """An elastic cluster's engine process per slot (psutil), while its set runs."""
         return slot_processes(self.engine_launchers())
 
-    def retire_slot(self, s: int) -> None:
-        """Take slot ``s`` out for good: its engine process is killed if it still runs."""
-        p = self.slot_processes().get(s)
-        if p is not None:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-
     def run_async(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run one of ipyparallel's coroutines on this cluster's loop thread."""
         self._loop = self._loop or LoopThread()
@@ -381,9 +373,12 @@ class Cluster:
 
     def scale(self, n: int) -> Event:
         """Take an elastic cluster to ``n`` ranks (between cells; ``elastic.scale``)."""
-        ev = elastic_scale(self, n)
-        self._start_watchdog()  # the engines it started die with this kernel too
-        return ev
+        return elastic_scale(self, n)  # new engines: the watchdog learns them (on_started)
+
+    def request_scale(self, n: int) -> str:
+        """Ask for ``n`` ranks from any thread (the panel's ``ranks=N``): a running elastic
+        loop takes it at its next commit, else the next cell's start. Says which, in words."""
+        return elastic_request(self, n)
 
     def _connect(self) -> None:
         from ipyparallel import Client  # noqa: PLC0415  ipyparallel is heavy: loaded only where it is used
@@ -412,12 +407,14 @@ class Cluster:
 
     def _begin_membership(self) -> None:
         assert self.spec.min_np is not None and self.spec.max_np is not None
-        self.membership = Membership(
-            self, list(range(self.spec.n)), self.spec.min_np, self.spec.max_np
+        m = Membership(
+            self, list(range(self.spec.n)), self.spec.min_np, self.spec.max_np, self._start_watchdog
         )
+        self.membership = m
         # the channel listens from the start: a rank may leave during the first cell
         if self.channel is not None:
-            self.channel.on(kinds.ELASTIC_LEFT, self.membership.on_left)
+            self.channel.on(kinds.ELASTIC_LEFT, m.on_left)
+            self.channel.on(kinds.ELASTIC_LOOP, m.on_loop)
 
     def watch_members(self, cell: int | None = None) -> Event | None:
         """An elastic cluster: form the next generation if ranks were lost (None: none

@@ -86,6 +86,11 @@ class MetricsStore:
         if c is not None and c.channel is not None and c.channel is not self._link.channel:
             self.attach(c)
 
+    @property
+    def cluster(self) -> Any:
+        """The cluster this store is fed from (None: none yet)."""
+        return self._link.cluster
+
     def attach(self, cluster: Any) -> None:
         """Feed this store from ``cluster.channel`` (again after a restart: idempotent).
 

@@ -146,11 +146,33 @@ class Controls:
         if not text:
             return
         try:
-            values = parse(text)
+            values = dict(parse(text))
         except KnobTextError as exc:
             self.set_note(f"refused: {exc}")
             return
-        self.request(dict(values))
+        if "ranks" in values:  # an elastic cluster's size, not a knob
+            self.scale(values.pop("ranks"))
+            if not values:
+                return
+        self.request(values)
+
+    def scale(self, n: Any) -> None:
+        """``ranks=N``: take an elastic cluster to N ranks, at the running elastic loop's
+        next commit (``Cluster.request_scale``), or before the next cell."""
+        self.store.attach_current()
+        c = self.store.cluster
+        if c is None or getattr(c, "membership", None) is None:
+            self.set_note(
+                "refused: ranks=N changes an elastic cluster's size; start one with `%dist "
+                "start -n N --min-np M` (a fixed-size cluster: `%dist restart -n N`)"
+            )
+            return
+        if isinstance(n, float) and n.is_integer():
+            n = int(n)
+        try:
+            self.set_note(c.request_scale(n))
+        except Exception as exc:  # ClusterError: out of --min-np..--max-np, not a whole number
+            self.set_note(f"refused: {exc}")
 
     def request(self, values: dict[str, Any]) -> tuple[bool, str]:
         """Ask for a knob change (validated by the store, scheduled by rank 0)."""
