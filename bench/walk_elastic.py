@@ -13,6 +13,7 @@ the cell shows an error. Usage: ``python bench/walk_elastic.py [--rev REV]``.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +71,19 @@ def _engine_pid(slot: int) -> int | None:
     return None
 
 
+def _panel_step(page) -> int:
+    """The step the panel's header shows (0 before it shows one)."""
+    head = page.locator(".hvdnb-header")
+    m = re.search(r"step (\d+)", head.first.inner_text()) if head.count() else None
+    return int(m.group(1)) if m else 0
+
+
+def _wait_for_step(page, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _panel_step(page) < step and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def walk(page, url: str, token: str, clone: Path) -> dict:
     cells = [("markdown", f"## Notes {i}\n\n" + "Some text to read. " * 40) for i in range(4)]
     cells[1:1] = [("code", "%load_ext hvdnb\n%dist start -n 3 --min-np 1 --oversubscribe")]
@@ -92,7 +106,7 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
         ".some(p => p.textContent.includes('*'))",
         timeout=60_000,
     )
-    time.sleep(8)  # training for a while: the panel has a loss line
+    _wait_for_step(page, 60)  # training for a while: the panel has a loss line
     subprocess.run(["kill", "-9", str(pid)], check=True)  # as from a terminal
     t_kill = time.monotonic()
     time.sleep(4)
@@ -100,6 +114,7 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
     shots = [str(SHOTS / "elastic-after-kill.png")]
     page.screenshot(path=shots[-1])
     # back to 3 ranks while the loop trains: the panel's set box, as a person types it
+    _wait_for_step(page, _panel_step(page) + 40)  # the survivors train on at 2 first
     box = page.get_by_placeholder("e.g. lr=0.05, warmup_steps=50")
     box.fill("ranks=3")
     box.press("Enter")

@@ -98,7 +98,10 @@ class State:
         rank = os.environ.get("RANK", "0")
         size = os.environ.get("WORLD_SIZE", "1")
         object.__setattr__(self, "path", _state_dir() / f"rank{rank}-of-{size}.pt")
-        if self.path.exists():
+        # a rank that joined a running elastic cluster has no commit of its own: the file
+        # under its rank number is another engine's, of an earlier generation; it takes
+        # rank 0's state at its elastic loop's first sync
+        if self.path.exists() and os.environ.get("HVDNB_ELASTIC_JOIN") != "1":
             self.restore()
 
     def __getattr__(self, name: str) -> Any:

@@ -194,7 +194,7 @@ class Controls:
         st = s.knob_status()
         note = html.escape(self.note)
         if not s.knob_spec:
-            return f"{NO_KNOBS} {note}"
+            return f"{NO_KNOBS} &middot; {note}" if note else NO_KNOBS
         cur = ", ".join(f"{k}={v['value']:g}" for k, v in s.knob_spec.items())
         text = f"knobs: {html.escape(cur)}"
         said, refused = describe_change(st)  # the same words as %dist knobs
