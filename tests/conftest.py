@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -73,23 +76,55 @@ def dist2(shell):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def lessons_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The environment ``make lab`` installs, built for real: its install step (``make
-    install``: a fresh ``python -m venv``, torch, hvdnb with the ``lessons`` extra, the
-    kernelspec) into a new folder, with nothing from this test environment. Returns its
-    ``bin`` folder. pip reads its cache and configured indexes as a user's would;
-    ``--no-compile`` skips byte-compiling (an install-time cost, not what is checked)."""
-    venv = tmp_path_factory.mktemp("make-lab") / "venv"
+def _build_lessons_env(venv: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1")
-    res = subprocess.run(
+    return subprocess.run(
         ["make", "-C", str(ROOT), "install", f"VENV={venv}", "PIP_OPTS=--no-compile"],
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+#: the lessons' environment, built in a thread from the session's start (``make install``
+#: is a minute of unpacking wheels, which overlaps the browser tests' waiting instead of
+#: adding to the suite's time): (folder, future), or empty when no collected test needs it
+_LESSONS_BUILD: dict[str, Any] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    wanted = any(
+        "test_lessons_env" in item.nodeid or "2rank]" in item.nodeid
+        for item in session.items
+        if "tests/notebooks/" in item.nodeid or "test_lessons_env" in item.nodeid
+    )
+    if wanted and not _LESSONS_BUILD:
+        venv = Path(tempfile.mkdtemp(prefix="hvdnb-make-lab-")) / "venv"
+        pool = ThreadPoolExecutor(max_workers=1)
+        _LESSONS_BUILD.update(venv=venv, future=pool.submit(_build_lessons_env, venv), pool=pool)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _LESSONS_BUILD:
+        _LESSONS_BUILD["pool"].shutdown(wait=True)
+        shutil.rmtree(_LESSONS_BUILD["venv"].parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def lessons_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The environment ``make lab`` installs, built for real: its install step (``make
+    install``: a fresh ``python -m venv``, torch, hvdnb with the ``lessons`` extra, the
+    kernelspec) into a new folder, with nothing from this test environment. Returns its
+    ``bin`` folder. pip reads its cache and configured indexes as a user's would;
+    ``--no-compile`` skips byte-compiling (an install-time cost, not what is checked).
+    Started when the session's tests were collected (``pytest_collection_finish``)."""
+    if _LESSONS_BUILD:
+        venv, res = _LESSONS_BUILD["venv"], _LESSONS_BUILD["future"].result()
+    else:
+        venv = tmp_path_factory.mktemp("make-lab") / "venv"
+        res = _build_lessons_env(venv)
     assert res.returncode == 0, f"make install failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     return venv / "bin"
 

@@ -159,7 +159,13 @@ NEEDS_FRAMEWORKS = {"10-frameworks"}
 #: - the multi-worker lesson at 3 ranks: what hvdnb gives it, ``TF_CONFIG``, is checked at
 #:   3 workers in ``tests/unit/test_tfconfig.py``, TensorFlow at 3 ranks trains in
 #:   ``tests/integration/test_hvdnb_tensorflow.py``, and the lesson runs at 1 and 2 ranks
-ELSEWHERE = {("09-tf-parameter-server", 3), ("08-tensorflow-multiworker", 3)}
+#: - the frameworks lesson at 3 ranks: ``tests/integration/test_frameworks.py`` runs DDP,
+#:   Accelerate, the HF Trainer and Lightning on a 3-rank cluster, the panel's knobs too
+ELSEWHERE = {
+    ("09-tf-parameter-server", 3),
+    ("08-tensorflow-multiworker", 3),
+    ("10-frameworks", 3),
+}
 MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES if (p.stem, n) not in ELSEWHERE]
 
 
