@@ -131,6 +131,36 @@ def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(
     assert c.standby.rows() == [] and c.standby.path is None
 
 
+def test_an_elastic_restart_finds_its_store_serving(standby_on):
+    """An elastic cluster's rendezvous store is a process that imports torch before it
+    serves: the standby starts the next one after each start, and the restart takes it."""
+    from hvdnb.notebook.cellout.cells import run_cell
+
+    c = hvdnb.Cluster(n=2, min_np=1, oversubscribe=True)
+    c.start()
+    seen: list[int] = []
+    try:
+        for _ in range(2):
+            _ready(c, 2)
+            spare = c.store_host.spare_pid
+            assert spare is not None and spare != c.store_host.pid
+            seen += [spare, c.store_host.pid]
+            c.restart()
+            assert c.store_host.pid == spare  # the spare serves the new cluster
+            assert c.warm_ranks == 2
+            r = run_cell(
+                c,
+                "import torch, torch.distributed as d; t = torch.ones(1); "
+                "d.all_reduce(t); (d.get_world_size(), t.item())",
+                quiet=True,
+            )
+            assert r.values == {0: (2, 2.0), 1: (2, 2.0)}
+        seen += [c.store_host.spare_pid or 0, *c.pids()]
+    finally:
+        c.stop()
+    assert not alive([p for p in seen if p])  # the spare store goes with the stop too
+
+
 def test_a_killed_kernel_takes_its_standby_with_it(tmp_path):
     code = textwrap.dedent(
         """

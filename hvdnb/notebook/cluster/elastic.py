@@ -344,47 +344,85 @@ def _alive(p: Any) -> bool:
 class StoreHost:
     """An elastic cluster's rendezvous store (``python -m hvdnb.rank.storehost``): this
     kernel binds the port (so the engines are told it at once) and hands the socket over;
-    the process ends when its stdin closes, with this kernel."""
+    the process ends when its stdin closes, with this kernel.
+
+    A store process spends most of a second importing torch before it serves, and the
+    ranks wait for it. Where the warm standby is on, ``prepare_spare`` starts the next
+    cluster's store after a start, so that a restart finds one serving already (a fresh
+    store: no key of the old cluster is in it)."""
 
     def __init__(self) -> None:
         self.addr = ""
         self.proc: subprocess.Popen[bytes] | None = None
+        self._spare: tuple[str, subprocess.Popen[bytes]] | None = None
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare's process (the watchdog's: it outlives a restart, not the kernel)."""
+        return self._spare[1].pid if self._spare is not None else None
+
     def open(self) -> None:
         self.close()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        self.addr = f"127.0.0.1:{sock.getsockname()[1]}"
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hvdnb.rank.storehost", "--fd", str(sock.fileno())],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                pass_fds=(sock.fileno(),),
-            )
-        finally:
-            sock.close()
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[1].poll() is None:
+            self.addr, self.proc = spare
+            return
+        if spare is not None:
+            _end(spare[1])
+        self.addr, self.proc = _store_process()
+
+    def prepare_spare(self) -> None:
+        """Start the next cluster's store now (never raises: it is an extra)."""
+        if self._spare is None:
+            try:
+                self._spare = _store_process()
+            except Exception:
+                self._spare = None
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
+        if proc is not None:
+            _end(proc)
+
+    def close_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            _end(spare[1])
+
+
+def _store_process() -> tuple[str, subprocess.Popen[bytes]]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    addr = f"127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hvdnb.rank.storehost", "--fd", str(sock.fileno())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(sock.fileno(),),
+        )
+    finally:
+        sock.close()
+    return addr, proc
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(2)
+    except Exception:
+        proc.kill()
         try:
-            if proc.stdin is not None:
-                proc.stdin.close()
             proc.wait(2)
         except Exception:
-            proc.kill()
-            try:
-                proc.wait(2)
-            except Exception:
-                pass
+            pass
 
 
 def slot_processes(launchers: list[Any]) -> dict[int, Any]:

@@ -307,6 +307,8 @@ class Cluster:
         self.started_at = time.time()
         self.warm_ranks = len(self.standby.taken_pids()) - taken_before
         self.standby.refill(self)
+        if self.elastic and self.standby.count:  # the next restart's store, serving already
+            self.store_host.prepare_spare()
         if self.channel is not None:
             self.channel.on(kinds.IMPORTED, lambda msg: self.standby.preload(msg["module"]))
         self._start_watchdog()  # it knows the standby too
@@ -468,7 +470,7 @@ class Cluster:
         # `hvdnb run` or kernel left hvdnb-state-* behind in the temp directory)
         files = cluster_files(self._ipp.profile_dir, self.cluster_id)
         self._watchdog = watch(
-            self._root_pids() + self.standby.pids(),
+            self._root_pids() + self.standby.pids() + [p for p in [self.store_host.spare_pid] if p],
             self.engine_launchers(),
             files + ([self.state_dir] if self.state_dir else []),
         )
@@ -503,6 +505,7 @@ class Cluster:
         """Stop engines, then the controller; leaves no process behind."""
         self._teardown()
         self.standby.close(self._loop)
+        self.store_host.close_spare()
         if self.state_dir is not None:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.state_dir = None
