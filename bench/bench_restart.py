@@ -7,7 +7,9 @@ order:
 - **cold**: ``HVDNB_STANDBY=0`` in the kernel and a restart that takes the standby away (not
   timed), then ``%dist restart``: fresh interpreters import torch, a fresh controller starts;
 - **warm**: the standby is back (a restart with ``HVDNB_STANDBY=auto`` spawns it, not
-  timed), ready (``hvdnb.current().standby.ready()``), then ``%dist restart``: the ranks
+  timed), ready (``hvdnb.current().standby.ready()``, its spare controller's connection file
+  written, and an elastic cluster's next store serving: ``store_host.spare_ready()``), then
+  ``%dist restart``: the ranks
   are handed to standby processes and the spare controller serves the start.
 
 A restart's time is the time from sending the ``%dist restart`` execute request to the
@@ -60,7 +62,12 @@ def _wait_ready(k: Kernel, n: int) -> None:
     code = (
         "import time, hvdnb\nc = hvdnb.current()\nt = time.monotonic()\n"
         f"while c.standby.ready() < {n} and time.monotonic() - t < 180: time.sleep(0.05)\n"
-        f"assert c.standby.ready() >= {n}, c.standby.line()"
+        f"assert c.standby.ready() >= {n}, c.standby.line()\n"
+        # and the spare controller, and an elastic cluster's next store (a process that
+        # imports torch): a restart that takes either sooner waits for it
+        "def spares(): return c.standby.spare_ready() and (not c.elastic or c.store_host.spare_ready())\n"
+        "while not spares() and time.monotonic() - t < 180: time.sleep(0.05)\n"
+        "assert spares(), (c.standby.spare_ready(), c.store_host.spare_ready())"
     )
     r = k.run(code)
     assert r.error is None, r

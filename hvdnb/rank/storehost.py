@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         wait_for_workers=False,
         master_listen_fd=sock.detach(),
     )
+    sys.stdout.write("serving\n")  # the notebook's spare store is ready from here on
+    sys.stdout.flush()
     try:
         while sys.stdin.read(4096):
             pass

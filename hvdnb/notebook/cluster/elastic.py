@@ -22,6 +22,7 @@ Never: talk to a rank without a timeout, or let a process outlive the notebook.
 
 from __future__ import annotations
 
+import select
 import socket
 import subprocess
 import sys
@@ -355,6 +356,7 @@ class StoreHost:
         self.addr = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self._spare: tuple[str, subprocess.Popen[bytes]] | None = None
+        self._spare_serving = False
 
     @property
     def pid(self) -> int | None:
@@ -375,9 +377,21 @@ class StoreHost:
             _end(spare[1])
         self.addr, self.proc = _store_process()
 
+    def spare_ready(self) -> bool:
+        """Does the spare store serve already (it says so on its standard output)?"""
+        if self._spare is None:
+            return False
+        if self._spare_serving:
+            return True
+        out = self._spare[1].stdout
+        if out is not None and select.select([out], [], [], 0)[0]:
+            self._spare_serving = out.readline().startswith(b"serving")
+        return self._spare_serving
+
     def prepare_spare(self) -> None:
         """Start the next cluster's store now (never raises: it is an extra)."""
         if self._spare is None:
+            self._spare_serving = False
             try:
                 self._spare = _store_process()
             except Exception:
@@ -404,7 +418,7 @@ def _store_process() -> tuple[str, subprocess.Popen[bytes]]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hvdnb.rank.storehost", "--fd", str(sock.fileno())],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,  # one line, "serving" (``spare_ready``)
             pass_fds=(sock.fileno(),),
         )
     finally:

@@ -305,6 +305,15 @@ class Standby:
         cluster.run_async(spare.start_controller(), timeout=30)
         self._spare, self._spare_key = spare, launch.controller_key(cluster.spec)
 
+    def spare_ready(self) -> bool:
+        """Has the spare controller written its engines' connection file (it serves
+        registrations from then on; a restart that takes it sooner waits for it)?"""
+        spare = self._spare
+        if spare is None:
+            return False
+        name = f"ipcontroller-{spare.cluster_id}-engine.json"
+        return os.path.exists(os.path.join(spare.profile_dir, "security", name))
+
     def spare_pid(self) -> int | None:
         ctrl = getattr(self._spare, "controller", None)
         proc = getattr(ctrl, "process", None)
