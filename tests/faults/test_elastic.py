@@ -287,6 +287,45 @@ def test_a_scale_asked_for_mid_loop_happens_at_a_commit(growing, tmp_path, capsy
     assert r.values == {0: 2, 1: 2}
 
 
+def test_a_rank_that_joins_and_fails_before_the_loop_leaves_and_the_rest_go_on(
+    growing, tmp_path, capsys
+):
+    run_cell(growing, "EARLIER = 1", quiet=True)  # an earlier cell's variable
+    flag = tmp_path / "up"
+    # the newcomer fails at EARLIER; the others re-form twice (at 3 with it, then at 2
+    # without it: their reset callbacks see both) and train 6 more steps
+    code = (
+        GROW_TRAIN.replace("hvd.init()\n", "hvd.init()\nEARLIER\n", 1)
+        .replace("while state.since < {more}:", "while len(resets) < 2 or state.since < {more}:")
+        .replace("state.since + 1 if hvd.size() == {target} else 0", "state.since + 1")
+    )
+    said: list[str] = []
+
+    def ask() -> None:
+        import time
+
+        deadline = time.monotonic() + 120
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        said.append(growing.request_scale(3))
+
+    import threading
+
+    t = threading.Thread(target=ask)
+    t.start()
+    try:
+        r = run_cell(growing, code.format(more=6, flag=str(flag)), quiet=True)
+    finally:
+        t.join()
+    err = capsys.readouterr().err
+    assert r.ok and growing.n == 2, r.errors
+    outs = sorted(r.values.values())
+    assert [o[:2] for o in outs] == [(0, 2), (1, 2)] and outs[0][2] == [3, 2], r.values
+    assert err.count("NameError: name 'EARLIER' is not defined") == 1
+    assert "joined while the cell ran" in err
+    assert "the cluster now has 3 ranks" in err and "left (its code raised)" in err
+
+
 def test_a_scale_asked_for_outside_a_loop_waits_for_the_next_cell(growing, capsys):
     said = growing.request_scale(3)
     assert "before the next cell" in said

@@ -432,7 +432,9 @@ class _CellRun:
             for r, out in zip(self.sent.ranks, outs):
                 if r not in done:
                     _record(result, r, out)
-                    self._carry_out(self.policy.rank_done(r, time.monotonic(), r in result.errors))
+                    err = result.errors.get(r)  # a rank that left an elastic loop is no failure
+                    failed = err is not None and not self.members.ended(r, err)
+                    self._carry_out(self.policy.rank_done(r, time.monotonic(), failed))
             return
         if not self.children:  # ranks finish apart (or one failed at engine level)
             self.children = dict(zip(self.sent.ranks, ar.split()))

@@ -184,6 +184,12 @@ class CellMembers:
             if e.get("left") and e.get("traceback"):
                 out.write(f"--- rank {r} raised {e['ename']} and left the cluster ---\n")
                 out.write(e["traceback"].rstrip("\n") + "\n")
+                if r in self.joined:
+                    out.write(
+                        f"(rank {r} joined while the cell ran: it runs this cell from its top "
+                        "without the earlier cells' variables, so make what the loop uses "
+                        "in this cell)\n"
+                    )
         out.write(self.lines() + "\n")
         out.flush()
         result.lost = {r: result.errors.pop(r) for r in list(result.errors)}
