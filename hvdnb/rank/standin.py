@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any
 
 __all__ = ["FRAMEWORKS", "announce_imports", "report_exit", "set_link"]
@@ -64,5 +65,11 @@ def announce_imports() -> None:
 
         return hook
 
+    # a module imported already (a warm rank's standby preloaded it: the notebook knows)
+    # is not announced: its hook would fire now, during the bootstrap, and connect the side
+    # channel before the engine holds its session key; every message of that channel,
+    # its hello included, would then be refused (a warm restart after `import accelerate`
+    # waited out its 30 s for the ranks' hello)
     for name in FRAMEWORKS:
-        wrapt.register_post_import_hook(said(name), name)
+        if name not in sys.modules:
+            wrapt.register_post_import_hook(said(name), name)

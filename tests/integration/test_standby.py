@@ -101,6 +101,15 @@ def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(
         while not all("sklearn" in r["modules"] for r in c.standby.rows()):
             assert time.monotonic() < deadline, c.standby.rows()
             time.sleep(0.2)
+        # and the ranks it serves have it; they talk on the side channel as any rank (a
+        # rank announcing an import during its bootstrap had connected it too early: a
+        # restart after `import accelerate` failed waiting for the ranks' hello)
+        _ready(c, 3)
+        shell.run_line_magic("dist", "restart")
+        assert "warm (every rank from the standby)" in capsys.readouterr().out
+        shell.run_cell_magic("distributed", "-q -o m", "import sys\n'sklearn' in sys.modules")
+        assert shell.user_ns["m"] == {0: True, 1: True, 2: True}
+        _ready(c, 3)
         spare = c.standby.pids()
 
         # a variable the interpreter read at its start differs now: the standby refuses,
