@@ -348,7 +348,7 @@ class StoreHost:
     the process ends when its stdin closes, with this kernel.
 
     A store process spends most of a second importing torch before it serves, and the
-    ranks wait for it. Where the warm standby is on, ``prepare_spare`` starts the next
+    ranks wait for it. Where the warm standby is on, ``keep_spare`` starts the next
     cluster's store after a start, so that a restart finds one serving already (a fresh
     store: no key of the old cluster is in it)."""
 
@@ -388,9 +388,12 @@ class StoreHost:
             self._spare_serving = out.readline().startswith(b"serving")
         return self._spare_serving
 
-    def prepare_spare(self) -> None:
-        """Start the next cluster's store now (never raises: it is an extra)."""
-        if self._spare is None:
+    def keep_spare(self, wanted: bool) -> None:
+        """Start the next cluster's store now, or (``wanted`` False: the standby is off, or
+        the cluster is no longer elastic) stop the one kept. Never raises: it is an extra."""
+        if not wanted:
+            self.close_spare()
+        elif self._spare is None:
             self._spare_serving = False
             try:
                 self._spare = _store_process()

@@ -307,8 +307,8 @@ class Cluster:
         self.started_at = time.time()
         self.warm_ranks = len(self.standby.taken_pids()) - taken_before
         self.standby.refill(self)
-        if self.elastic and self.standby.count:  # the next restart's store, serving already
-            self.store_host.prepare_spare()
+        # an elastic cluster's next store, serving by its next restart (none for a fixed one)
+        self.store_host.keep_spare(self.elastic and bool(self.standby.count))
         if self.channel is not None:
             self.channel.on(kinds.IMPORTED, lambda msg: self.standby.preload(msg["module"]))
         self._start_watchdog()  # it knows the standby too
