@@ -11,8 +11,8 @@ commit, and the request waits for the next cell's start (``elasticcell``). Then:
   once their cell has ended, never while they may still be in a collective.
 - **more ranks**: new engines start (cold) and register over the next ticks, not in one
   blocking wait. Once each has connected its side channel, the next generation is
-  announced with them, and the cell's wait sends them ``ELASTIC_REJOIN``, then the cell
-  itself. They join the group at the loop's next commit and run the cell from its top, as
+  announced with them, and the cell's wait sends them ``JOIN_CELL``: join that generation,
+  then run the cell. They join the group at the loop's next commit and run the cell from its top, as
   Horovod's new workers run the script from its top; the elastic function's
   ``state.sync()`` gives them rank 0's state.
 
