@@ -28,6 +28,7 @@ def test_event_lines_name_the_rank_its_generation_and_the_new_size():
     assert Event(0.0, 4, (), 3, "scaled").line(1) == (
         "hvdnb: the cluster now has 3 ranks (generation 4)"
     )
+    assert Event(0.0, 5, (1, 2), 1, "scaled").line(1).endswith("now has 1 rank (generation 5)")
 
 
 def test_a_lost_rank_interrupts_nobody_unless_below_min_np():

@@ -76,7 +76,10 @@ class Event:
     def line(self, min_np: int) -> str:
         """The one line a person reads."""
         if self.why == "scaled":
-            return f"hvdnb: the cluster now has {self.size} ranks (generation {self.generation})"
+            many = "s" if self.size != 1 else ""
+            return (
+                f"hvdnb: the cluster now has {self.size} rank{many} (generation {self.generation})"
+            )
         lost = format_ranks(list(self.lost))
         many = len(self.lost) > 1
         verb = {
@@ -496,10 +499,11 @@ def request(cluster: Any, n: int) -> str:
     out at the elastic loop's next commit) or the next cell's start. Any thread."""
     m = _checked(cluster, n)
     m.wanted = n
+    ranks = f"{n} rank{'s' if n != 1 else ''}"
     if m.all_looping():
-        return f"scaling to {n} ranks at the elastic loop's next commit"
+        return f"scaling to {ranks} at the elastic loop's next commit"
     return (
-        f"scaling to {n} ranks when the ranks enter an elastic loop (hvd.elastic.run), or "
+        f"scaling to {ranks} when the ranks enter an elastic loop (hvd.elastic.run), or "
         "before the next cell"
     )
 
