@@ -76,10 +76,8 @@ class Event:
     def line(self, min_np: int) -> str:
         """The one line a person reads."""
         if self.why == "scaled":
-            many = "s" if self.size != 1 else ""
-            return (
-                f"hvdnb: the cluster now has {self.size} rank{many} (generation {self.generation})"
-            )
+            s = "s" if self.size != 1 else ""
+            return f"hvdnb: the cluster now has {self.size} rank{s} (generation {self.generation})"
         lost = format_ranks(list(self.lost))
         many = len(self.lost) > 1
         verb = {
