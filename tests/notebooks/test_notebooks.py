@@ -84,7 +84,7 @@ def expect(stem: str, n: int) -> list[str]:
             r"M=8: step .* idle \d+%, theory",
         ],
         "06-sync-vs-async": [
-            "every run learned \\(test accuracy > 0.8\\): True",
+            "every run learned \\(test accuracy > 0.5, chance is 0.1\\): True",
             r"param\. server, staleness 4\s+[\d,]+",
         ],
         "07-profiling": [
@@ -166,7 +166,15 @@ ELSEWHERE = {
     ("08-tensorflow-multiworker", 3),
     ("10-frameworks", 3),
 }
-MATRIX = [(p, n) for p in NOTEBOOKS for n in SIZES if (p.stem, n) not in ELSEWHERE]
+#: lessons whose verdict reads times (07: which part of the step is the bottleneck; 04: a
+#: knob applied mid-run): they never share the box with another run (``alone``)
+READS_TIMES = {"04-lr-at-scale", "07-profiling"}
+MATRIX = [
+    pytest.param(p, n, marks=[pytest.mark.alone] if p.stem in READS_TIMES else [])
+    for p in NOTEBOOKS
+    for n in SIZES
+    if (p.stem, n) not in ELSEWHERE
+]
 
 
 def _hvdnb(*args: str, timeout: float, bindir: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -241,11 +249,6 @@ def test_notebook_is_stripped_and_well_formed(path: Path) -> None:
     assert any(c.source.startswith("%%distributed") for c in code)
 
 
-#: lessons whose verdict reads times (07: which part of the step is the bottleneck; 04: a
-#: knob applied mid-run): they never share the box with another run
-READS_TIMES = {"04-lr-at-scale", "07-profiling"}
-
-
 def _missing(path: Path) -> str | None:
     """Why this lesson cannot run here (an extra not installed), or None."""
     if path.stem in NEEDS_TENSORFLOW and importlib.util.find_spec("tensorflow") is None:
@@ -285,7 +288,9 @@ def one_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("path", "n"), MATRIX, ids=[f"{p.stem}-{n}rank" for p, n in MATRIX])
+@pytest.mark.parametrize(
+    ("path", "n"), MATRIX, ids=[f"{p.values[0].stem}-{p.values[1]}rank" for p in MATRIX]
+)
 def test_notebook_runs_at_every_world_size(
     path: Path, n: int, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
