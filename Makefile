@@ -12,7 +12,8 @@ BIN    := $(VENV)/bin
 TORCH       ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 PIP    := $(BIN)/python -m pip install -q $(CONSTRAINTS)
-PYTEST_ARGS ?=
+# two lanes (pytest-xdist workers; tests/conftest.py says how tests are shared out, and why)
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 # more pip options for the install step (the suite passes --no-compile when it builds a fresh
 # copy of this environment: byte-compiling is an install-time cost, not what it checks)
 PIP_OPTS ?=

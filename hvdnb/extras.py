@@ -106,6 +106,7 @@ OPTIONAL: Final[dict[str, OptionalModule]] = {
     "playwright": OptionalModule("test", "playwright", what="browser tests"),
     "pytest": OptionalModule("test", "pytest", what="the test suite"),
     "pytest_timeout": OptionalModule("test", "pytest-timeout", what="the test suite"),
+    "xdist": OptionalModule("test", "pytest-xdist", what="the test suite's two lanes"),
 }
 
 _NO_MODULE = re.compile(r"No module named '([^']+)'")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -76,57 +78,160 @@ def dist2(shell):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _build_lessons_env(venv: Path) -> subprocess.CompletedProcess[str]:
+def _build_lessons_env(venv: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1")
-    return subprocess.run(
+    res = subprocess.run(
         ["make", "-C", str(ROOT), "install", f"VENV={venv}", "PIP_OPTS=--no-compile"],
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
+    return {
+        "returncode": res.returncode,
+        "stdout": res.stdout[-4000:],
+        "stderr": res.stderr[-4000:],
+    }
 
 
-#: the lessons' environment, built in a thread from the session's start (``make install``
-#: is a minute of unpacking wheels, which overlaps the browser tests' waiting instead of
-#: adding to the suite's time): (folder, future), or empty when no collected test needs it
+# ------------------------------------------------------------------------------ two lanes
+# ``make test`` runs the suite in two lanes, pytest-xdist workers (``-n 2 --dist loadfile
+# --no-loadscope-reorder``). Run in one process it kept this 2-core box busy for three
+# quarters of its time: the rest was tests waiting (a timeout to fire, a browser's page,
+# Slurm's scheduler, a killed kernel's restart), and a second lane fills it. A test module
+# is one unit (its module-scoped cluster stays on one worker); each lane takes the next
+# unit when it is done with one, the costliest first (COSTLIEST_FIRST: a big unit started
+# last would keep one lane busy alone). A test marked ``alone`` reads times that a second
+# test on the box would change: it holds the lanes' lock exclusively, every other test
+# holds it shared, so the other lane pauses for it.
+#: modules by what they cost in a run in one process (wall seconds on a 2-core box): these
+#: first, the rest in collection order. The notebooks come third: their 2-rank runs wait
+#: for the lessons' environment, built from the session's start
+COSTLIEST_FIRST = (
+    "tests/spmd/test_spmd.py",  # 165 s
+    "tests/docs/test_howto.py",  # 93 s
+    "tests/notebooks/test_notebooks.py",  # 249 s
+    "tests/faults/test_elastic.py",  # 62 s
+    "tests/integration/test_frameworks.py",  # 59 s
+    "tests/integration/test_standby.py",  # 54 s
+    "tests/browser/test_drawing_browser.py",  # 51 s
+    "tests/integration/test_drawing.py",  # 49 s
+    "tests/faults/test_faults.py",  # 49 s
+    "tests/browser/test_edges_browser.py",  # 46 s
+    "tests/integration/test_tf_strategies.py",  # 43 s
+    "tests/integration/test_hvdnb_tensorflow.py",  # 41 s
+    "tests/integration/test_headless.py",  # 40 s
+)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):
+        rank = {m: i for i, m in enumerate(COSTLIEST_FIRST)}
+        items.sort(key=lambda it: rank.get(_module(it), len(rank)))  # stable: the rest in order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under two lanes, around a test's set-up, call and teardown: an ``alone`` test holds
+    the lanes' lock exclusively, every other test shared."""
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    how = fcntl.LOCK_EX if item.get_closest_marker("alone") is not None else fcntl.LOCK_SH
+    run = Path(os.environ[RUN_DIR])
+    with open(run / "lanes.turnstile", "a") as gate, open(run / "lanes.lock", "a") as lock:
+        # the turnstile lets an ``alone`` test in before the other lane's next test: it holds
+        # it while it waits for the lock, and every test passes it on its way in
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if how == fcntl.LOCK_SH:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(lock, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------- the lessons' environment
+#: a folder for the whole run, made by its first process (the only one, or pytest-xdist's
+#: controller) and named to its workers in this variable: the lanes' lock, and
+#: ``lessons_env``, built once per run
+RUN_DIR = "HVDNB_TEST_RUN_DIR"
+#: this process's build thread, if it is the one building
 _LESSONS_BUILD: dict[str, Any] = {}
 
 
+def _lessons_build(root: Path) -> None:
+    """Build into ``root/venv`` and write the result to ``root/result.json`` (last, whole)."""
+    try:
+        got = _build_lessons_env(root / "venv")
+    except Exception as exc:  # a timeout: the fixture reports it
+        got = {"returncode": -1, "stdout": "", "stderr": repr(exc)}
+    tmp = root / "result.json.part"
+    tmp.write_text(json.dumps(got))
+    tmp.rename(root / "result.json")
+
+
+def _start_lessons_build() -> None:
+    """Claim the build (one process of the run wins) and start it in a thread."""
+    root = Path(os.environ[RUN_DIR])
+    try:
+        (root / "claimed").mkdir()
+    except FileExistsError:
+        return
+    pool = ThreadPoolExecutor(max_workers=1)
+    _LESSONS_BUILD.update(pool=pool, future=pool.submit(_lessons_build, root))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's first process: workers inherit this
+        os.environ[RUN_DIR] = tempfile.mkdtemp(prefix="hvdnb-test-run-")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
+    # ``make install`` is a minute of unpacking wheels: started when the tests are known, it
+    # overlaps the first tests' waiting instead of adding to the suite's time
     wanted = any(
         "test_lessons_env" in item.nodeid or "2rank]" in item.nodeid
         for item in session.items
         if "tests/notebooks/" in item.nodeid or "test_lessons_env" in item.nodeid
     )
-    if wanted and not _LESSONS_BUILD:
-        venv = Path(tempfile.mkdtemp(prefix="hvdnb-make-lab-")) / "venv"
-        pool = ThreadPoolExecutor(max_workers=1)
-        _LESSONS_BUILD.update(venv=venv, future=pool.submit(_build_lessons_env, venv), pool=pool)
+    if wanted:
+        _start_lessons_build()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _LESSONS_BUILD:
         _LESSONS_BUILD["pool"].shutdown(wait=True)
-        shutil.rmtree(_LESSONS_BUILD["venv"].parent, ignore_errors=True)
+    if not hasattr(session.config, "workerinput"):  # every worker has ended
+        shutil.rmtree(os.environ[RUN_DIR], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def lessons_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def lessons_env() -> Path:
     """The environment ``make lab`` installs, built for real: its install step (``make
     install``: a fresh ``python -m venv``, torch, hvdnb with the ``lessons`` extra, the
     kernelspec) into a new folder, with nothing from this test environment. Returns its
     ``bin`` folder. pip reads its cache and configured indexes as a user's would;
     ``--no-compile`` skips byte-compiling (an install-time cost, not what is checked).
-    Started when the session's tests were collected (``pytest_collection_finish``)."""
-    if _LESSONS_BUILD:
-        venv, res = _LESSONS_BUILD["venv"], _LESSONS_BUILD["future"].result()
-    else:
-        venv = tmp_path_factory.mktemp("make-lab") / "venv"
-        res = _build_lessons_env(venv)
-    assert res.returncode == 0, f"make install failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
-    return venv / "bin"
+    Started when the session's tests were collected (``pytest_collection_finish``), by
+    one process of the run; the others wait for its result."""
+    root = Path(os.environ[RUN_DIR])
+    _start_lessons_build()  # a no-op where a process of this run has claimed it
+    result = root / "result.json"
+    deadline = time.monotonic() + 1000
+    while not result.exists():
+        assert time.monotonic() < deadline, "the lessons' environment was not built in 1000 s"
+        time.sleep(0.5)
+    res = json.loads(result.read_text())
+    assert res["returncode"] == 0, f"make install failed:\n{res['stdout']}\n{res['stderr']}"
+    return root / "venv" / "bin"
 
 
 def hvdnb_export(path: Path | str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(120)]
+# render and main-loop times are its figures: never beside another test (make test's lanes)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
