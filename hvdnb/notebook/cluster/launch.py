@@ -37,7 +37,7 @@ __all__ = [
     "make_ipp",
     "sbatch_template",
     "tf_ps_env",
-    "transient_mpi_init_failure",
+    "transient_start_failure",
     "warn_cuda_in_kernel",
 ]
 
@@ -87,14 +87,23 @@ def warn_cuda_in_kernel() -> None:
     )
 
 
-def transient_mpi_init_failure(exc: BaseException, multi_host: bool) -> bool:
-    """Did a one-host start fail inside MPI_Init for a reason a second try can clear?
+def transient_start_failure(exc: BaseException, multi_host: bool) -> str:
+    """Why a start failed for a reason a second try can clear ("" where it did not).
 
-    Seen here once in ~100 starts made at the same instant as another job's: UCX's
-    loopback address exchange ("failed to unpack address") aborts MPI_Init. A real
-    misconfiguration fails the second time too and is reported then.
+    - MPI_Init on one host: seen here once in ~100 starts made at the same instant as
+      another job's, UCX's loopback address exchange ("failed to unpack address") aborts
+      it. A real misconfiguration fails the second time too and is reported then.
+    - A TensorFlow server's port: the ranks pick free ports for ``TF_CONFIG``, and another
+      process on the host can take one before TensorFlow's server listens on it (seen once
+      with a second test run on the box). The second start picks new ports.
     """
-    return not multi_host and isinstance(exc, ClusterError) and "internal_Init_thread" in str(exc)
+    if not isinstance(exc, ClusterError):
+        return ""
+    if not multi_host and "internal_Init_thread" in str(exc):
+        return "MPI_Init failed on one host"
+    if "Could not start gRPC server" in str(exc):
+        return "a port TensorFlow's server was given was taken before it listened"
+    return ""
 
 
 def tf_ps_env(spec: StartSpec) -> dict[str, str]:

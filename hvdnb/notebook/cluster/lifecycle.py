@@ -293,8 +293,9 @@ class Cluster:
                 break
             except BaseException as exc:
                 self._teardown()
-                if attempt == 1 and launch.transient_mpi_init_failure(exc, self.multi_host):
-                    log.warning("hvdnb: MPI_Init failed on one host; starting again: %s", exc)
+                why = attempt == 1 and launch.transient_start_failure(exc, self.multi_host)
+                if why:
+                    log.warning("hvdnb: %s; starting again: %s", why, exc)
                     continue
                 if isinstance(exc, ClusterError):
                     raise
