@@ -102,8 +102,8 @@ def _build_lessons_env(venv: Path) -> dict[str, Any]:
 # Slurm's scheduler, a killed kernel's restart), and a second lane fills it. A test module
 # is one unit (its module-scoped cluster stays on one worker); each lane takes the next
 # unit when it is done with one, the costliest first (COSTLIEST_FIRST: a big unit started
-# last would keep one lane busy alone). A test marked ``alone`` reads times that a second
-# test on the box would change: it holds the lanes' lock exclusively, every other test
+# last would keep one lane busy alone). A test marked ``alone`` reads times, or host-wide
+# state (``/dev/shm``), that a second test on the box would change: it holds the lanes' lock exclusively, every other test
 # holds it shared, so the other lane pauses for it.
 #: modules by what they cost in a run in one process (wall seconds on a 2-core box): these
 #: first, the rest in collection order. The notebooks come third: their 2-rank runs wait

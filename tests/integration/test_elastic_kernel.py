@@ -11,6 +11,7 @@ the run carries a mark where the rank was lost.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -38,6 +39,8 @@ def train(state):
         opt.zero_grad(); loss.backward(); opt.step()
         state.step += 1
         hvdnb.log(state.step, loss=loss.item())
+        if state.step == 30 and dist.get_rank() == 0:  # logged steps: the death gets its mark
+            open(TRAINING_FILE, "w").close()
         if state.step % 10 == 0:
             state.commit()
         time.sleep(0.02)
@@ -48,12 +51,14 @@ print("finished: size", dist.get_world_size(), "step", state.step)
 
 
 def _engine_of_slot(slot: int) -> psutil.Process | None:
-    # this test's kernel's engines only: another test on the box (make test's other lane)
-    # has engines of its own
-    for p in psutil.Process().children(recursive=True):
+    # this test process's engines only (its HVDNB_HOME, tests/conftest.py's, is theirs too):
+    # another test on the box (make test's other lane) has engines of its own
+    for p in psutil.process_iter(["cmdline"]):
         try:
-            if "kernels_ext.engine" in " ".join(p.cmdline()) and (
-                p.environ().get("HVDNB_SLOT") == str(slot)
+            env = p.environ() if "kernels_ext.engine" in " ".join(p.info["cmdline"] or []) else {}
+            if (
+                env.get("HVDNB_SLOT") == str(slot)
+                and env.get("HVDNB_HOME") == os.environ["HVDNB_HOME"]
             ):
                 return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -61,7 +66,8 @@ def _engine_of_slot(slot: int) -> psutil.Process | None:
     return None
 
 
-def test_a_killed_rank_is_a_line_and_the_next_cell_runs_on_the_survivors():
+def test_a_killed_rank_is_a_line_and_the_next_cell_runs_on_the_survivors(tmp_path):
+    training = tmp_path / "training"
     with Kernel({"HVDNB_PANEL": "inline"}) as k:
         r = k.run("%dist start -n 2 --min-np 1 --timeout 120", timeout=240)
         assert r.error is None and "elastic" in r.text, r
@@ -69,11 +75,15 @@ def test_a_killed_rank_is_a_line_and_the_next_cell_runs_on_the_survivors():
         assert victim is not None
 
         def kill_when_training() -> None:
-            time.sleep(2.5)  # the cell has started; where in its loop does not matter
+            # once steps were logged (the panel marks the death at the latest), not after a
+            # fixed time: with the box busy, 2.5 s was before the first step
+            deadline = time.monotonic() + 120
+            while not training.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             victim.kill()
 
         threading.Thread(target=kill_when_training, daemon=True).start()
-        r = k.run(TRAIN)
+        r = k.run(TRAIN.replace("TRAINING_FILE", repr(str(training))))
         assert r.error is None, r
         assert "hvdnb: rank 1 of generation 0 died; training goes on with 1 rank" in r.text
         assert "finished: size 1 step 150" in r.text

@@ -119,6 +119,7 @@ def _profile_files(c) -> set[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
+@pytest.mark.alone  # /dev/shm is the host's: another test's MPI ranks add segments to it
 def test_stopped_cluster_leaves_no_shared_memory_segment_or_profile_file():
     # engines never reach MPI_Finalize, which is where MPICH unlinks its segment: before
     # the fix each cluster left a 2 MB file in /dev/shm, and a later start whose segment
