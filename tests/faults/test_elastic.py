@@ -16,7 +16,10 @@ import hvdnb
 from hvdnb.notebook.cellout.cells import DistributedCellError, run_cell
 from tests.conftest import alive
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
+# alone (make test's lanes): the 3-rank cases oversubscribe the box already, and with the
+# other lane's load on top a killed rank's survivors missed heartbeats ("stopped answering"
+# where the test expects "died"): the elastic timeout is tuned for one run on the box
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.alone]
 
 STEPS = 24
 
