@@ -56,3 +56,16 @@ def test_missing_mpiexec_says_how_to_install(monkeypatch, tmp_path):
         cl.find_mpiexec()
     with pytest.raises(cl.ClusterError, match="pip install mpich"):
         cl.Cluster(n=1).start()
+
+
+def test_a_start_is_tried_again_only_for_failures_a_second_try_clears():
+    from hvdnb.notebook.cluster.launch import ClusterError, transient_start_failure
+
+    grpc = ClusterError("rank 1 ... UnknownError: Could not start gRPC server. Is the port taken?")
+    mpi = ClusterError("Fatal error in internal_Init_thread: Other MPI error")
+    assert "TensorFlow" in transient_start_failure(grpc, multi_host=False)
+    assert "TensorFlow" in transient_start_failure(grpc, multi_host=True)  # new ports anywhere
+    assert "MPI_Init" in transient_start_failure(mpi, multi_host=False)
+    assert transient_start_failure(mpi, multi_host=True) == ""  # another host's setup: reported
+    assert transient_start_failure(ClusterError("mpiexec not found"), multi_host=False) == ""
+    assert transient_start_failure(RuntimeError("Could not start gRPC server"), False) == ""
