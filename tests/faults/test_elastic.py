@@ -77,8 +77,12 @@ def _check_survivors(result, size: int) -> None:
 
 
 def _back_to(cluster, n: int) -> None:
+    guard = cluster._watchdog
     ev = cluster.scale(n)
     assert cluster.n == n and ev.size == n
+    # the watchdog a scale replaced has ended and is reaped (no zombie of the kernel's)
+    assert guard is not None and guard.returncode is not None
+    assert cluster._watchdog is not guard
     r = run_cell(
         cluster, "import torch.distributed as d; (d.get_rank(), d.get_world_size())", quiet=True
     )

@@ -57,7 +57,7 @@ from hvdnb.notebook.cluster.launch import find_mpiexec
 from hvdnb.notebook.cluster.procs import LoopThread, kill_survivors, polite_shutdown
 from hvdnb.notebook.cluster.spec import ClusterError, StartSpec
 from hvdnb.notebook.cluster.standby import Standby
-from hvdnb.notebook.cluster.watchdog import cluster_files, remove_files, watch
+from hvdnb.notebook.cluster.watchdog import cluster_files, remove_files, retire, watch
 from hvdnb.notebook.metrics import store
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import CONNECT_CHANNEL
@@ -465,8 +465,7 @@ class Cluster:
         """A stdlib-only process that stops this cluster if the notebook kernel is killed
         (a new one replaces the last: ``scale`` started engines it must know)."""
         old, self._watchdog = self._watchdog, None
-        if old is not None and old.poll() is None:
-            old.terminate()  # SIGTERM ends a watchdog without touching the cluster
+        retire(old)
         # and, as a stop would, the cluster's files and its state directory (a killed
         # `hvdnb run` or kernel left hvdnb-state-* behind in the temp directory)
         files = cluster_files(self._ipp.profile_dir, self.cluster_id)
@@ -548,12 +547,7 @@ class Cluster:
             # engine-state file, the Slurm script, or a killed controller's
             remove_files(cluster_files(profile, self.cluster_id))
         wd, self._watchdog = self._watchdog, None
-        if wd is not None and wd.poll() is None:
-            wd.terminate()
-            try:
-                wd.wait(2)
-            except Exception:
-                pass
+        retire(wd)
 
     def pids(self) -> list[int]:
         """Every process of this cluster: controller, mpiexec, engines, and their children."""

@@ -115,6 +115,20 @@ def watch(pids: list[int], launchers: list[Any], files: list[str]) -> subprocess
     )
 
 
+def retire(proc: subprocess.Popen[bytes] | None) -> None:
+    """End a watchdog (SIGTERM: it leaves the cluster alone) and reap it: until reaped it
+    stays the kernel's zombie, one per ``scale`` that replaced it."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv: list[str]) -> int:
     kernel, pids, cancels, files = _parse(argv)
     while _alive(kernel) and os.getppid() == kernel:
