@@ -11,13 +11,17 @@ Every time is ``time.time()`` on this host, read by the process it concerns:
 - **first allreduce at N-1**: each survivor, when the first gradient allreduce of the new
   generation returned (the optimizer's step after the reset); the slowest survivor;
 - **work lost**: steps the survivors redo (the step at the failure minus the restored one);
-- **commit / step**: one ``state.commit()`` (in-memory copy + the membership broadcast)
-  over the median step without a commit, in the same run before the death;
+- **commit / step**: one ``state.commit()`` (in-memory copy + the membership check, whose
+  broadcast only some commits start) over the median step without a commit, in the same
+  run before the death: the median commit, and (``mean``) the mean of all of them;
 - **checksums equal**: every survivor's parameter sum after the run, compared.
 
 ``--cycles K`` then kills and re-adds a rank K times between cells (``scale``) and reports
 what this process (the notebook's side) and the cluster hold before and after: processes,
-listening TCP ports, this process's open file descriptors and its RSS.
+listening TCP ports, this process's open file descriptors and its RSS. Both are read once
+the standby that a start refills in the background is whole (its processes ready, the spare
+controller's schedulers forked, the next store serving), and the table says how much of it
+is the standby's.
 
 Prints a table and writes ``bench/results/elastic.json``.
 """
@@ -108,6 +112,7 @@ def one_death(n: int, commit_every: int, steps: int, kill_at: int) -> dict:
         event = c.membership.events[-1]
     step = statistics.median(s for o in outs for s in o["steps"])
     commit = statistics.median(s for o in outs for s in o["commits"])
+    commit_mean = statistics.fmean(s for o in outs for s in o["commits"])
     return {
         "ranks": n,
         "survivors": len(outs),
@@ -120,6 +125,8 @@ def one_death(n: int, commit_every: int, steps: int, kill_at: int) -> dict:
         "step_ms": step * 1e3,
         "commit_ms": commit * 1e3,
         "commit_over_step": commit / step,
+        "commit_mean_ms": commit_mean * 1e3,
+        "commit_mean_over_step": commit_mean / step,
         "checksums_equal": len({o["checksum"] for o in outs}) == 1,
     }
 
@@ -140,11 +147,62 @@ def _holdings(c: hvdnb.Cluster, me: psutil.Process) -> dict:
     }
 
 
+def _tree_holdings(pids: list[int]) -> tuple[int, int]:
+    """Processes and listening TCP ports of ``pids`` and all their descendants."""
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            top = psutil.Process(pid)
+            procs += [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    ports = 0
+    for p in procs:
+        try:
+            ports += sum(1 for s in p.net_connections("tcp") if s.status == psutil.CONN_LISTEN)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return len(procs), ports
+
+
+def _settle(c: hvdnb.Cluster, me: psutil.Process) -> dict:
+    """Wait until the standby a start refills is whole, and say what it holds.
+
+    A start returns while its refill is still coming up: the standby processes importing
+    torch, the spare controller (which writes its connection file, then forks its
+    schedulers) and the next store. Holdings read before then grow by those alone, once."""
+    t = time.monotonic()
+
+    def whole() -> bool:
+        sb = c.standby
+        return (
+            sb.ready() >= sb.count
+            and sb.spare_ready()
+            and (not c.elastic or c.store_host.spare_ready())
+        )
+
+    while not whole() and time.monotonic() - t < 120:
+        time.sleep(0.05)
+    # the spare controller forks its schedulers after its connection file: until the
+    # tree reads the same for a second
+    last = None
+    while time.monotonic() - t < 120:
+        now = _holdings(c, me)
+        if now == last:
+            break
+        last = now
+        time.sleep(1.0)
+    spare = [p for p in [c.store_host.spare_pid] if p]
+    procs, ports = _tree_holdings(c.standby.pids() + spare)
+    return {"count": c.standby.count, "processes": procs, "listening_ports": ports}
+
+
 def cycles(n: int, k: int) -> dict:
     """Kill a rank and add one back ``k`` times between cells; what is held before/after."""
     me = psutil.Process()
     with hvdnb.Cluster(n=n, min_np=1, oversubscribe=True) as c:
         run_cell(c, "import torch.distributed as d; d.get_world_size()", quiet=True)
+        standby = _settle(c, me)
         before = _holdings(c, me)
         t0 = time.perf_counter()
         for _ in range(k):
@@ -157,8 +215,16 @@ def cycles(n: int, k: int) -> dict:
             r = run_cell(c, "import torch.distributed as d; d.get_world_size()", quiet=True)
             assert set(r.values.values()) == {n}, r.values
         took = time.perf_counter() - t0
+        _settle(c, me)
         after = _holdings(c, me)
-    return {"ranks": n, "cycles": k, "seconds": took, "before": before, "after": after}
+    return {
+        "ranks": n,
+        "cycles": k,
+        "seconds": took,
+        "before": before,
+        "after": after,
+        "standby": standby,
+    }
 
 
 def main() -> None:
@@ -178,7 +244,7 @@ def main() -> None:
     ]
     hdr = (
         f"{'ranks':>5} {'decided':>8} {'seen':>7} {'1st AR':>7} {'lost':>5} "
-        f"{'step ms':>8} {'commit ms':>9} {'commit/step':>11} {'sums =':>6}"
+        f"{'step ms':>8} {'commit ms':>9} {'commit/step':>11} {'mean':>6} {'sums =':>6}"
     )
     print(hdr)
     for r in rows:
@@ -186,6 +252,7 @@ def main() -> None:
             f"{r['ranks']:>5} {r['notebook_decided_s']:>7.3f}s {r['seen_by_every_survivor_s']:>6.3f}s "
             f"{r['first_allreduce_at_n_minus_1_s']:>6.3f}s {r['work_lost_steps']:>5} "
             f"{r['step_ms']:>8.2f} {r['commit_ms']:>9.2f} {r['commit_over_step']:>10.1%} "
+            f"{r['commit_mean_over_step']:>6.1%} "
             f"{r['checksums_equal']!s:>6}"
         )
     res: dict = {"deaths": rows}
@@ -199,6 +266,11 @@ def main() -> None:
         for key in ("processes", "listening_ports", "fds"):
             print(f"  {key:<16} {b[key]:>6} -> {a[key]:>6}")
         print(f"  {'rss_mb':<16} {b['rss_mb']:>6.1f} -> {a['rss_mb']:>6.1f}")
+        sb = cyc["standby"]
+        print(
+            f"  of these, the standby ({sb['count']} processes, a spare controller, the next "
+            f"store): {sb['processes']} processes, {sb['listening_ports']} ports"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(res, indent=1) + "\n")
     print(f"\nwrote {OUT}")

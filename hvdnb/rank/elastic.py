@@ -248,18 +248,32 @@ def is_internal(exc: BaseException, generation: int, grace: float = 0.0) -> bool
 
 
 class HostCheck:
-    """A commit's membership check, agreed from rank 0 one commit late.
+    """A commit's membership check: rank 0's view, agreed at a commit every rank names.
 
     Horovod broadcasts rank 0's view of membership changes at every commit and waits for
-    it: on 2 CPU ranks here that was a third of an MLP's step. Here the broadcast a commit
-    starts (four numbers, asynchronously) is read at the next commit, long done by then;
-    every rank acts on the same value at the same commit, one commit interval later than
-    Horovod would. A failed collective (a death) never waits for this: it raises at once.
-    Without a torch.distributed group the check is Horovod's, through ``bcast_object``.
+    it. Here a broadcast a commit starts (asynchronously) is read at the next commit, long
+    done by then, so no commit waits on it; and since starting one still cost 0.15-0.25 ms
+    of a rank's time on 2 CPU ranks (the collective's thread wakes on a busy core), not
+    every commit starts one. Each broadcast carries, beside the view, rank 0's ``gap``: the
+    commits until the next one, as many as fit in ``PERIOD`` seconds at rank 0's last
+    commit interval (1 when commits are that far apart, at most ``MAX_GAP``). Every rank
+    reads the same gap from the same broadcast, so they start the next at the same commit
+    and act on a change at the same commit: within about ``PERIOD`` plus one commit
+    interval of rank 0 hearing of it. A failed collective (a death) never waits for this:
+    it raises at once. Without a torch.distributed group the check is Horovod's, through
+    ``bcast_object``, at every commit.
     """
 
-    def __init__(self) -> None:
+    #: seconds of commits between two broadcasts (a scale waits at most about this more)
+    PERIOD = 0.5
+    MAX_GAP = 100
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.pending: tuple[Any, Any] | None = None
+        #: commits to let pass before the next broadcast starts (agreed: read from one)
+        self.skip = 0
+        self._clock = clock
+        self._last: float | None = None  # this rank's clock at its last commit
         #: the default group the last broadcast went over, whether it is NCCL's, and (gloo)
         #: the CPU tensor the broadcasts go through, its numpy view and the call's options
         self._group: Any = None
@@ -272,8 +286,11 @@ class HostCheck:
 
     def drop(self) -> None:
         """Forget the broadcast in flight (its group is gone after a reset), and its
-        tensor: an aborted collective may still write into it."""
+        tensor: an aborted collective may still write into it. The new group's first
+        commit starts a broadcast."""
         self.pending = None
+        self.skip = 0
+        self._last = None
         self._group = self._buf = None
 
     def check(
@@ -286,6 +303,8 @@ class HostCheck:
             if stamp > self.seen:
                 self.seen = stamp
                 self.removed_only = self.removed_only and removed
+        now = self._clock()
+        gap = self._gap(now)
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             view = (acted, self.seen, self.removed_only)
@@ -295,13 +314,26 @@ class HostCheck:
         if self.pending is not None:
             work, t = self.pending
             work.wait()
-            a, b, r = t.tolist()
+            a, b, r, g = t.tolist()
+            self.pending = None
             got = self._decide(a, b, bool(r))
             acted = got[0] if got is not None else acted
-        self.pending = self._start(dist, (acted, self.seen, float(self.removed_only)))
+            self.skip = int(g) - 1
+        if self.skip <= 0:
+            self.pending = self._start(dist, (acted, self.seen, float(self.removed_only), gap))
+        else:
+            self.skip -= 1
         return got
 
-    def _start(self, dist: Any, view: tuple[float, float, float]) -> tuple[Any, Any]:
+    def _gap(self, now: float) -> float:
+        """Commits until the broadcast after the one this commit may start (rank 0's
+        counts): ``PERIOD`` over the interval since this rank's last commit."""
+        last, self._last = self._last, now
+        if last is None or now - last <= 0:
+            return 1.0
+        return float(max(1, min(self.MAX_GAP, int(self.PERIOD / (now - last)))))
+
+    def _start(self, dist: Any, view: tuple[float, ...]) -> tuple[Any, Any]:
         """Start broadcasting rank 0's ``view`` over the default group: (work, tensor).
 
         On gloo, through the group's own call with a tensor made once per group: torch's
@@ -318,7 +350,7 @@ class HostCheck:
             t = torch.tensor(view, dtype=torch.float64).to(dev)
             return dist.broadcast(t, 0, async_op=True), t
         if self._buf is None:
-            buf = torch.zeros(3, dtype=torch.float64)
+            buf = torch.zeros(len(view), dtype=torch.float64)
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             self._buf = (buf, buf.numpy(), opts)
@@ -375,7 +407,7 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank at the same commit when rank 0
-        heard of a membership change (``HostCheck``: agreed one commit late)."""
+        heard of a membership change (``HostCheck``: agreed a commit or more late)."""
         got = self._check.check(
             self._last_updated_timestamp, self._host_messages, self._bcast_object
         )

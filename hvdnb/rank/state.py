@@ -208,7 +208,7 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank at the same commit when rank 0
-        heard of a membership change (``elastic.HostCheck``: agreed one commit late)."""
+        heard of a membership change (``elastic.HostCheck``: agreed a commit or more late)."""
         got = self._check.check(self._last_updated, self._host_messages, None)
         if got is not None:
             object.__setattr__(self, "_last_updated", got[0])

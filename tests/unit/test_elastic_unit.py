@@ -62,6 +62,72 @@ def test_the_membership_check_raises_once_per_change_and_says_whether_only_remov
     assert check_.check(5.0, q, _Echo()) == (8.0, False)
 
 
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A real gloo default group of one rank (the broadcast path of ``HostCheck``)."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+class _Clock:
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _commits(check_, q, n, change_at=None):
+    """Run ``n`` commits; return the commits that started a broadcast and those that
+    acted on a change (put in the queue before commit ``change_at``)."""
+    started, acted, last = [], [], 0.0
+    for k in range(n):
+        if k == change_at:
+            q.put((100.0 + k, True))
+        got = check_.check(last, q, None)
+        if check_.pending is not None and check_.skip <= 0:
+            started.append(k)
+        if got is not None:
+            acted.append(k)
+            last = got[0]
+    return started, acted
+
+
+def test_fast_commits_share_one_broadcast_per_period_and_still_act_on_a_change(group_of_one):
+    q: queue.Queue = queue.Queue()
+    check_ = HostCheck(clock=_Clock(1 / 64))  # a commit every 1/64 s: gap = 0.5 * 64
+    started, acted = _commits(check_, q, 200, change_at=60)
+    assert started == [0, 1, 33, 65, 97, 129, 161, 193]
+    # heard before commit 60: carried by the broadcast of commit 65, acted on at 66, once
+    assert acted == [66]
+
+
+def test_slow_commits_broadcast_at_every_commit_and_act_at_the_next(group_of_one):
+    q: queue.Queue = queue.Queue()
+    check_ = HostCheck(clock=_Clock(1.0))  # longer than PERIOD: Horovod's cadence
+    started, acted = _commits(check_, q, 10, change_at=4)
+    assert started == list(range(10))
+    assert acted == [5]
+
+
+def test_a_reset_starts_the_new_groups_schedule_at_its_first_commit(group_of_one):
+    q: queue.Queue = queue.Queue()
+    check_ = HostCheck(clock=_Clock(1 / 64))
+    _commits(check_, q, 5)
+    assert check_.skip > 0  # between two broadcasts
+    check_.drop()
+    assert check_.pending is None and check_.skip == 0
+    started, _ = _commits(check_, q, 3)
+    assert started[:1] == [0]
+
+
 def test_an_object_state_commits_restores_and_interrupts_at_a_commit():
     st = ObjectState(_Echo(), lambda: 0, epoch=0, batch=3)
     st.batch = 7
