@@ -135,27 +135,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda it: rank.get(_module(it), len(rank)))  # stable: the rest in order
 
 
+#: an ``alone`` run's turnstile and lock, held from one ``alone`` test to the next: released
+#: between them, the other lane slipped a test in each time, and each lane waited on the other
+_HELD: list[int] = []
+
+
+def _alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under two lanes, around a test's set-up, call and teardown: an ``alone`` test holds
-    the lanes' lock exclusively, every other test shared."""
+    the lanes' lock exclusively (and keeps it for the next test when that one is ``alone``
+    too), every other test shared."""
     if not hasattr(item.config, "workerinput"):
         yield
         return
-    how = fcntl.LOCK_EX if item.get_closest_marker("alone") is not None else fcntl.LOCK_SH
-    run = Path(os.environ[RUN_DIR])
-    with open(run / "lanes.turnstile", "a") as gate, open(run / "lanes.lock", "a") as lock:
+    if not _HELD:
+        how = fcntl.LOCK_EX if _alone(item) else fcntl.LOCK_SH
+        run = Path(os.environ[RUN_DIR])
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        gate, lock = os.open(run / "lanes.turnstile", flags), os.open(run / "lanes.lock", flags)
         # the turnstile lets an ``alone`` test in before the other lane's next test: it holds
         # it while it waits for the lock, and every test passes it on its way in
         fcntl.flock(gate, fcntl.LOCK_EX)
         if how == fcntl.LOCK_SH:
             fcntl.flock(gate, fcntl.LOCK_UN)
         fcntl.flock(lock, how)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            fcntl.flock(gate, fcntl.LOCK_UN)
+        _HELD[:] = [gate, lock]
+    try:
+        yield
+    finally:
+        if not (_alone(item) and _alone(nextitem)):
+            gate, lock = _HELD
+            _HELD.clear()
+            for fd in (lock, gate):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
 
 
 # ----------------------------------------------------------------- the lessons' environment
