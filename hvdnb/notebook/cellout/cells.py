@@ -99,6 +99,9 @@ def _run_hooks(final: bool) -> None:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: seconds a finished cell waits for its ranks' last output (it is there at once, but on a
+#: loaded host it came after the replies, and a 1 s wait lost a whole cell's output)
+OUTPUT_WAIT = 15.0
 
 #: messages that mean "a peer went away", i.e. a consequence of another rank's failure
 _PEER_GONE = (
@@ -519,8 +522,11 @@ class _CellRun:
         """Collect the last output, points and alarms; record the cell; raise its errors
         (``DistributedCellError``) or show its values."""
         sent, result, store = self.sent, self.result, self.sent.store
+        # a reply can overtake the rank's last output (another socket; on a loaded host by
+        # seconds): wait for every rank's, bounded, unless one will never send it (dead, stuck)
+        gone = self.stuck or any(e.get("dead") for e in result.errors.values())
         try:
-            sent.ar.wait_for_output(1.0)
+            sent.ar.wait_for_output(1.0 if gone else OUTPUT_WAIT)
         except Exception:
             pass
         if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
