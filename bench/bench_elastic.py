@@ -131,17 +131,22 @@ def one_death(n: int, commit_every: int, steps: int, kill_at: int) -> dict:
     }
 
 
-def _holdings(c: hvdnb.Cluster, me: psutil.Process) -> dict:
-    procs = [me, *me.children(recursive=True)]
+def _listening(procs: list[psutil.Process]) -> int:
+    """Listening TCP ports of ``procs``, together."""
     ports = 0
     for p in procs:
         try:
             ports += sum(1 for s in p.net_connections("tcp") if s.status == psutil.CONN_LISTEN)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
+    return ports
+
+
+def _holdings(c: hvdnb.Cluster, me: psutil.Process) -> dict:
+    procs = [me, *me.children(recursive=True)]
     return {
         "processes": len(procs) - 1,
-        "listening_ports": ports,
+        "listening_ports": _listening(procs),
         "fds": me.num_fds(),
         "rss_mb": me.memory_info().rss / 2**20,
     }
@@ -156,13 +161,7 @@ def _tree_holdings(pids: list[int]) -> tuple[int, int]:
             procs += [top, *top.children(recursive=True)]
         except psutil.NoSuchProcess:
             pass
-    ports = 0
-    for p in procs:
-        try:
-            ports += sum(1 for s in p.net_connections("tcp") if s.status == psutil.CONN_LISTEN)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return len(procs), ports
+    return len(procs), _listening(procs)
 
 
 def _settle(c: hvdnb.Cluster, me: psutil.Process) -> dict:
