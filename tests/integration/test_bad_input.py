@@ -87,6 +87,7 @@ def test_mpiexec_missing(shell, no_cluster, monkeypatch, tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.alone  # /dev/shm is the host's: the other lane's MPI ranks add segments to it
 def test_the_wrong_mpi_is_named(no_cluster, tmp_path):
     """An mpiexec of another MPI (here a stand-in that starts the ranks the way Open MPI's
     does) leaves every rank in a world of 1: refused, named, nothing left running."""
