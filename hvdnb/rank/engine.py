@@ -70,6 +70,9 @@ def bootstrap(backend: str | None = None) -> None:
     ``TF_CONFIG`` (collective)."""
 
     w = rendezvous.discover()
+    # at once, before the slow imports: a rank killed between MPI_Init and this unlink
+    # (a cluster stopped while it starts) leaves MPICH's segment in /dev/shm for good
+    _release_shm_names()
     import torch  # noqa: F401, PLC0415   (the import is the slow part; do it before registering)  torch is heavy: loaded when first used
 
     rendezvous.init_process_group(backend or None)
@@ -82,7 +85,7 @@ def bootstrap(backend: str | None = None) -> None:
     tfconfig.setup(w)  # before any cell can import tensorflow
     frameworks.install(rendezvous.place(w, _STATE["device"]))  # DDP, Accelerate, HF, Lightning
     standin.announce_imports()
-    _release_shm_names()
+    _release_shm_names()  # any segment MPI made since (the rendezvous's collectives)
 
 
 def _release_shm_names(barrier: bool = True) -> None:

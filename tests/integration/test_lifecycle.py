@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
@@ -140,6 +142,45 @@ def test_stopped_cluster_leaves_no_shared_memory_segment_or_profile_file():
     c._ipp = ipp  # (stop drops it; _profile_files only reads its profile_dir)
     assert _profile_files(c) == set()
     c._ipp = None
+
+
+#: what an engine's bootstrap has left in /dev/shm when it starts importing torch (the slow
+#: part): MPICH's segments it maps whose names still exist there
+_SHM_PROBE = textwrap.dedent(
+    """\
+    import builtins, json, os, sys
+    from hvdnb.rank import engine
+    assert "torch" not in sys.modules
+    real, named = builtins.__import__, []
+    def probe(name, *args, **kwargs):
+        if name == "torch" and not named:
+            with open("/proc/self/maps") as maps:
+                paths = {l.split()[-1] for l in maps if "/dev/shm/mpich_shm_" in l}
+            named.append(sorted(p for p in paths if os.path.exists(p)))
+        return real(name, *args, **kwargs)
+    builtins.__import__ = probe
+    engine.bootstrap(None)
+    builtins.__import__ = real
+    print(json.dumps(named[0]))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
+def test_mpich_segment_is_unlinked_before_the_slow_imports():
+    # a rank killed between MPI_Init and the unlink leaves the segment for good: a cluster
+    # stopped while it starts (the runner's backstop after a timed-out cell) left one per
+    # stop when the unlink came after import torch and the process group (~1 s)
+    bin_ = Path(sys.executable).parent
+    res = subprocess.run(
+        [str(bin_ / "mpiexec"), "-n", "2", sys.executable, "-c", _SHM_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    named = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("[")]
+    assert named == [[], []], res.stdout
 
 
 def test_mpi_init_failure_is_retried_once_then_reported(caplog):
