@@ -236,25 +236,33 @@ train(state)
 
 def _scale_mid_loop(cluster, target: int, flag) -> object:
     """Run GROW_TRAIN; once rank 0 reaches step 4, ask for ``target`` ranks from another
-    thread, as the panel's ``ranks=N`` does from its subshell."""
+    thread through the panel's controls, as its ``ranks=N`` does from its subshell.
+    Returns the cell's result and the knob line: as asked, and after the cell."""
+    import html
     import threading
     import time
 
+    from hvdnb.notebook.metrics.store import get_store
+    from hvdnb.notebook.panel.controls import Controls
+
+    controls = Controls(get_store(), None, threading.RLock(), lambda: None)
     said: list[str] = []
 
     def ask() -> None:
         deadline = time.monotonic() + 120
         while not flag.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        said.append(cluster.request_scale(target))
+        controls.knob_text.value = f"ranks={target}"  # as typed in the panel's box
+        said.append(html.unescape(controls.status_html()))
 
     t = threading.Thread(target=ask)
     t.start()
     try:
         code = GROW_TRAIN.format(target=target, more=6, flag=str(flag))
-        return run_cell(cluster, code, quiet=True), said
+        r = run_cell(cluster, code, quiet=True)
     finally:
         t.join()
+    return r, said + [html.unescape(controls.status_html())]
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +279,10 @@ def test_a_scale_asked_for_mid_loop_happens_at_a_commit(growing, tmp_path, capsy
     # up: a third rank starts, joins at a commit and runs the cell from its top
     r, said = _scale_mid_loop(growing, 3, tmp_path / "up")
     err = capsys.readouterr().err
-    assert said and "scaling to 3 ranks" in said[0], said
+    assert "scaling to 3 ranks at the elastic loop's next commit" in said[0], said
     assert r.ok and growing.n == 3
+    # the panel's knob line says it happened, once it has
+    assert "scaled to 3 ranks (generation" in said[1] and "scaling" not in said[1], said
     outs = sorted(r.values.values())
     assert [o[:2] for o in outs] == [(0, 3), (1, 3), (2, 3)], r.values
     assert outs[0][2] == [3] and outs[1][2] == [3]  # the first two re-formed once, at 3
@@ -283,6 +293,7 @@ def test_a_scale_asked_for_mid_loop_happens_at_a_commit(growing, tmp_path, capsy
     r, said = _scale_mid_loop(growing, 2, tmp_path / "down")
     err = capsys.readouterr().err
     assert r.ok and growing.n == 2, r.errors
+    assert "scaled to 2 ranks (generation" in said[1], said
     outs = sorted(r.values.values())
     assert [o[:2] for o in outs] == [(0, 2), (1, 2)]
     assert len({tuple(o[3]) for o in outs}) == 1

@@ -56,6 +56,8 @@ class Controls:
 
         self.store = store
         self.note = ""  # set by the handlers (any thread), drawn by the panel
+        #: the size a ``ranks=N`` asked for, until the cluster has it (the note says so then)
+        self._scaling: int | None = None
         self.knob_widgets: dict[str, Any] = {}
         self._subshell = subshell
         self._lock = lock
@@ -170,9 +172,27 @@ class Controls:
         if isinstance(n, float) and n.is_integer():
             n = int(n)
         try:
-            self.set_note(c.request_scale(n))
+            said = c.request_scale(n)
         except Exception as exc:  # ClusterError: out of --min-np..--max-np, not a whole number
             self.set_note(f"refused: {exc}")
+            return
+        with self._lock:
+            self._scaling = n
+            self.set_note(said)
+
+    def _scaled(self) -> None:
+        """Once the cluster has the size a ``ranks=N`` asked for, the note says so, in
+        place of "scaling to N ranks ..." (the request carried out: none pending)."""
+        n = self._scaling
+        c = self.store.cluster
+        m = getattr(c, "membership", None)
+        if n is None or m is None or m.wanted is not None or m.size != n:
+            return
+        self._scaling = None
+        self.note = (
+            f"scaled to {n} rank{'s' if n != 1 else ''} (generation {c.generation}); "
+            "`%dist status` lists them"
+        )
 
     def request(self, values: dict[str, Any]) -> tuple[bool, str]:
         """Ask for a knob change (validated by the store, scheduled by rank 0)."""
@@ -192,7 +212,9 @@ class Controls:
         """The knob status line: current values, the last request's fate, the note."""
         s = self.store
         st = s.knob_status()
-        note = html.escape(self.note)
+        with self._lock:
+            self._scaled()
+            note = html.escape(self.note)
         if not s.knob_spec:
             return f"{NO_KNOBS} &middot; {note}" if note else NO_KNOBS
         cur = ", ".join(f"{k}={v['value']:g}" for k, v in s.knob_spec.items())
