@@ -109,12 +109,46 @@ def two():
 
 
 def test_a_rank_killed_by_a_signal_costs_a_step_at_3(three, capsys):
-    r = _train(three, "if slot == {r1} and state.step == 9: os.kill(os.getpid(), signal.SIGKILL)")
+    dead = three.membership.slot_of(1)
+    r = _train(
+        three,
+        # (its points of the last second sent first: the panel has something of it to drop)
+        "hvdnb.log(state.step, loss=1.0); slot == {r1} and state.step == 9 and "
+        "(time.sleep(1.5) or os.kill(os.getpid(), signal.SIGKILL))",
+        setup="import hvdnb",
+    )
     err = capsys.readouterr().err
     assert "rank 1 of generation 0 died; training goes on with 2 ranks (generation 1)" in err
     _check_survivors(r, 2)
     assert list(r.lost) == [1] and r.ok
+    _panel_shows_the_survivors_only(three, dead)
     _back_to(three, 3)
+
+
+def _panel_shows_the_survivors_only(cluster, dead: int) -> None:
+    """The panel's "now" (header, step-time bars, memory, allreduce lines, the cell's line)
+    leaves out the engine ``dead``, which the cell trained on before it died (the loss
+    chart and ``hvdnb.metrics()`` keep its points)."""
+    import time
+
+    from hvdnb.notebook.metrics.store import get_store
+    from hvdnb.notebook.panel.charts import allreduce_chart, breakdown_chart
+    from hvdnb.notebook.panel.liveline import LiveLine
+    from hvdnb.notebook.panel.tables import header_html
+
+    store = get_store()
+    live = list(cluster.membership.members)
+    assert dead in store.ranks() and store.count("loss", dead) > 0  # it logged, then died
+    assert store.live_ranks() == sorted(live)
+    assert set(store.breakdown()) == set(live) and set(store.memory()) == set(live)
+    assert f"rank {dead} exposed" not in [name for name, *_ in allreduce_chart(store).lines]
+    assert f"rank {dead}" not in breakdown_chart(store).labels()
+    line = LiveLine(store).text(store.current_run() or {"id": 0}, final=True)
+    assert f"r{dead} " not in line and all(f"r{s} " in line for s in live), line
+    deadline = time.monotonic() + 30  # the survivors' idle arrives after their last reply
+    while "training" in header_html(store)[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "idle" in header_html(store)[0]
 
 
 def test_a_raised_error_leaves_with_its_traceback_shown_once_at_3(three, capsys):

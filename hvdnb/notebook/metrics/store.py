@@ -434,6 +434,10 @@ class MetricsStore:
         """The ranks of the attached cluster (every rank heard from, before any)."""
         return self._views.ranks()
 
+    def live_ranks(self) -> list[int]:
+        """``ranks()`` less those an elastic cluster went on without (``Views.live_ranks``)."""
+        return self._views.live_ranks()
+
     def per_step(
         self, prefix: str, rank: int, last_steps: int = 50, suffix: str = "/time"
     ) -> dict[int, float]:

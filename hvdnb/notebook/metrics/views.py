@@ -56,6 +56,18 @@ class Views:
                 return sorted(self._link.rank_info)
             return sorted(set(self._points.rank_ids()) | set(self._link.rank_info))
 
+    def live_ranks(self) -> list[int]:
+        """``ranks()`` less those an elastic cluster went on without (dead, stopped, taken
+        out by a scale: no longer in its membership). What the panel shows as now (its
+        header, step-time bars, memory, allreduce lines, the cell's line) is theirs only;
+        the points of the others stay, in the loss chart and ``hvdnb.metrics()``."""
+        ranks = self.ranks()
+        members = getattr(getattr(self._link.cluster, "membership", None), "members", None)
+        if members is None:  # a fixed-size cluster: a dead rank fails the cell, then restart
+            return ranks
+        keep = set(members)
+        return [r for r in ranks if r in keep]
+
     def per_step(
         self, prefix: str, rank: int, last_steps: int = 50, suffix: str = "/time"
     ) -> dict[int, float]:
@@ -139,7 +151,7 @@ class Views:
         version = self._points.version
         if cached is not None and cached[0] == (version, last_steps):
             return cached[1]
-        ranks = self.ranks()
+        ranks = self.live_ranks()
         if len(ranks) > MANY_RANKS:
             last_steps = max(5, last_steps // 5)
         out: dict[int, dict[str, float]] = {}
@@ -337,7 +349,9 @@ class Views:
             "mem/gpu_membw_util_pct",
         )
         since = self._link.began
-        return {r: {n[4:]: self._points.latest(n, r, since) for n in names} for r in self.ranks()}
+        return {
+            r: {n[4:]: self._points.latest(n, r, since) for n in names} for r in self.live_ranks()
+        }
 
     def throughput(self, window: float = 3.0) -> float | None:
         """Samples per second over every rank in the last ``window`` seconds of logs."""

@@ -473,7 +473,7 @@ def allreduce_chart(
     on sampled steps), cut to the last ``window`` steps (0: no cut): the collective's own
     time summed over buckets, and the time each rank's step waited for it (exposed), for
     up to ``MAX_LINES - 1`` ranks (evenly picked beyond that); spikes clipped."""
-    ranks = store.ranks() if ranks is None else ranks
+    ranks = store.live_ranks() if ranks is None else ranks
     lines: list[Line] = []
     shown = ranks if len(ranks) <= MAX_LINES else ranks[:: max(1, len(ranks) // MAX_LINES)]
     total: dict[int, float] = {}

@@ -83,7 +83,7 @@ class LiveLine:
             f"step {step}" + (f"/{total}" if total else ""),
         ]
         losses = {}
-        for r in st.ranks():
+        for r in st.live_ranks():  # not a lost rank's: its last loss is stale
             _, vals, _ = st.series("loss", r, last=1)
             if vals and vals[-1] == vals[-1]:
                 losses[r] = vals[-1]

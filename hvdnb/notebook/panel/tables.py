@@ -51,7 +51,8 @@ def header_html(store: MetricsStore) -> tuple[str, tuple[int, int] | None]:
     rate = s.throughput()
     seen = max((i.get("seen") or 0) for i in s.rank_info.values()) if s.rank_info else 0
     age = time.time() - seen if seen else None
-    running = any(not i.get("idle", True) for i in s.rank_info.values())
+    live = s.live_ranks()  # a rank lost while it trained never says it is idle
+    running = any(not s.rank_info.get(r, {}).get("idle", True) for r in live)
     n = cluster.get("n") or len(ranks)
     reported = any(i.get("backend") for i in s.rank_info.values())
     parts = [
