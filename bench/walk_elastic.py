@@ -128,8 +128,8 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
             f"() => [...document.querySelectorAll('{PANEL} .jp-InputPrompt')]"
             ".filter(p => p.textContent.includes('*')).length"
         )
-        if busy == 0 and page.locator("text=/\\| Idle/").count():
-            break
+        if busy == 0:  # the cell's prompt has its number: it ended (the status bar's
+            break  # "| Idle" follows the focused tab, here the panel's box: not a sign)
         time.sleep(1)
     cell = page.locator(f"{PANEL} .jp-Cell").last
     cell.locator(".jp-OutputArea").last.scroll_into_view_if_needed()
