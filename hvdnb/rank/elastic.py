@@ -26,8 +26,8 @@ A rank whose own code raises (anything but the two signals above) leaves the clu
 releases its peers at once (their collectives fail, they reset) and tells the notebook,
 which takes it out of the next generation.
 
-Never: decide membership (the notebook does), or issue a collective outside ``sync`` and
-``check_host_updates``.
+Never: decide membership (the notebook does), or issue a collective outside ``sync`` (and
+``_align_step`` just before it) and ``check_host_updates``.
 """
 
 from __future__ import annotations
@@ -480,6 +480,8 @@ def run_fn(func: F, reset: Callable[[], None], generation: Callable[[], int]) ->
             gen = generation()
             try:
                 if not skip_sync:
+                    if enabled():
+                        _align_step()
                     state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
@@ -589,6 +591,26 @@ def _all_arrived(gen: int, size: int) -> bool:
             )
         time.sleep(0.005)
     return True
+
+
+def _align_step() -> None:
+    """Give every rank rank 0's step in progress (the step the panel puts a collective's
+    timing at): a rank that joined a running loop is at step 0 until its first
+    ``hvdnb.log``, so its first timed collectives were drawn at step 0, far left of the
+    loop's. One 8-byte broadcast at each sync (not timed: it is not a hvdnb.torch
+    collective); a rank that has logged in this loop keeps its own count."""
+    import torch  # noqa: PLC0415  torch is heavy: loaded when first used
+    import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+    from hvdnb.rank.metrics.recorder import get_recorder  # noqa: PLC0415  the recorder: only where a loop syncs
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    rec = get_recorder()
+    t = torch.tensor([rec.cur_step], dtype=torch.int64, device=_device())
+    dist.broadcast(t, src=0)
+    if rec.cur_step == 0:
+        rec.cur_step = int(t.item())
 
 
 def _device() -> str:

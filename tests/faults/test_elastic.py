@@ -339,6 +339,53 @@ def test_a_scale_asked_for_mid_loop_happens_at_a_commit(growing, tmp_path, capsy
     assert r.values == {0: 2, 1: 2}
 
 
+def test_a_newcomers_ddp_timings_are_drawn_at_the_loops_steps(growing, tmp_path):
+    # a rank that joins a running loop times its first DDP allreduce before its first
+    # hvdnb.log: that point was drawn at step 0, far left of the loop's steps
+    from hvdnb.notebook.metrics.store import get_store
+
+    code = (
+        GROW_TRAIN.replace("import os,", "import hvdnb, os,")
+        .replace(
+            "opt = hvd.DistributedOptimizer(\n    torch.optim.SGD(model.parameters(), lr=0.01), "
+            "named_parameters=model.named_parameters()\n)",
+            "opt = torch.optim.SGD(model.parameters(), lr=0.01)",
+        )
+        .replace(
+            "    while state.since",
+            "    ddp = torch.nn.parallel.DistributedDataParallel(model)\n    while state.since",
+        )
+        .replace("loss = model(x)", "loss = ddp(x)")
+        .replace(
+            "        state.step += 1\n", "        state.step += 1\n        hvdnb.log(state.step)\n"
+        )
+    )
+    assert (
+        "DistributedDataParallel" in code and "hvdnb.log" in code and "hvd.Distributed" not in code
+    )
+    flag = tmp_path / "up"
+    import threading
+    import time
+
+    def ask() -> None:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        growing.request_scale(3)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    try:
+        r = run_cell(growing, code.format(target=3, more=6, flag=str(flag)), quiet=True)
+    finally:
+        t.join()
+    assert r.ok and growing.n == 3, r.errors
+    new = growing.membership.slot_of(2)
+    steps = get_store().per_step("comm/", new, last_steps=1000, suffix="/exposed")
+    assert steps and min(steps) > 4, sorted(steps)[:5]  # it joined after step 4
+    growing.scale(2)
+
+
 def test_a_rank_that_joins_and_fails_before_the_loop_leaves_and_the_rest_go_on(
     growing, tmp_path, capsys
 ):
