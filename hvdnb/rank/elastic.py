@@ -607,7 +607,9 @@ def _align_step() -> None:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     rec = get_recorder()
-    t = torch.tensor([rec.cur_step], dtype=torch.int64, device=_device())
+    # a CUDA tensor for NCCL only: a gloo group on a GPU host broadcasts from the CPU
+    dev = _device() if str(dist.get_backend()) == "nccl" else "cpu"
+    t = torch.tensor([rec.cur_step], dtype=torch.int64, device=dev)
     dist.broadcast(t, src=0)
     if rec.cur_step == 0:
         rec.cur_step = int(t.item())
