@@ -161,25 +161,27 @@ _SHM_PROBE = textwrap.dedent(
     builtins.__import__ = probe
     engine.bootstrap(None)
     builtins.__import__ = real
-    print(json.dumps(named[0]))
+    with open(os.path.join(sys.argv[1], os.environ["PMI_RANK"] + ".json"), "w") as f:
+        json.dump(named[0], f)
     """
 )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
-def test_mpich_segment_is_unlinked_before_the_slow_imports():
+def test_mpich_segment_is_unlinked_before_the_slow_imports(tmp_path):
     # a rank killed between MPI_Init and the unlink leaves the segment for good: a cluster
     # stopped while it starts (the runner's backstop after a timed-out cell) left one per
     # stop when the unlink came after import torch and the process group (~1 s)
     bin_ = Path(sys.executable).parent
     res = subprocess.run(
-        [str(bin_ / "mpiexec"), "-n", "2", sys.executable, "-c", _SHM_PROBE],
+        [str(bin_ / "mpiexec"), "-n", "2", sys.executable, "-c", _SHM_PROBE, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert res.returncode == 0, res.stderr
-    named = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("[")]
+    # a file per rank: the two ranks' stdout lines can arrive interleaved ("[][]")
+    named = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert named == [[], []], res.stdout
 
 
