@@ -9,6 +9,7 @@ when mpiexec exits 0 and every rank printed its OK line.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -20,11 +21,20 @@ from typing import Any
 
 import pytest
 
+from hvdnb.extras import pip_target
+
 HERE = Path(__file__).parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 SCRIPTS = sorted(HERE.glob("spmd_*.py"))
 NP = 2
 HANG_S = 60  # a rank dumps its stack and exits after this (faulthandler)
+#: what a script imports beyond the test extra: where one is not installed its runs skip,
+#: saying so; the scripts import them plainly, so an ImportError there (hvdnb's own) fails
+NEEDS = {
+    "spmd_tf_ops": ("tensorflow",),
+    "spmd_tf_keras": ("tensorflow", "tf_keras"),
+}
+TF_INSTALL = f"pip install {pip_target('tf')}"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -51,9 +61,13 @@ def mpiexec(
     script: str | Path, np: int, *args: str, timeout: float = HANG_S + 30
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` (a path, or a name in this folder) on ``np`` ranks from this folder;
-    skips when mpiexec is missing, returns the finished process."""
+    skips when mpiexec or a module the script ``NEEDS`` is missing, returns the finished
+    process."""
     if not MPIEXEC.exists():
         pytest.skip(f"{MPIEXEC} not found: pip install mpich")
+    for module in NEEDS.get(Path(script).stem, ()):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{Path(script).name} needs {module}, not installed: {TF_INSTALL}")
     return subprocess.run(
         [str(MPIEXEC), "-n", str(np), sys.executable, str(script), *args],
         capture_output=True,
