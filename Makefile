@@ -2,7 +2,7 @@
 #   make lab    create .venv, install hvdnb + the "Python 3 (hvdnb)" kernel, open JupyterLab
 #   make test   create .venv, install with test extras, run the whole suite
 # and one keeps the house tidy:
-#   make lint   ruff check, ruff format --check, mypy (strict on protocol, torch, metrics, config)
+#   make lint   ruff check, ruff format --check, mypy (strict on all of hvdnb and kernels_ext)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
