@@ -7,6 +7,7 @@ an odd size: no Adasum, uneven reducescatter rows) and the install hints are che
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import os
 import re
 import subprocess
@@ -78,6 +79,65 @@ def test_missing_tf_keras_names_the_install_command() -> None:
     out = _import_without("tf_keras", "hvdnb.tensorflow.keras", timeout=120)
     assert "ERR hvdnb.tensorflow.keras needs tf_keras" in out.stdout, out.stdout + out.stderr
     assert INSTALL in out.stdout, out.stdout
+
+
+#: a user who did not set TF_USE_LEGACY_KERAS: tf.keras is Keras 3, and its optimizer is
+#: refused, naming the fix; a tf-keras one, in the same process, is wrapped
+KERAS3 = """
+import os
+os.environ.pop("TF_USE_LEGACY_KERAS", None)
+import tensorflow as tf
+import tf_keras
+import hvdnb.tensorflow.keras as hvd
+k3 = tf.keras.optimizers.SGD()
+assert not isinstance(k3, tf_keras.optimizers.Optimizer), type(k3).__mro__
+print("KERAS3", type(k3).__module__)
+try:
+    hvd.DistributedOptimizer(k3)
+    print("ACCEPTED")
+except TypeError as exc:
+    print("ERR", exc)
+k2 = hvd.DistributedOptimizer(tf_keras.optimizers.SGD())
+print("K2", type(k2).__name__, isinstance(k2, tf_keras.optimizers.SGD))
+"""
+
+
+def _keras3_version() -> str:
+    """The installed Keras 3's version; skips, saying why, where there is none."""
+    try:
+        version = md.version("keras")
+    except md.PackageNotFoundError:
+        pytest.skip(
+            "keras (Keras 3) is not installed, so there is no Keras 3 optimizer to refuse: "
+            "TensorFlow >= 2.16 installs it"
+        )
+    if int(version.split(".")[0]) < 3:
+        pytest.skip(f"keras {version} is Keras 2: there is no Keras 3 optimizer to refuse")
+    return version
+
+
+@pytest.mark.timeout(120)
+def test_a_keras_3_optimizer_is_refused_naming_the_fix() -> None:
+    """Horovod's Keras API is Keras 2's: ``hvd.DistributedOptimizer`` refuses a Keras 3
+    optimizer (``tf.keras``'s without ``TF_USE_LEGACY_KERAS=1``) with the variable to set
+    and the install command; the check runs wherever Keras 3 is installed, and skips,
+    saying so, where it is not."""
+    _need("tensorflow")
+    _need("tf_keras")
+    version = _keras3_version()
+    env = _env(TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, "-c", KERAS3], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, _report(proc)
+    out = proc.stdout
+    assert "KERAS3 keras." in out, f"keras {version}: " + out  # Keras 3's own class
+    assert "ACCEPTED" not in out, out
+    err = next((ln for ln in out.splitlines() if ln.startswith("ERR ")), "")
+    assert "wraps Keras 2 (tf-keras) optimizers; this is Keras 3's SGD" in err, out
+    assert "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" in err, err
+    assert INSTALL in err, err
+    assert "K2 SGD True" in out, out
 
 
 # -- Horovod's TF2 examples, unchanged -------------------------------------------------------
