@@ -31,14 +31,29 @@ _DEFAULT_RANGES: dict[str, tuple[float, float]] = {
 def make_spec(values: dict[str, Any], ranges: dict[str, tuple[float, float]] | None = None) -> Spec:
     """The spec of a knob set: ``{name: {"kind": "int"|"float", "min", "max", "value"}}``."""
     spec: dict[str, dict[str, Any]] = {}
+    if ranges is not None and not isinstance(ranges, dict):
+        raise TypeError(
+            f"ranges must be a dict of {{name: (min, max)}}, not {type(ranges).__name__}"
+        )
     ranges = dict(ranges or {})
+    if not values:
+        raise ValueError("no knobs given: name at least one, e.g. hvdnb.knobs(lr=0.1)")
+    unknown = sorted(set(ranges) - set(values))
+    if unknown:
+        raise ValueError(
+            f"ranges names {', '.join(unknown)}, which is not among the knobs given "
+            f"({', '.join(values)}): give its starting value too"
+        )
     for name, v in values.items():
         if not name.isidentifier() or name.startswith("_") or name in _RESERVED:
             raise ValueError(f"knob name {name!r} is not allowed: use a plain identifier")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"knob {name}={v!r}: knobs are ints or floats")
+            raise TypeError(
+                f"knob {name}={v!r} is {type(v).__name__}: a knob's value is an int or a "
+                f"float, e.g. {name}=64"
+            )
         kind = "int" if isinstance(v, int) else "float"
-        lo, hi = ranges.get(name, _DEFAULT_RANGES.get(name, (0, math.inf)))
+        lo, hi = _range(name, ranges.get(name, _DEFAULT_RANGES.get(name, (0, math.inf))))
         if kind == "int" and math.isinf(hi):
             hi = 2**31 - 1
         if kind == "float" and math.isinf(hi):
@@ -51,6 +66,20 @@ def make_spec(values: dict[str, Any], ranges: dict[str, tuple[float, float]] | N
 
 
 _RESERVED = {"step", "values", "spec", "pending", "history"}
+
+
+def _range(name: str, r: Any) -> tuple[float, float]:
+    """A knob's ``(min, max)``, checked: two numbers, min <= max."""
+    try:
+        lo, hi = r
+    except (TypeError, ValueError):
+        raise TypeError(f"ranges[{name!r}] must be (min, max), not {r!r}") from None
+    for v in (lo, hi):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            raise TypeError(f"ranges[{name!r}] must be two numbers (min, max), not {r!r}")
+    if lo > hi:
+        raise ValueError(f"ranges[{name!r}] = {r!r}: min is above max")
+    return lo, hi
 
 
 def validate(spec: dict[str, dict[str, Any]], values: dict[str, Any]) -> str | None:

@@ -35,6 +35,7 @@ import traceback
 from typing import Any
 
 from hvdnb.protocol import kinds
+from hvdnb.protocol.errors import InputError, exception_lines, user_frames
 from hvdnb.protocol.replies import CellReply, EngineInfo
 from hvdnb.rank import (
     channel,
@@ -496,11 +497,13 @@ def _shell() -> Any:
 def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
     """Traceback lines from the first frame of user code on (drop this runner's frames,
     as IPython drops its own); none when no frame is the user's."""
-    frames = traceback.extract_tb(tb)
-    for i, fr in enumerate(frames):
+    # a frame that sets ``__tracebackhide__`` (hvdnb's public functions, as pytest's and
+    # IPython's own) is left out: a refused argument's traceback ends at the user's line
+    shown = user_frames(tb)
+    for i, fr in enumerate(shown):
         if fr.filename.startswith(filename_prefix):
             # the elastic loop's own frames say nothing of the user's error
-            kept = [f for f in frames[i:] if not f.filename.endswith(_ELASTIC_LOOP)]
+            kept = [f for f in shown[i:] if not f.filename.endswith(_ELASTIC_LOOP)]
             return traceback.format_list(kept)
     return []
 
@@ -603,7 +606,7 @@ def _error_reply(exc: BaseException, rank: int) -> CellReply:
             else:
                 lines = ["Traceback (most recent call last):\n"]
                 lines += _user_frames(exc.__traceback__, "<cell ")
-                lines += traceback.format_exception_only(type(exc), exc)
+                lines += exception_lines(exc)
             text = "".join(lines)
             break
         except KeyboardInterrupt:
@@ -611,12 +614,21 @@ def _error_reply(exc: BaseException, rank: int) -> CellReply:
     return CellReply(
         ok=False,
         rank=rank,
-        ename=type(exc).__name__,
+        ename=exception_lines(exc)[-1].split(":", 1)[0]
+        if isinstance(exc, InputError)
+        else type(exc).__name__,
         evalue=str(exc),
         traceback=text,
         interrupted=isinstance(exc, KeyboardInterrupt),
         left=bool(getattr(exc, "hvdnb_left", False)),
     )
+
+
+def _error_name(exc: BaseException) -> str:
+    """The error's name as the user reads it: a refused argument is the builtin error it is."""
+    if isinstance(exc, InputError):
+        return exception_lines(exc)[-1].split(":", 1)[0]
+    return type(exc).__name__
 
 
 def _picklable(value: Any) -> Any:

@@ -35,7 +35,17 @@ class MetricRow(NamedTuple):
 
 
 class MetricRows(list):  # type: ignore[type-arg]
-    """A list of ``MetricRow`` with exports."""
+    """A list of ``MetricRow`` with exports.
+
+    Attributes
+    ----------
+    lost_points : points the ranks recorded that never reached the notebook (a rank's
+        ring lapped before it sent; 0 unless told otherwise)
+    lost_messages : the ranks' messages that never arrived (gaps in their sequence)
+    """
+
+    lost_points: int = 0
+    lost_messages: int = 0
 
     def to_csv(self, path: str | Path) -> Path:
         """Write ``rank,step,name,value,time,run,segment,knobs`` rows (knobs as JSON);

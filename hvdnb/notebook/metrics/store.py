@@ -35,6 +35,7 @@ NaN, not 0; hold state of its own beyond its parts.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -631,4 +632,17 @@ def metrics(
     store = attach()
     if isinstance(run, str):
         return RunRows(store.stored_rows(run, name, rank))
-    return RunRows(store.rows(name, rank, run))
+    rows = RunRows(store.rows(name, rank, run))
+    rows.lost_points, rows.lost_messages = store.lost_rows, store.lost_messages
+    if rows.lost_points or rows.lost_messages:  # never a shorter list without a word
+        what = []
+        if rows.lost_points:
+            what.append(f"{rows.lost_points:,} points (a rank's ring lapped before it sent)")
+        if rows.lost_messages:
+            what.append(f"{rows.lost_messages:,} messages (gaps in a rank's sequence)")
+        warnings.warn(
+            "hvdnb.metrics: this cluster lost " + " and ".join(what) + "; the rows returned "
+            "are the rest (their count is in rows.lost_points / rows.lost_messages)",
+            stacklevel=2,
+        )
+    return rows

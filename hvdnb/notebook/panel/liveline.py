@@ -105,6 +105,9 @@ class LiveLine:
         alarms = st.alarm_summary()
         if alarms:
             parts.append(f"⚠ {alarms}")
+        lost = _lost(st.lost_rows, st.lost_messages)
+        if lost:
+            parts.append(f"⚠ {lost}")
         return " · ".join(parts)
 
     def _trains(self) -> bool:
@@ -124,6 +127,17 @@ class LiveLine:
             if vals and vals[-1] == vals[-1]:
                 return f"loss {vals[-1]:.4g} (main process)"
         return "loss n/a"
+
+
+def _lost(rows: int, messages: int) -> str:
+    """What the ranks' points lost says, or "" (none lost): the line, the panel's table and
+    ``hvdnb.metrics()`` say it in the same words."""
+    parts = []
+    if rows:
+        parts.append(f"{rows:,} point{'s' if rows != 1 else ''}")
+    if messages:
+        parts.append(f"{messages:,} message{'s' if messages != 1 else ''}")
+    return ("lost " + " and ".join(parts)) if parts else ""
 
 
 class _Line:

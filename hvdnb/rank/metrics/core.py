@@ -27,6 +27,7 @@ from hvdnb.rank.metrics.memory import MemorySampler
 from hvdnb.rank.metrics.outbox import Fingerprints
 from hvdnb.rank.metrics.ring import Ring, as_float, scalar
 from hvdnb.rank.metrics.state import CAPACITY, COMM, IDLE_AFTER, LOG, RECORD, LoopClock
+from hvdnb.rank.metrics.values import number, step_of, total_of
 
 __all__ = ["LEAD_SECONDS", "MAX_LEAD", "MIN_LEAD", "Recorder", "on_step_start"]
 
@@ -121,6 +122,10 @@ class Recorder:
         # what the training thread recorded since the last drain, as it was given: log,
         # on_comm and record append one tuple each and do nothing else (see Drain.run)
         self._pend: deque[tuple[Any, ...]] = deque()
+        #: entries the queue may hold before ``log`` sends at once (``_relieve``): as many
+        #: as half the ring takes (set by each drain from the rows an entry made), so that
+        #: a loop logging faster than the interval drains never laps the ring
+        self._pend_max = max(1, capacity // 8)
         # rows from other threads (DDP hook futures, gloo callbacks): deque.append is atomic
         self._side: deque[tuple[int, float, str, Any]] = deque()
         self.fingerprints = Fingerprints()  # sent as ``fp`` (hvdnb.rank.metrics.fingerprint)
@@ -181,8 +186,8 @@ class Recorder:
             return
         q = self._pend
         q.append((RECORD, t, step, name, value))
-        if len(q) > self.ring.capacity:  # no log() drains it (phases alone, no channel)
-            self._try_drain()
+        if len(q) >= self._pend_max:  # no log() drains it (phases alone)
+            self._relieve()
 
     def log(self, step: int, loss: Any = None, **metrics: Any) -> None:
         """Record step ``step``'s loss and keyword scalars (see the module's ``log``)."""
@@ -202,19 +207,20 @@ class Recorder:
             return
         now = _perf_counter()
         if _get_ident() != self._owner:
-            self._log_elsewhere(int(step), loss, metrics, now, time.time())
+            self._log_elsewhere(step_of(step), loss, metrics, now, time.time())
             return
         if type(step) is not int:
-            step = int(step)
+            step = step_of(step)  # refuses what is not a whole number (``values``)
         if type(loss) is not float and loss is not None:
             # a CPU tensor is read now: read later it could have changed in place, and
             # keeping it would keep its autograd graph alive until the drain
             loss = scalar(loss)
+            if type(loss) is not float:  # a device tensor, or a value that is no number
+                loss = number("loss", loss)
         if metrics:  # tensors in it are read now too
             for v in metrics.values():
                 if type(v) is not float and type(v) is not int:
-                    for k, v in metrics.items():
-                        metrics[k] = scalar(v)
+                    _numbers(metrics)
                     break
         self._pend.append((LOG, now, step, loss, metrics))
         self.cur_step = step + 1
@@ -240,6 +246,25 @@ class Recorder:
             if not self.comm.noticed:  # torch imported after the loop's first log
                 self.notice_torch()
             self._flush_from_loop(now)
+        room = self._pend_max - len(self._pend)
+        if room <= 0:  # logging faster than messages go: send now, before the ring laps
+            self._relieve(now)
+            room = self._pend_max
+        if self._next_event > step + room:  # look again before the queue is full
+            self._next_event = step + room
+
+    def _relieve(self, now: float | None = None) -> None:
+        """The queue holds as many entries as half the ring takes: send them now, from the
+        training thread, waiting for a send in progress elsewhere (backpressure: the step
+        waits for one message rather than the ring lapping and losing points). Without a
+        channel nothing takes the ring: the drain keeps the latest rows and counts the
+        rest in ``lost``."""
+        if self.channel is None:
+            self._try_drain()
+            return
+        self.flusher.flush_now()
+        if self._due:  # the message just sent was the one due next: the grid starts anew
+            self._due = self.flusher.schedule(_perf_counter() if now is None else now)
 
     def _flush_from_loop(self, now: float) -> None:
         """A message is due at ``log``: drain (also without a channel: the queue stays one
@@ -265,8 +290,8 @@ class Recorder:
         if threading.get_ident() == self._owner:
             q = self._pend
             q.append((COMM, t, self.cur_step, name, nbytes, seconds, backend, exposed))
-            if len(q) > self.ring.capacity:  # no log() drains it (allreduces alone)
-                self._try_drain()
+            if len(q) >= self._pend_max:  # no log() drains it (allreduces alone)
+                self._relieve()
             return
         short = name.replace("DistributedOptimizer.", "")
         self.record_comm(self.cur_step, t, short, seconds, exposed, nbytes, backend)
@@ -294,14 +319,18 @@ class Recorder:
         self, step: int, loss: Any, metrics: dict[str, Any], now: float, t: float
     ) -> None:
         """log() from a thread other than the recorder's: rows go through the side queue."""
+        if type(loss) is not float and loss is not None:
+            loss = number("loss", loss)
         per = self.clock.logged(step, now)
         if per is not None:
             self.record(step, "time/step", per, t)
         if loss is not None:
             self.record(step, "loss", loss, t)
+        if metrics:
+            _numbers(metrics)
         for k, v in metrics.items():
             if k == "total_steps":
-                self.meta["total_steps"] = int(v)
+                self.meta["total_steps"] = v
                 continue
             self.record(step, PHASE_ALIASES.get(k, k), v, t)
         self.mark(step + 1, now)
@@ -409,9 +438,15 @@ class Recorder:
         else:  # the loop may append meanwhile: what it adds stays for the next drain
             pop = q.popleft
             entries = [pop() for _ in range(len(q))]
+        w0 = self.ring.w
         first, backend = self.drain.run(entries)
         if backend:
             self.comm_backend = backend
+        # rows per entry, rounded up, plus one (a loop's first entry has no step time): the
+        # queue's bound keeps a drain within half the ring, and the rows of a drain that did
+        # not send (the loop's first) plus the next drain's within the whole ring
+        per_entry = 1 - (-(self.ring.w - w0) // len(entries))
+        self._pend_max = max(1, self.ring.capacity // (2 * per_entry))
         clock = self.clock
         prev, last = clock.prev_step, clock.last_log
         # the step time over this drain's span (every rank in lockstep sees the same), for
@@ -488,6 +523,19 @@ class Recorder:
     def close(self) -> None:
         """Stop the flusher thread and send what is left."""
         self.flusher.close()
+
+
+def _numbers(metrics: dict[str, Any]) -> None:
+    """``log``'s keywords as the ring keeps them, in place: numbers read (``values.number``),
+    a None dropped (no value this step), ``total_steps`` an int or None (unknown). Raises
+    ``values.InputError`` for a value that is no number."""
+    for k, v in list(metrics.items()):
+        if k == "total_steps":
+            metrics[k] = total_of(v)
+        elif v is None:
+            del metrics[k]
+        elif type(v) is not float:
+            metrics[k] = number(k, v)
 
 
 def _dist_backend() -> str:

@@ -140,8 +140,8 @@ class Drain:
                 for k, v in metrics.items():
                     nid = ids.get(k)
                     if nid is None:
-                        if k == "total_steps":
-                            self.meta["total_steps"] = int(v)
+                        if k == "total_steps":  # None: the loop's length is unknown
+                            self.meta["total_steps"] = None if v is None else int(v)
                             continue
                         nid = self._keyword_id(k)
                     put(step, t, nid, v)
@@ -193,17 +193,18 @@ class Drain:
             return None
         cols: list[tuple[int, Any]] = []
         ids = self.metric_ids
-        total = None
+        total: tuple[int | None] | None = None  # (the last total_steps,) when logged
         for k in keys:
             try:
                 col = list(map(itemgetter(k), mets))
             except KeyError:
                 return None
+            if k == "total_steps":  # an int, or None: the loop's length is unknown
+                last_total = col[-1]
+                total = (None if last_total is None else int(last_total),)
+                continue
             if not set(map(type, col)) <= _PLAIN:
                 return None
-            if k == "total_steps":
-                total = int(col[-1])
-                continue
             nid = ids.get(k)
             if nid is None:
                 nid = self._keyword_id(k)
@@ -246,5 +247,5 @@ class Drain:
         except (OverflowError, ValueError, TypeError):  # an int too large for a float
             return None  # nothing published: the caller writes the same rows one by one
         if total is not None:
-            self.meta["total_steps"] = total
+            self.meta["total_steps"] = total[0]
         return w + n * p, int(S[-1]), float(N[-1]), st

@@ -188,6 +188,20 @@ class Flusher:
         with self.send_lock:
             self._send()
 
+    def flush_now(self) -> None:
+        """Send what was recorded now, waiting for a send in progress on another thread
+        (the recorder's backpressure: its queue is full). Never raises: a failed send is
+        printed, as the thread's are."""
+        if self.channel is None:
+            return
+        if self.thread is None:
+            self.start()
+        try:
+            with self.send_lock:
+                self._send()
+        except Exception as exc:  # the panel must never break training
+            print(f"hvdnb: metrics flush failed: {exc!r}", file=sys.stderr)
+
     def _send(self) -> None:  # under send_lock
         msg = self.source.pack()
         if msg is None:

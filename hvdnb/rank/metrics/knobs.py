@@ -33,6 +33,7 @@ import threading
 from typing import Any
 
 from hvdnb.protocol import kinds
+from hvdnb.protocol.errors import InputError, InputTypeError, InputValueError
 from hvdnb.protocol.kinds import Kind
 from hvdnb.protocol.knobs import at_step_error, coerce, make_spec, validate
 from hvdnb.rank.metrics import stop
@@ -44,6 +45,7 @@ from hvdnb.rank.metrics.recorder import (
     get_recorder,
     on_step_start,
 )
+from hvdnb.rank.metrics.values import step_of
 
 __all__ = [
     "CURRENT",
@@ -114,11 +116,17 @@ class Knobs:
 
         Call it at the top of each step; returns ``self`` so ``k = knobs.step(s)`` reads well.
         """
-        object.__setattr__(self, "_cur", int(step))
-        get_recorder().mark(int(step))
-        self._advance(int(step))
+        __tracebackhide__ = True
+        if type(step) is not int:
+            try:
+                step = step_of(step)
+            except InputError as exc:
+                raise type(exc)(str(exc).replace("hvdnb.log", "knobs.step")) from None
+        object.__setattr__(self, "_cur", step)
+        get_recorder().mark(step)
+        self._advance(step)
         try:
-            stop.check(int(step))
+            stop.check(step)
         except TrainingStopped as exc:  # the user's frame, not hvdnb's inner ones
             raise exc.with_traceback(None) from None
         return self
@@ -159,9 +167,10 @@ class Knobs:
 
     def set(self, **values: Any) -> None:
         """Change values locally now (this rank only; for scripts and tests)."""
+        __tracebackhide__ = True
         err = validate(self.spec, values)
         if err:
-            raise ValueError(err)
+            raise InputValueError(f"knobs.set: {err}")
         self.values.update(coerce(self.spec, values))
 
     # -------------------------------------------------------------- channel thread
@@ -250,11 +259,16 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     ...     lr = knobs.lr * min(1.0, (step + 1) / max(1, knobs.warmup_steps))
     """
     global CURRENT
+    __tracebackhide__ = True  # a refused value's traceback ends at the user's line
     rec = get_recorder()
     rank = rec.rank
     if DEFAULTS:
         values = {k: DEFAULTS.get(k, v) for k, v in values.items()}
-    k = Knobs(values, ranges, rank, rec.channel)
+    try:
+        k = Knobs(values, ranges, rank, rec.channel)
+    except (TypeError, ValueError) as exc:  # the spec's refusal (``protocol.knobs``)
+        cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
+        raise cls(f"hvdnb.knobs: {exc}") from None
     old = CURRENT
     if old is not None and old.pending:
         with old._lock:  # plans for a step not reached yet belong to the new loop

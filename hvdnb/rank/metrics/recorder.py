@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hvdnb.config import get_config
+from hvdnb.protocol.errors import InputError
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.metrics.core import LEAD_SECONDS, MAX_LEAD, MIN_LEAD, Recorder, on_step_start
 
@@ -146,12 +147,21 @@ def log(step: int, loss: Any = None, **metrics: Any) -> None:
 
     Parameters
     ----------
-    step : the step that just finished (integers, increasing)
-    loss : the loss (a float or a 0-d tensor; a CUDA tensor is read later, off the loop)
-    **metrics : more scalars by name. Reserved names: ``samples`` (samples this rank
-        processed in this step; gives samples/s), ``total_steps`` (for the progress bar),
+    step : the step that just finished (whole numbers, increasing)
+    loss : the loss: a Python int, float or bool, a numpy scalar, or a tensor or array of
+        one element (a CUDA tensor is read later, off the loop); None: no loss this step
+    **metrics : more such numbers by name (None: no value this step). Reserved names:
+        ``samples`` (samples this rank processed in this step; gives samples/s),
+        ``total_steps`` (for the progress bar; None: the loop's length is unknown),
         ``data_time`` / ``compute_time`` / ``comm_time`` (seconds spent in that phase this
         step, an alternative to ``hvdnb.phase``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value that is not a number (a string, a dict, a tensor of several elements) or a
+        step that is not a whole number: refused at this call, never recorded as NaN; what
+        was logged before stays.
 
     Examples
     --------
@@ -162,12 +172,13 @@ def log(step: int, loss: Any = None, **metrics: Any) -> None:
     ...     hvdnb.log(step, loss, samples=len(x), total_steps=steps)
     """
     # one call below this frame: each frame costs ~1.5 us in a loop whose caches are cold
+    __tracebackhide__ = True  # a refusal or a planned stop ends at the user's line
     rec = _RECORDER
     if rec is None:
         rec = get_recorder()
     try:  # free unless raised (Python >= 3.11)
         rec._log(step, loss, metrics)
-    except TrainingStopped as exc:  # a planned stop: the user's frame, not hvdnb's inner ones
+    except (TrainingStopped, InputError) as exc:  # the user's frame, not hvdnb's inner ones
         raise exc.with_traceback(None) from None
 
 
