@@ -9,6 +9,12 @@ is tested as one. Markers written above a block, invisible on the page:
   a prompt that waits for an answer);
 - ``<!-- needs: tensorflow -->``: skipped where TensorFlow is not installed;
 - ``<!-- howto: raises -->``: the block must fail (it shows what an error looks like).
+
+A ``text`` block right after a block that runs (nothing but blank lines between) is what the
+page says that block prints: each of its lines must be a line of the block's output (stdout
+and stderr), in the page's order; ``...`` in a shown line stands for any text. A ``text``
+block after prose is an illustration and is not compared. Every fence on every docs page
+(and the README) names its language: a bare one would swallow the prose after it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,40 @@ ROOT = Path(__file__).resolve().parents[2]
 HOWTO = ROOT / "docs" / "howto"
 PAGES = sorted(p for p in HOWTO.glob("*.md") if p.stem != "index")
 
-_BLOCK = re.compile(
-    r"(?:^<!-- (skip|needs|howto): ([^\n]*?) -->\n)?^```(ipython3|python|bash)\n(.*?)^```$",
-    re.M | re.S,
-)
+DOCS = ROOT / "docs"
+#: a fence opens or closes a code block; a closing one carries no info string
+_FENCE = re.compile(r"^(`{3,}|~{3,})(.*)$")
+_MARKER = re.compile(r"^<!-- (skip|needs|howto): (.*?) -->$")
+RUNS = ("ipython3", "python", "bash")
+
+
+@dataclass
+class Fence:
+    line: int  # the opening fence's line, 1-based
+    info: str  # its info string: the language, or ``{directive}``
+    code: str
+    before: list[str]  # the lines between the previous block's closing fence and this one
+
+
+def fences(text: str) -> list[Fence]:
+    """Every fenced block of a Markdown page, as CommonMark closes them."""
+    found: list[Fence] = []
+    lines = text.split("\n")
+    opened: tuple[int, str, str] | None = None  # line index, fence, info
+    gap_from = 0
+    for i, line in enumerate(lines):
+        m = _FENCE.match(line)
+        if not m:
+            continue
+        fence, info = m.group(1), m.group(2).strip()
+        if opened is None:
+            opened = (i, fence, info)
+        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not info:
+            start, _, inf = opened
+            code = "\n".join(lines[start + 1 : i]) + "\n"
+            found.append(Fence(start + 1, inf, code, lines[gap_from:start]))
+            opened, gap_from = None, i + 1
+    return found
 
 
 @dataclass
@@ -40,21 +76,80 @@ class Block:
     code: str
     marker: str | None
     arg: str
+    output: str | None = None  # the text block right after it: what the page says it prints
 
 
 def blocks(page: Path) -> list[Block]:
-    text = page.read_text()
-    return [
-        Block(text.count("\n", 0, m.start(3)) + 1, m.group(3), m.group(4), m.group(1), m.group(2))
-        for m in _BLOCK.finditer(text)
+    """The blocks the test runs, in order, each with its marker and its shown output."""
+    todo: list[Block] = []
+    last: Block | None = None
+    for f in fences(page.read_text()):
+        if f.info in RUNS:
+            above = [ln for ln in f.before if ln.strip()]
+            m = _MARKER.match(above[-1]) if above else None
+            last = Block(f.line, f.info, f.code, m and m.group(1), m.group(2) if m else "")
+            todo.append(last)
+            continue
+        if f.info == "text" and last is not None and not any(ln.strip() for ln in f.before):
+            last.output = f.code
+        last = None
+    return todo
+
+
+def bare_fences(text: str) -> list[int]:
+    """The lines of fences that open a block without naming its language."""
+    return [f.line for f in fences(text) if not f.info]
+
+
+def _shown_lines_missing(shown: str, got: str) -> list[str]:
+    """The shown lines not found in ``got``'s lines in order (``...`` matches any text)."""
+    lines = [ln.rstrip() for ln in got.splitlines()]
+    missing, at = [], 0
+    for want in (ln.rstrip() for ln in shown.splitlines() if ln.strip()):
+        pattern = re.compile(".*".join(map(re.escape, want.split("..."))) + "$")
+        hit = next((j for j in range(at, len(lines)) if pattern.match(lines[j])), None)
+        if hit is None:
+            missing.append(want)
+        else:
+            at = hit + 1
+    return missing
+
+
+def _doc_pages() -> list[Path]:
+    pages = [p for p in DOCS.rglob("*.md") if "generated" not in p.relative_to(DOCS).parts]
+    return sorted(pages) + [ROOT / "README.md"]
+
+
+def test_no_page_opens_a_bare_fence() -> None:
+    """A fence with no language opens a block that runs on to the next fence: the prose
+    between, and the next code block, would show as one block of code."""
+    bad = [
+        f"{page.relative_to(ROOT)}:{line}"
+        for page in _doc_pages()
+        for line in bare_fences(page.read_text())
     ]
+    assert not bad, "fences that name no language (write ```text for output): " + ", ".join(bad)
+
+
+def test_the_checks_catch_what_they_are_for() -> None:
+    """The fence and output checks on a made-up page: a bare fence, and a shown output that
+    the block does not print, are caught."""
+    page = "a\n\n```ipython3\nprint(1)\n```\n\n```\n4 cells\n```\n\nprose\n\n```bash\nls\n```\n"
+    assert bare_fences(page) == [7]
+    assert [f.info for f in fences(page)] == ["ipython3", "", "bash"]
+    fixed = page.replace("```\n4", "```text\n4")
+    assert bare_fences(fixed) == []
+    assert [f.info for f in fences(fixed)] == ["ipython3", "text", "bash"]
+    assert _shown_lines_missing("wrote x (4 cells)", "wrote x (1 cells)\n") == ["wrote x (4 cells)"]
+    assert _shown_lines_missing("wrote x (... cells)\nb", "a\nwrote x (1 cells)\nb\n") == []
+    assert _shown_lines_missing("b\na", "a\nb\n") == ["a"]  # order counts
 
 
 def test_every_page_is_parsed() -> None:
     """A block this test cannot see would go unchecked: count the fences another way."""
     for page in PAGES:
-        fences = re.findall(r"^```(ipython3|python|bash)$", page.read_text(), re.M)
-        assert len(fences) == len(blocks(page)), page.name
+        runs = re.findall(r"^```(ipython3|python|bash)$", page.read_text(), re.M)
+        assert len(runs) == len(blocks(page)), page.name
         for b in blocks(page):
             if b.marker == "needs":
                 assert b.arg == "tensorflow", f"{page.name}:{b.line}: unknown need {b.arg!r}"
@@ -62,7 +157,7 @@ def test_every_page_is_parsed() -> None:
                 assert b.arg == "raises", f"{page.name}:{b.line}: unknown marker {b.arg!r}"
 
 
-def _bash(code: str, cwd: Path, where: str) -> None:
+def _bash(code: str, cwd: Path, where: str) -> str:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -75,13 +170,14 @@ def _bash(code: str, cwd: Path, where: str) -> None:
         timeout=240,
     )
     assert res.returncode == 0, f"{where} failed:\n{code}\n{res.stdout}\n{res.stderr}"
+    return res.stdout + res.stderr
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
-def test_howto_page_runs(page: Path, shell, tmp_path: Path, monkeypatch) -> None:
+def test_howto_page_runs(page: Path, shell, tmp_path: Path, monkeypatch, capsys) -> None:
     import hvdnb
 
     todo = blocks(page)
@@ -101,15 +197,24 @@ def test_howto_page_runs(page: Path, shell, tmp_path: Path, monkeypatch) -> None
             if b.marker == "needs" and not has_tf:
                 skipped.append(f"{where}: tensorflow is not installed (pip install -e '.[tf]')")
                 continue
+            capsys.readouterr()  # what earlier blocks printed is theirs
             if b.lang == "bash":
-                _bash(b.code, tmp_path, where)
-                continue
-            result = shell.run_cell(b.code, store_history=False)
-            if b.marker == "howto":
-                assert not result.success, f"{where} should have raised:\n{b.code}"
+                got = _bash(b.code, tmp_path, where)
             else:
-                err = result.error_before_exec or result.error_in_exec
-                assert result.success, f"{where} failed: {err!r}\n{b.code}"
+                result = shell.run_cell(b.code, store_history=False)
+                if b.marker == "howto":
+                    assert not result.success, f"{where} should have raised:\n{b.code}"
+                else:
+                    err = result.error_before_exec or result.error_in_exec
+                    assert result.success, f"{where} failed: {err!r}\n{b.code}"
+                printed = capsys.readouterr()
+                got = printed.out + printed.err
+            if b.output is not None:
+                missing = _shown_lines_missing(b.output, got)
+                assert not missing, (
+                    f"{where}: the page shows output the block did not print: {missing}\n"
+                    f"it printed:\n{got}"
+                )
     finally:
         running = hvdnb.current()
         if running is not None and running.running:
