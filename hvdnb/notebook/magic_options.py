@@ -128,6 +128,21 @@ def usage(exc: BaseException) -> UsageError:
     return UsageError(str(exc))
 
 
+def without_comment(line: str) -> str:
+    """``line`` less a trailing ``# comment`` (a ``#`` outside quotes, at the start or after
+    a space), as the shell and Python read one: ``%dist status  # what runs?``."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line
+
+
 def action_of(line: str) -> str:
     """The action a ``%dist`` line names, read without argparse (for its refusals)."""
     words = line.split()

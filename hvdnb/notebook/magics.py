@@ -34,6 +34,7 @@ from hvdnb.notebook.magic_options import (
     magic_arguments,
     refused,
     usage,
+    without_comment,
 )
 from hvdnb.notebook.metrics import history
 from hvdnb.notebook.metrics import store as _store
@@ -82,6 +83,7 @@ class DistMagics(Magics):
             %dist auto on             # every following cell runs on the ranks (%%local: here)
             %dist stop                # nothing left running
         """
+        line = without_comment(line)
         try:
             args = parse_argstring(self.dist, line)
         except UsageError as exc:
@@ -501,6 +503,7 @@ class DistMagics(Magics):
             dist.all_reduce(t)
             print(dist.get_rank(), t.tolist())
         """
+        line = without_comment(line)
         try:
             args = parse_argstring(self.distributed, line)
         except UsageError as exc:

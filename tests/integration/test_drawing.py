@@ -5,7 +5,8 @@
   ending at 100 %; no carriage return or cursor code in any stream text;
 - a display with ``display_id=True`` and its ``update``; ``clear_output(wait=True)`` then a
   display, in a loop (the live-plot habit): each rank's display ends at its last state and
-  no rank's display shows another rank's;
+  no rank's display shows another rank's; ``clear_output(wait=True)`` then ``print`` leaves
+  the rank's last text;
 - torch's ``[rankN]:`` lines merge into one tagged line;
 - a widget made on rank 0 has a model in the notebook, and a change sent from the front end
   reaches the rank;
@@ -116,6 +117,28 @@ def test_display_updates_and_clear_output_leave_each_ranks_last_state(kernel):
         for i in range(4):  # earlier frames were replaced in place
             assert f"'frame {i} r{rank}'" not in shown, shown
     assert sum(s.startswith("'frame 4") for s in shown) == kernel.n, shown
+
+
+def test_clear_output_then_print_leaves_the_ranks_last_text(kernel):
+    """The live-print habit: a local kernel leaves only ``tick 4``; so does rank 0 here
+    (before: every line, ``tick 0`` to ``tick 4``, stayed in the merged text). The other
+    ranks' lines are not touched."""
+    r = kernel.run(
+        "%%distributed\nimport time\nfrom IPython.display import clear_output\n"
+        "import torch.distributed as d\nme = d.get_rank()\nprint(f'start {me}')\n"
+        "for i in range(5):\n    if me == 0:\n        clear_output(wait=True)\n"
+        "        print(f'tick {i}')\n    time.sleep(0.05)\n"
+    )
+    assert r.error is None, r
+    shown = [t for t in r.displayed.values() if t]
+    assert "[0] tick 4" in shown, (shown, r.text)
+    for i in range(4):
+        assert f"tick {i}" not in r.text and all(f"tick {i}" not in t for t in shown), (
+            shown,
+            r.text,
+        )
+    for rank in range(1, kernel.n):  # a rank that never cleared keeps its lines
+        assert f"[{rank}] start {rank}" in r.text, r.text
 
 
 def test_torch_rank_prefixed_lines_merge(kernel):

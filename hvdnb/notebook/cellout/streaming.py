@@ -143,6 +143,12 @@ class _RankDrawing:
     shown: list[str] = field(default_factory=list)
     clear_pending: bool = False
     aliases: dict[str, str] = field(default_factory=dict)  # the rank's id -> ours
+    #: the rank called ``clear_output`` in this cell: its text from then on is drawn in a
+    #: display of its own (``text_id``: ``text`` so far, since its last clear or display),
+    #: so that its next clear can take it away, as a local kernel's would
+    cleared: bool = False
+    text: str = ""
+    text_id: str | None = None
 
 
 def _publish(data: dict[str, Any], metadata: dict[str, Any], display_id: str, update: bool) -> None:
@@ -315,6 +321,10 @@ class Streamer:
         if self.quiet_native and ("I0" in text or "absl::" in text):
             text = _NATIVE_INFO.sub("", text)
         if not redraws(text):
+            d = self.drawing.get(rank)
+            if d is not None and d.cleared:  # clear_output, then print: the rank's own text
+                self._own_text(rank, d, text)
+                return
             self.collapser.feed(rank, name, text, now)
             return
         # the line that starts redrawing, from its beginning, goes on the rank's screen;
@@ -344,6 +354,30 @@ class Streamer:
         _publish({"text/plain": text}, {}, live.display_id, update=live.shown)
         live.shown, live.dirty = True, False
 
+    def _own_text(self, rank: int, d: _RankDrawing, text: str) -> None:
+        """Text of a rank that has cleared its output in this cell: drawn in the rank's own
+        text display (tagged ``[rank]``), which a ``clear_output(wait=True)`` before it
+        replaces: ``clear_output(wait=True); print(...)`` in a loop leaves the last text."""
+        if d.clear_pending:
+            target, rest = (d.shown[0], d.shown[1:]) if d.shown else (None, [])
+            for other in rest:
+                _publish({"text/plain": ""}, {}, other, update=True)
+            d.clear_pending, d.text, d.text_id = False, "", target
+            d.shown = [target] if target is not None else []
+        d.text += text
+        body = d.text[:-1] if d.text.endswith("\n") else d.text
+        data = {"text/plain": "\n".join(f"[{rank}] {ln}" for ln in body.split("\n"))}
+        if d.text_id is not None:
+            _publish(data, {}, d.text_id, update=True)
+            return
+        self.collapser.release(rank)  # the rank's earlier lines first
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._made += 1
+        d.text_id = f"hvdnb-c{self.cell}-r{rank}-text-{self._made}"
+        _publish(data, {}, d.text_id, update=False)
+        d.shown.append(d.text_id)
+
     def _display(self, rank: int, kind: str, content: dict[str, Any]) -> None:
         data, metadata = content.get("data") or {}, content.get("metadata") or {}
         theirs = (content.get("transient") or {}).get("display_id")
@@ -356,6 +390,7 @@ class Streamer:
         self.collapser.release(rank)
         sys.stdout.flush()
         sys.stderr.flush()
+        d.text, d.text_id = "", None  # the rank's text after this display goes below it
         if d.clear_pending and d.shown:
             # clear_output(wait=True), then a display: it takes the place of what the rank
             # drew before, as in a local kernel; the rank's other displays are emptied
@@ -380,6 +415,7 @@ class Streamer:
         """The rank's ``clear_output``: what it drew (its displays and bars) is cleared; its
         merged text lines are not (they may be other ranks' too)."""
         d = self.drawing.setdefault(rank, _RankDrawing())
+        d.cleared = True
         for key in [k for k in self.live if k[0] == rank]:
             live = self.live.pop(key)
             if live.shown:
@@ -389,4 +425,4 @@ class Streamer:
             return
         for ours in d.shown:
             _publish({"text/plain": ""}, {}, ours, update=True)
-        d.shown = []
+        d.shown, d.text, d.text_id = [], "", None

@@ -300,6 +300,7 @@ class Standby:
         import uuid  # noqa: PLC0415
 
         spare = launch.make_ipp(cluster.spec, f"hvdnb-{uuid.uuid4().hex[:8]}", None, None)
+        _private_file(getattr(spare, "cluster_file", ""))
         # the launch itself (a Popen) is quick; its connection file comes ~0.5 s later,
         # which a start waits for (``get_connection_info``) only if it comes that soon
         cluster.run_async(spare.start_controller(), timeout=30)
@@ -380,6 +381,18 @@ class Standby:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _private_file(path: str) -> None:
+    """Make ``path`` an empty file only its owner reads (0600) if it is not there: the
+    spare's cluster file, which ipyparallel writes later with ``open(path, "w")`` (the mode
+    of a file that exists is kept; a new one would be 0644 under the usual umask, beside
+    its 0600 connection files, which it names)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
 
 
 def _proc(pid: int) -> psutil.Process | None:
