@@ -19,11 +19,13 @@ that trains; ``%dist panel --inline`` (or ``HVDNB_PANEL=inline``) shows it in a 
 output instead, for front ends without a side area (classic Notebook, VS Code). The
 ``%dist start`` cell keeps a small stand-in: a button that brings the side panel back
 after its tab was closed, and a PNG of the charts, so a saved notebook on GitHub or nbviewer
-shows the last picture. The PNG (a matplotlib draw, ~100 ms) is never drawn on a cell's
-path: when a cell ends the picture is only marked stale; the idle timer draws it in a
-background thread once the store changed (at most every ``snapshot_interval`` s) and swaps
-it into the display handles from the kernel's event loop; ``%dist stop`` draws a stale one
-at once, so the last cell of a notebook run headless still leaves it.
+shows the last picture. The PNG (a matplotlib draw: a median 446 ms for 2 ranks' 2,000
+steps on a loaded 2-core box, ``bench/bench_png.py``, ``bench/results/png.json``) is never
+drawn on a cell's path: when a cell ends the picture is only marked stale; the idle timer
+draws it in a background thread once the store changed (at most every
+``snapshot_interval`` s) and swaps it into the display handles from the kernel's event loop;
+``%dist stop`` draws a stale one at once, so the last cell of a notebook run headless still
+leaves it.
 
 What is drawn: the header and tables (``tables``), the live SVG charts (``svg``) and the
 saved PNG (``png``), both drawn from the chart models (``charts``).

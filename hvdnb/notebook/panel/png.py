@@ -5,8 +5,11 @@ Owns: one matplotlib ``Figure`` on the Agg canvas (no pyplot, no global state, n
 backend) and how each model looks in it. What the charts show (lines or band + host
 medians, smoothing, the breakdown's rows, memory columns, clipped spikes) is the models'
 in ``hvdnb.notebook.panel.charts``, the same as the live SVG's. Never: touch widgets, the
-channel or the ranks; shape data here; run on a redraw tick (a PNG costs ~0.4 s: it is
-drawn when a cell ends); draw a missing reading as 0 (it says "n/a").
+channel or the ranks; shape data here; run on a redraw tick or on a cell's path (a PNG of 2
+ranks' 2,000 steps took a median 446 ms on a loaded 2-core box, 591 ms at 64 ranks:
+``bench/bench_png.py``, ``bench/results/png.json``; ``layout`` draws it in a background
+thread when the kernel is idle, and ``%dist stop`` draws a stale one); draw a missing
+reading as 0 (it says "n/a").
 """
 
 from __future__ import annotations
