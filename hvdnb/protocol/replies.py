@@ -54,6 +54,9 @@ class CellReply(NamedTuple):
     metrics: tuple[int, int] | None = None
     #: the error was raised inside an elastic loop, and this rank left the cluster
     left: bool = False
+    #: the generation of this rank's process group when the cell ended (re-formed inside
+    #: an elastic loop: a later one than at the cell's start); -1: not known
+    generation: int = -1
 
     def error(self) -> dict[str, Any]:
         """The error record a ``CellResult`` keeps for this rank (``ok=False`` replies)."""

@@ -564,7 +564,7 @@ def run_cell(code: str, cell_no: int) -> CellReply:
         reply = _error_reply(exc, rank)
         _STATE["last_cell"] = {"cell": cell_no, "state": "error", "start": t0}
         _cell_ended_metrics(False)
-        return reply._replace(metrics=_flush_metrics())
+        return reply._replace(metrics=_flush_metrics(), generation=rendezvous.generation())
     # (no flush here: ipyparallel flushes after apply, and each flush is a cross-thread wait)
     _STATE["last_cell"] = {"cell": cell_no, "state": "ok", "start": t0}
     _cell_ended_metrics(True)
@@ -576,6 +576,7 @@ def run_cell(code: str, cell_no: int) -> CellReply:
         repr=None if value is None else repr(value),
         value=_picklable(value),
         metrics=_flush_metrics(),
+        generation=rendezvous.generation(),
     )
 
 

@@ -222,6 +222,28 @@ def test_outside_a_loop_the_cell_fails_and_the_next_runs_on_the_survivors(two, c
     assert r.values == {0: 1}  # the next test restarts the cluster
 
 
+def test_a_death_while_the_survivors_finish_outside_a_loop_fails_the_cell(two, capsys):
+    """The survivors finish the cell (no collective after the death), but no elastic loop
+    re-formed them: the cell fails naming the death (it ended normally, saying "training
+    goes on", although nothing trained), and the next cell runs on the survivors."""
+    _back_to(two, 2)
+    victim = two.membership.slot_of(1)
+    code = (
+        "import os, time\n"
+        f"if os.environ['HVDNB_SLOT'] == '{victim}': os.kill(os.getpid(), 9)\n"
+        "time.sleep(1.5)\n"
+        "'finished'\n"
+    )
+    with pytest.raises(DistributedCellError) as info:
+        run_cell(two, code, quiet=True)
+    text = str(info.value)
+    assert "rank 1 died while this cell ran outside an elastic loop" in text, text
+    assert "The next cell runs on the 1 survivors" in text, text
+    capsys.readouterr()
+    r = run_cell(two, "import torch.distributed as d; d.get_world_size()", quiet=True)
+    assert r.values == {0: 1}  # the next test restarts the cluster
+
+
 def test_below_min_np_the_cell_fails_naming_it(two, capsys):
     two.restart(min_np=2)
     assert two.membership.min_np == 2

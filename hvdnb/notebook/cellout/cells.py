@@ -131,6 +131,8 @@ class CellResult:
     metrics_marks: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     #: ranks an elastic cluster lost while the cell ran, which went on without them
     lost: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: each rank's process-group generation when its cell ended (-1: not known)
+    generations: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -601,6 +603,7 @@ def _record(result: CellResult, rank: int, out: CellReply) -> None:
     """A rank's reply into the cell's result: its value and repr, or its error record."""
     if out.metrics is not None:
         result.metrics_marks[rank] = (out.metrics[0], out.metrics[1])
+    result.generations[rank] = out.generation
     if out.ok:
         result.values[rank] = out.value
         result.reprs[rank] = out.repr

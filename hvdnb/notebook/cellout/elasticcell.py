@@ -25,6 +25,7 @@ from typing import Any
 from hvdnb.notebook.cluster.livescale import LiveScale
 from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.store import get_store
+from hvdnb.notebook.ranklabels import format_ranks
 from hvdnb.protocol.remote import REBUILD_GROUP
 
 __all__ = ["CellMembers", "elastic_between_cells", "rejoin_note"]
@@ -100,6 +101,8 @@ class CellMembers:
         #: joined the running cell (a scale up)
         self.leaving: dict[int, int] = {}
         self.joined: dict[int, int] = {}
+        #: why a cell whose survivors finished fails all the same (``outside_loop``)
+        self.note = ""
 
     def tick(self) -> list[tuple[int, bool]]:
         """Ranks lost since the last tick, as ``(rank, died)``; ``died`` False: its code
@@ -178,6 +181,10 @@ class CellMembers:
         survivors_ok = any(r not in lost and r not in result.errors for r in result.ranks)
         if self.below or not survivors_ok or not set(result.errors) <= lost:
             return False
+        outside = self.outside_loop(result, lost)
+        if outside:
+            self.note = outside
+            return False
         out = sys.stderr
         for r in sorted(result.errors):
             e = result.errors[r]
@@ -195,8 +202,31 @@ class CellMembers:
         result.lost = {r: result.errors.pop(r) for r in list(result.errors)}
         return True
 
+    def outside_loop(self, result: Any, lost: set[int]) -> str:
+        """Why the cell fails although its survivors finished: a rank died while they ran
+        no elastic loop, so none re-formed at the new size (its generation is still the
+        one before the death) and nothing went on training; "" when every survivor went
+        through the death inside a loop (or a rank only left, or a scale happened)."""
+        deaths = [ev for ev in self.events if ev.why not in ("left", "scaled")]
+        if not deaths:
+            return ""
+        needed = max(ev.generation for ev in deaths)
+        behind = sorted(
+            r for r in result.ranks if r not in lost and -1 < result.generations.get(r, -1) < needed
+        )
+        if not behind:
+            return ""
+        dead = format_ranks(sorted(r for r, why in self.lost.items() if why == "died"))
+        return (
+            f"rank {dead} died while this cell ran outside an elastic loop: the other ranks "
+            f"finished the cell without it, and nothing went on training (only code inside "
+            f"hvd.elastic.run / hvdnb.elastic.run survives a death). The next cell runs on "
+            f"the {len(result.ranks) - len(lost)} survivors"
+        )
+
     def with_lines(self, note: str) -> str:
         """A failed cell's note, with this cell's membership changes after it."""
+        note = "\n".join(filter(None, [self.note, note]))
         return "\n".join(filter(None, [note, self.lines() if self.events else ""]))
 
     def lines(self) -> str:
