@@ -19,7 +19,11 @@ waits for all of it). The anchor is the cell that follows, ``%%px`` on the new e
 really ready would show here. Each warm restart's ranks are checked to be the standby's
 (``HVDNB_STARTED=warm``) and every cold one's cold.
 
-Usage: ``python bench/bench_restart.py [--pairs 5] [-n 2] [--min-np M] [--json PATH]``
+Then **back to back**: ``--burst`` restarts, each right after the last one's ``%%px`` (the
+standby refilling, its processes still importing torch or not), timed the same way; the
+ranks go to whatever standby there is. Target: their median <= the cold median.
+
+Usage: ``python bench/bench_restart.py [--pairs 5] [-n 2] [--min-np M] [--burst 5] [--json PATH]``
 (default ``bench/results/restart.json``; ``--min-np``: an elastic cluster, one engine set
 per rank and no mpiexec)
 """
@@ -42,7 +46,7 @@ PX = "%%px\nimport os\nprint(os.environ.get('HVDNB_STARTED', 'cold'))"
 SETUP_PX = "import hvdnb\nv = hvdnb.current().client[:]\nv.block = True\nv.activate()"
 
 
-def _restart(k: Kernel, mode: str, n: int) -> dict[str, float]:
+def _restart(k: Kernel, mode: str, n: int) -> dict[str, Any]:
     r = k.run("%dist restart")
     assert r.error is None, r
     said = re.search(r"ready in ([0-9.]+) s", r.text)
@@ -53,9 +57,16 @@ def _restart(k: Kernel, mode: str, n: int) -> dict[str, float]:
     shown = "".join(px.displayed.values())  # %%px draws each engine's stdout as a display
     starts = [line for line in shown.splitlines() if "warm" in line or "cold" in line]
     warm = sum("warm" in s for s in starts)
-    want = n if mode == "warm" else 0
-    assert len(starts) == n and warm == want, f"{mode} restart: {warm} warm of {n}: {shown}"
-    return {"restart_s": r.seconds, "said_s": float(said.group(1)), "px_after_s": px.seconds}
+    assert len(starts) == n, shown
+    if mode != "burst":  # back to back: the ranks go to whatever standby there is
+        want = n if mode == "warm" else 0
+        assert warm == want, f"{mode} restart: {warm} warm of {n}: {shown}"
+    return {
+        "restart_s": r.seconds,
+        "said_s": float(said.group(1)),
+        "px_after_s": px.seconds,
+        "warm_ranks": warm,
+    }
 
 
 def _wait_ready(k: Kernel, n: int) -> None:
@@ -73,7 +84,7 @@ def _wait_ready(k: Kernel, n: int) -> None:
     assert r.error is None, r
 
 
-def run(pairs: int = 5, n: int = 2, min_np: int = 0) -> dict[str, Any]:
+def run(pairs: int = 5, n: int = 2, min_np: int = 0, burst: int = 5) -> dict[str, Any]:
     k = Kernel({"HVDNB_STANDBY": "auto", "HVDNB_RANKS": str(n)})
     out: dict[str, Any] = {"pairs": pairs, "n": n, "min_np": min_np, "cold": [], "warm": []}
     elastic = f" --min-np {min_np}" if min_np else ""
@@ -90,8 +101,12 @@ def run(pairs: int = 5, n: int = 2, min_np: int = 0) -> dict[str, Any]:
                 if mode == "warm":
                     _wait_ready(k, n)
                 out[mode].append(_restart(k, mode, n))
+        # back to back, at a script's pace: each restart right after the last one's %%px,
+        # its standby still refilling (importing torch) or not
         k.run("import os\nos.environ['HVDNB_STANDBY'] = 'auto'")
         k.run("%dist restart")
+        _wait_ready(k, n)
+        out["burst"] = [_restart(k, "burst", n) for _ in range(burst)]
         _wait_ready(k, n)
         mem = k.run("import json\nprint(json.dumps(hvdnb.current().standby.rows()))")
         out["standby"] = json.loads(mem.text.strip().splitlines()[-1])
@@ -103,6 +118,9 @@ def run(pairs: int = 5, n: int = 2, min_np: int = 0) -> dict[str, Any]:
         out[f"{mode}_median_s"] = med(x["restart_s"] for x in out[mode])
         out[f"{mode}_px_median_s"] = med(x["px_after_s"] for x in out[mode])
     out["ratio"] = out["warm_median_s"] / out["cold_median_s"]
+    if out["burst"]:
+        out["burst_median_s"] = med(x["restart_s"] for x in out["burst"])
+        out["burst_ratio"] = out["burst_median_s"] / out["cold_median_s"]
     return out
 
 
@@ -111,15 +129,23 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("-n", type=int, default=2)
     ap.add_argument("--min-np", type=int, default=0, help="an elastic cluster (0: fixed size)")
+    ap.add_argument("--burst", type=int, default=5, help="back-to-back restarts after the pairs")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "restart.json"))
     a = ap.parse_args()
-    out = run(a.pairs, a.n, a.min_np)
+    out = run(a.pairs, a.n, a.min_np, a.burst)
     kind = f"an elastic cluster (--min-np {a.min_np})" if a.min_np else "a fixed-size cluster"
     print(f"%dist restart of {kind} at {a.n} ranks, {a.pairs} pairs in one kernel (median)")
     print(f"{'':>6} {'restart s':>10} {'%%px after s':>13}")
     for mode in ("cold", "warm"):
         print(f"{mode:>6} {out[mode + '_median_s']:>10.3f} {out[mode + '_px_median_s']:>13.3f}")
     print(f"warm / cold: {out['ratio']:.2f}")
+    if out["burst"]:
+        times = ", ".join(f"{x['restart_s']:.2f}" for x in out["burst"])
+        warm = ", ".join(str(x["warm_ranks"]) for x in out["burst"])
+        print(
+            f"{len(out['burst'])} back to back: median {out['burst_median_s']:.3f} s "
+            f"({times}; warm ranks {warm}); back to back / cold: {out['burst_ratio']:.2f}"
+        )
     for r in out["standby"]:
         print(
             f"standby pid {r['pid']}: {r['rss_mib']} MiB resident, {r['uss_mib']} MiB its "

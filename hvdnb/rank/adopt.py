@@ -25,7 +25,8 @@ import signal
 import socket
 import sys
 
-#: how long a standby has to take the rank (an idle one answers in milliseconds)
+#: how long a standby has to take the rank (an idle one answers in milliseconds; the
+#: notebook sets ``HVDNB_STANDBY_WAIT`` longer when one is still importing)
 TAKE_TIMEOUT = 3.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
@@ -53,7 +54,10 @@ def hand_over(path: str, args: list[str]) -> tuple[socket.socket, int] | None:
         fds.append(int(pmi))
     payload = {"env": dict(os.environ), "cwd": os.getcwd(), "argv": args, "fds": len(fds)}
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(TAKE_TIMEOUT)
+    try:  # longer when a standby still imports (the notebook's ``standby.engines``)
+        s.settimeout(float(os.environ.get("HVDNB_STANDBY_WAIT", TAKE_TIMEOUT)))
+    except ValueError:
+        s.settimeout(TAKE_TIMEOUT)
     try:
         s.connect(path)
         socket.send_fds(s, [json.dumps(payload).encode() + b"\n"], fds)

@@ -59,9 +59,9 @@ def test_distributed_before_start(shell, no_cluster, line, message):
         shell.run_cell_magic("distributed", line, "print(1)")
 
 
-@pytest.mark.parametrize("action", ["status", "stop"])
+@pytest.mark.parametrize("action", ["status", "stop", "status  # what is running?"])
 def test_status_and_stop_without_a_cluster_just_say_so(shell, no_cluster, capsys, action):
-    shell.run_line_magic("dist", action)
+    shell.run_line_magic("dist", action)  # a trailing comment is not an argument
     assert "no cluster is running" in capsys.readouterr().out
 
 
@@ -131,6 +131,11 @@ class TestWithACluster:
         with pytest.raises(UsageError, match="already running: `%dist stop` first"):
             shell.run_line_magic("dist", line)
         assert hvdnb.current() is dist2 and dist2.running
+
+    def test_a_trailing_comment_is_no_argument(self, dist2, shell):
+        shell.run_cell_magic("distributed", "-q -o two  # both ranks", "1 + 1")
+        assert shell.user_ns["two"] == {0: 2, 1: 2}
+        shell.run_line_magic("dist", "knobs  # none yet")  # no values taken from the comment
 
     def test_syntax_error_is_shown_once_with_its_line(self, dist2, shell):
         with pytest.raises(hvdnb.DistributedCellError) as info:

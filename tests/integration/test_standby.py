@@ -66,12 +66,27 @@ def test_restart_hands_every_rank_to_a_standby_that_is_never_a_rank(
         assert "standby: 2 of 2 ready" in status and "its own)" in status
         old = c.pids()
 
+        # the spare controller's cluster file names its 0600 connection files: 0600 too
+        # (ipyparallel wrote it 0644)
+        spare_file = c.standby._spare.cluster_file
+        assert os.stat(spare_file).st_mode & 0o777 == 0o600, oct(os.stat(spare_file).st_mode)
+
         shell.run_line_magic("dist", "restart")
         out = capsys.readouterr().out
         assert "warm (every rank from the standby)" in out, out
         assert c.warm_ranks == 2
         ranks = _ranks(shell)
         assert {pid for pid, _, _ in ranks.values()} == set(waiting)  # they became the ranks
+        # back to back: the standby's refill is still importing torch; the ranks go to it
+        # rather than to cold processes importing beside it (3.3 s against a cold 2.2 s)
+        importing = [r["pid"] for r in c.standby.rows()]
+        assert len(importing) == 2, c.standby.rows()
+        shell.run_line_magic("dist", "restart")
+        out = capsys.readouterr().out
+        assert "warm (every rank from the standby)" in out, out
+        ranks = _ranks(shell)
+        assert {pid for pid, _, _ in ranks.values()} == set(importing)
+        assert {how for _, how, _ in ranks.values()} == {"warm"}
         assert {how for _, how, _ in ranks.values()} == {"warm"}
         assert {w for _, _, w in ranks.values()} == {2}
         shell.run_cell_magic(
