@@ -46,6 +46,7 @@ class Fence:
     info: str  # its info string: the language, or ``{directive}``
     code: str
     before: list[str]  # the lines between the previous block's closing fence and this one
+    closed: bool = True  # False: no fence closes it, so it runs to the page's end
 
 
 def fences(text: str) -> list[Fence]:
@@ -66,6 +67,10 @@ def fences(text: str) -> list[Fence]:
             code = "\n".join(lines[start + 1 : i]) + "\n"
             found.append(Fence(start + 1, inf, code, lines[gap_from:start]))
             opened, gap_from = None, i + 1
+    if opened is not None:
+        start, _, inf = opened
+        code = "\n".join(lines[start + 1 :])
+        found.append(Fence(start + 1, inf, code, lines[gap_from:start], closed=False))
     return found
 
 
@@ -97,8 +102,9 @@ def blocks(page: Path) -> list[Block]:
 
 
 def bare_fences(text: str) -> list[int]:
-    """The lines of fences that open a block without naming its language."""
-    return [f.line for f in fences(text) if not f.info]
+    """The lines of fences that open a block without naming its language, or that no fence
+    closes (either swallows what follows)."""
+    return [f.line for f in fences(text) if not f.info or not f.closed]
 
 
 def _shown_lines_missing(shown: str, got: str) -> list[str]:
@@ -128,7 +134,7 @@ def test_no_page_opens_a_bare_fence() -> None:
         for page in _doc_pages()
         for line in bare_fences(page.read_text())
     ]
-    assert not bad, "fences that name no language (write ```text for output): " + ", ".join(bad)
+    assert not bad, "fences that name no language or are never closed: " + ", ".join(bad)
 
 
 def test_the_checks_catch_what_they_are_for() -> None:
@@ -143,6 +149,7 @@ def test_the_checks_catch_what_they_are_for() -> None:
     assert _shown_lines_missing("wrote x (4 cells)", "wrote x (1 cells)\n") == ["wrote x (4 cells)"]
     assert _shown_lines_missing("wrote x (... cells)\nb", "a\nwrote x (1 cells)\nb\n") == []
     assert _shown_lines_missing("b\na", "a\nb\n") == ["a"]  # order counts
+    assert bare_fences("```bash\nls\n") == [1]  # never closed
 
 
 def test_every_page_is_parsed() -> None:
