@@ -80,3 +80,47 @@ def test_every_dist_command_works_right_after_a_restart(kernel):
     assert knobs.error is None and "no knobs yet" in knobs.text, knobs
     cell = kernel.run("%%distributed\nimport torch.distributed as d\nprint(d.get_world_size())")
     assert cell.error is None and "[0,1] 2" in cell.text, cell
+
+
+#: what a kernel without jupyterlab-sidecar sees: ``import sidecar`` fails as for a package
+#: that is not installed (a ModuleNotFoundError); put on the kernel's path
+NO_SIDECAR = 'import sys\nsys.modules["sidecar"] = None  # jupyterlab-sidecar: not importable\n'
+PANEL_HERE = (
+    "hvdnb: jupyterlab-sidecar is not installed (pip install sidecar); showing the panel here"
+)
+
+
+def _widget_views(r) -> list[str]:
+    return [
+        m["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+        for m in r.display_msgs
+        if "application/vnd.jupyter.widget-view+json" in m.get("data", {})
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_without_sidecar_the_panel_is_shown_in_the_cell_saying_why(tmp_path):
+    """The panel's default place is beside the notebook (jupyterlab-sidecar). In a kernel
+    where ``sidecar`` cannot be imported, ``%dist start`` says so, with the install
+    command, and shows the panel itself in the cell's output (no sidecar is made), the
+    cluster works, and ``%dist panel`` shows it there again."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_SIDECAR)
+    with Kernel({"HVDNB_PANEL": "side", "PYTHONPATH": str(site)}) as k:
+        r = k.run("import sidecar")
+        assert r.error is not None and "ModuleNotFoundError" in r.error, r  # blocked
+        r = k.run("%dist start -n 1 --timeout 120", timeout=180)
+        assert r.error is None and "1 rank ready" in r.text, r
+        assert PANEL_HERE in r.text and "unavailable" not in r.text, r.text
+        models = {c["comm_id"]: c["data"]["state"]["_model_name"] for c in r.comm_opens}
+        assert "SidecarModel" not in models.values(), sorted(set(models.values()))
+        views = _widget_views(r)
+        assert len(views) == 1 and models.get(views[0]) == "VBoxModel", (views, models)
+        r = k.run(
+            "%%distributed\nimport torch.distributed as d\nprint('world', d.get_world_size())"
+        )
+        assert r.error is None and "world 1" in r.text, r
+        r = k.run("%dist panel")
+        assert r.error is None and PANEL_HERE in r.text, r
+        assert _widget_views(r) == views, r.display_msgs  # the same panel, in this cell
