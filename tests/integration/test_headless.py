@@ -1,7 +1,8 @@
 """Nothing hangs headless: ``hvdnb run`` ends a cell stuck in a collective or a ``recv``
-(``--timeout``, exit 124) and a run stopped by SIGTERM (exit 143), saves the notebook with
-the output so far and the stall report, and leaves no process behind. Also the stall
-detector's wording for a rank that waits alone (1-rank world), fed answers, no processes.
+(``--timeout``, exit 124) and a run stopped by SIGTERM or SIGINT (exit 143, 130), saves the
+notebook with the output so far and the stall report, and leaves no process behind. Also
+the stall detector's wording for a rank that waits alone (1-rank world), fed answers, no
+processes.
 """
 
 from __future__ import annotations
@@ -186,6 +187,55 @@ def test_sigterm_mid_cell_saves_and_leaves_nothing(tmp_path: Path) -> None:
     assert "before the hang" in text and "never reached" not in text
     assert "stopped by SIGTERM" in text
     assert len(seen) >= 3, seen
+    assert _left(seen) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_sigint_mid_cell_exits_130_saves_and_leaves_nothing(tmp_path: Path) -> None:
+    """Ctrl-C in the terminal (SIGINT to ``hvdnb run``'s process group) while a 2-rank cell
+    runs: exit 130 (128 + SIGINT), the notebook saved with the output so far and the note,
+    and no process of the kernel or its cluster left."""
+    marker = tmp_path / "in-the-cell"
+    src = _notebook(
+        tmp_path,
+        f"""\
+        import time, torch.distributed as dist
+        print('before the hang', flush=True)
+        if dist.get_rank() == 0:
+            open({str(marker)!r}, "w").close()
+        time.sleep(100000)
+        """,
+    )
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.Popen(
+        [*HVDNB, "run", str(src), "-o", str(src.with_suffix(".out.ipynb")), "-n", "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own, as a terminal's foreground job
+    )
+    try:
+        seen = _watch(proc, lambda: marker.exists() or proc.poll() is not None, START)
+        assert marker.exists(), "the cell never started"
+        time.sleep(0.5)  # its output reaches the notebook
+        seen.update(_watch(proc, lambda: True, 0))
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+        _, err = proc.communicate(timeout=15)  # 10 s promised, 5 s of slack for the box
+    except subprocess.TimeoutExpired:
+        pytest.fail("hvdnb run ignored SIGINT for 15 s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "stopped by SIGINT" in err, err
+    text = _text(src.with_suffix(".out.ipynb"))
+    assert "before the hang" in text and "never reached" not in text, text
+    assert "stopped by SIGINT" in text, text
+    assert len(seen) >= 4, seen  # the kernel, mpiexec and two engines were seen
     assert _left(seen) == []
 
 
