@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from hvdnb.protocol.errors import InputTypeError
 from hvdnb.rank import elastic as _core
 from hvdnb.rank.elastic import HorovodInternalError, HostsUpdatedInterrupt, RankRemoved
 
@@ -27,6 +28,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def run(func: F) -> F:
     """Run ``func(state, ...)`` and go on at the new size when a rank is lost."""
+    __tracebackhide__ = True
+    if not callable(func):
+        raise InputTypeError(
+            f"hvdnb.elastic.run decorates the training function, `@hvdnb.elastic.run` above "
+            f"`def train(state): ...`; it was given {type(func).__name__} ({func!r})"
+        )
     return _core.run_fn(func, _core.reform, _generation)
 
 

@@ -44,6 +44,11 @@ def _port_free(addr: str) -> bool:
 def ps_cluster(cluster: Cluster | None = None) -> Cluster:
     """``cluster`` (default: the current one) if it runs with parameter servers, else a
     ``ClusterError`` saying how to start one."""
+    if cluster is not None and not hasattr(cluster, "running"):
+        raise ClusterError(
+            f"tf_cluster_resolver takes an hvdnb.Cluster (or nothing: the current one), not "
+            f"{type(cluster).__name__} ({cluster!r})"
+        )
     c = cluster or current()
     if c is None or not c.running:
         raise ClusterError(

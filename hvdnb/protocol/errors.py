@@ -12,10 +12,21 @@ Owns: the error classes and ``user_frames``. Never: import either side, torch or
 
 from __future__ import annotations
 
+import os
 import traceback
 from types import TracebackType
 
-__all__ = ["InputError", "InputTypeError", "InputValueError", "exception_lines", "user_frames"]
+__all__ = [
+    "InputError",
+    "InputTypeError",
+    "InputValueError",
+    "UserFacing",
+    "exception_lines",
+    "user_frames",
+]
+
+#: hvdnb's own directory: a user-facing error's frames in it are not the user's
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def exception_lines(exc: BaseException) -> list[str]:
@@ -24,32 +35,41 @@ def exception_lines(exc: BaseException) -> list[str]:
     if isinstance(exc, InputError):
         base = TypeError if isinstance(exc, TypeError) else ValueError
         return [f"{base.__name__}: {exc}\n"]
+    if isinstance(exc, UserFacing):
+        return [f"{type(exc).__name__}: {exc}\n"]
     return traceback.format_exception_only(type(exc), exc)
 
 
-def user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:
+def user_frames(tb: TracebackType | None, ours: bool = True) -> list[traceback.FrameSummary]:
     """The frames of ``tb`` less those whose code sets ``__tracebackhide__`` (hvdnb's public
-    functions, IPython's own ``run_code``)."""
+    functions, IPython's own ``run_code``); ``ours`` False: less hvdnb's own frames too."""
     kept = []
     frames = traceback.extract_tb(tb)
     t = tb
     for fr in frames:
         assert t is not None
-        if not t.tb_frame.f_locals.get("__tracebackhide__"):
+        hidden = t.tb_frame.f_locals.get("__tracebackhide__")
+        if not hidden and (ours or not fr.filename.startswith(_PACKAGE)):
             kept.append(fr)
         t = t.tb_next
     return kept
 
 
-class InputError(Exception):
-    """A value given to hvdnb's public API is not one it accepts."""
+class UserFacing:
+    """An error whose message says what to do: IPython shows the user's frames and the
+    message (``_render_traceback_``), none of hvdnb's (``ClusterError``, ``InputError``)."""
 
     def _render_traceback_(self) -> list[str]:
-        """IPython shows this: the user's frames, then the message (no hvdnb frame)."""
+        assert isinstance(self, BaseException)
         lines = ["Traceback (most recent call last):"]
-        lines += "".join(traceback.format_list(user_frames(self.__traceback__))).splitlines()
+        frames = user_frames(self.__traceback__, ours=False)
+        lines += "".join(traceback.format_list(frames)).splitlines()
         lines += "".join(exception_lines(self)).splitlines()
         return lines
+
+
+class InputError(UserFacing, Exception):
+    """A value given to hvdnb's public API is not one it accepts."""
 
 
 class InputTypeError(InputError, TypeError):

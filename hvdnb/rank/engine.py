@@ -494,12 +494,12 @@ def _shell() -> Any:
         return None
 
 
-def _user_frames(tb: Any, filename_prefix: str) -> list[str]:
+def _user_frames(tb: Any, filename_prefix: str, exc: BaseException | None = None) -> list[str]:
     """Traceback lines from the first frame of user code on (drop this runner's frames,
     as IPython drops its own); none when no frame is the user's."""
     # a frame that sets ``__tracebackhide__`` (hvdnb's public functions, as pytest's and
     # IPython's own) is left out: a refused argument's traceback ends at the user's line
-    shown = user_frames(tb)
+    shown = user_frames(tb, ours=not isinstance(exc, InputError))
     for i, fr in enumerate(shown):
         if fr.filename.startswith(filename_prefix):
             # the elastic loop's own frames say nothing of the user's error
@@ -606,7 +606,7 @@ def _error_reply(exc: BaseException, rank: int) -> CellReply:
                 lines = traceback.format_exception_only(type(exc), exc)
             else:
                 lines = ["Traceback (most recent call last):\n"]
-                lines += _user_frames(exc.__traceback__, "<cell ")
+                lines += _user_frames(exc.__traceback__, "<cell ", exc)
                 lines += exception_lines(exc)
             text = "".join(lines)
             break

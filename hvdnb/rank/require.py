@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from hvdnb.protocol.errors import InputValueError
+
 __all__ = ["NotEnoughRanks", "require_ranks"]
 
 
@@ -53,7 +55,7 @@ def require_ranks(n: int, why: str = "") -> int:
     >>> hvdnb.require_ranks(2, "a server and at least one worker")  # doctest: +SKIP
     """
     if not isinstance(n, int) or n < 1:
-        raise ValueError(f"require_ranks needs a number of ranks >= 1, not {n!r}")
+        raise InputValueError(f"require_ranks needs a number of ranks >= 1, not {n!r}")
     size = _world_size()
     if size >= n:
         return size

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from hvdnb.config import get_config
 from hvdnb.extras import hint_for_error
+from hvdnb.notebook.cellout.args import check_args
 from hvdnb.notebook.cellout.cellwait import (
     ESCALATE_AFTER,
     Action,
@@ -300,6 +301,8 @@ def run_cell(
     DistributedCellError
         if any rank raised (or was interrupted); the message names the ranks.
     """
+    __tracebackhide__ = True
+    check_args(cluster, code, timeout)
     cfg = get_config()
     if timeout is None and cfg.cell_timeout > 0:  # hvdnb run --timeout (HVDNB_CELL_TIMEOUT)
         timeout = cfg.cell_timeout

@@ -20,6 +20,7 @@ from typing import Any
 from hvdnb.config import get_config
 from hvdnb.extras import install_command
 from hvdnb.host import cores, gpu_count, is_loopback, reachable_addr
+from hvdnb.protocol.errors import UserFacing
 
 __all__ = [
     "LOCAL_LAUNCHERS",
@@ -35,8 +36,12 @@ __all__ = [
 LOCAL_LAUNCHERS = frozenset({"mpi", "local"})
 
 
-class ClusterError(RuntimeError):
-    """A cluster could not be started, reached or stopped; the message says what to do."""
+class ClusterError(UserFacing, RuntimeError):
+    """A cluster could not be started, reached or stopped; the message says what to do
+    (IPython shows it after the user's frames, without hvdnb's)."""
+
+
+ClusterError.__module__ = "hvdnb"  # its public name: hvdnb.ClusterError
 
 
 @dataclass(frozen=True)

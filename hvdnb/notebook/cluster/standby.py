@@ -6,7 +6,8 @@ Owns: the policy (on, off, how many, and why), the standby processes
 socket they share, the spare ``ipyparallel.Cluster`` whose controller is already up, and
 the hand-over: a warm start's launcher runs the stand-in ``hvdnb.rank.adopt`` in place of
 each engine, which gives its rank to whichever standby accepts (``HVDNB_STANDBY_READY``
-of them, the processes alive, ready or still importing; the others start cold). After a start the pool is topped up again.
+of them, the processes alive, ready or still importing; the others start cold). After a
+start the pool is topped up again.
 
 Rule for the default (``HVDNB_STANDBY=auto``): one standby per rank, on this host only, and
 only while the memory available (the host's, or what a container's cgroup limit leaves, as

@@ -12,6 +12,7 @@ Never: hold the store's lock or touch the file on the panel's path.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from hvdnb.notebook.metrics.files import load_store
 from hvdnb.notebook.metrics.runstore import RUN_FIELDS, Batch
 from hvdnb.notebook.metrics.store import MetricsStore, get_store
+from hvdnb.protocol.errors import InputTypeError
 
 __all__ = ["compare", "delete", "import_runs", "runs", "runs_text"]
 
@@ -131,6 +133,12 @@ def import_runs(path: str | Path) -> list[str]:
     >>> hvdnb.import_runs("out")            # HVDNB_METRICS_DIR=out srun python train.py
     ['b1c9e2-1']
     """
+    __tracebackhide__ = True
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputTypeError(
+            f"hvdnb.import_runs: path must be a directory (a str or a Path), "
+            f"not {type(path).__name__} ({path!r})"
+        )
     src = Path(path).resolve()
     batch = load_store(src)
     tag = "b" + hashlib.sha1(str(src).encode()).hexdigest()[:5]

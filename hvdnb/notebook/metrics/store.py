@@ -51,6 +51,7 @@ from hvdnb.notebook.metrics.tboard import RunRows
 from hvdnb.notebook.metrics.views import Views
 from hvdnb.notebook.metrics.watchers import Alarm, WatchSettings
 from hvdnb.protocol import kinds
+from hvdnb.protocol.errors import InputError, InputTypeError, InputValueError
 
 __all__ = [
     "MetricRow",
@@ -561,7 +562,14 @@ def set_knobs(
     >>> hvdnb.set_knobs(warmup_steps=200, batch_size=64)          # doctest: +SKIP
     >>> hvdnb.set_knobs(batch_size=128, at_step=150)              # doctest: +SKIP
     """
-    return attach().change_knobs(at_step=at_step, after=after, timeout=timeout, **values)
+    __tracebackhide__ = True
+    try:
+        return attach().change_knobs(at_step=at_step, after=after, timeout=timeout, **values)
+    except InputError as exc:
+        raise exc.with_traceback(None) from None
+    except (TypeError, ValueError) as exc:  # the knobs' own refusal (``protocol.knobs``)
+        cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
+        raise cls(f"hvdnb.set_knobs: {exc}") from None
 
 
 def watch(
@@ -601,8 +609,13 @@ def watch(
     >>> hvdnb.watch(nan="stop", spike="warn", drift="stop")        # doctest: +SKIP
     >>> hvdnb.watch(spike_factor=5)                                # doctest: +SKIP
     """
+    __tracebackhide__ = True
     values = {k: v for k, v in (("nan", nan), ("spike", spike), ("drift", drift)) if v is not None}
-    return attach().set_watch(**values, **options)
+    try:
+        return attach().set_watch(**values, **options)
+    except (TypeError, ValueError) as exc:  # the watchers' refusal: nothing changed
+        cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
+        raise cls(f"hvdnb.watch: {exc}") from None
 
 
 def metrics(
@@ -629,6 +642,22 @@ def metrics(
     >>> rows = hvdnb.metrics("loss")                               # doctest: +SKIP
     >>> rows.to_csv("loss.csv")
     """
+    __tracebackhide__ = True
+    if name is not None and not isinstance(name, str):
+        raise InputTypeError(
+            f"hvdnb.metrics: name must be a metric's name (e.g. 'loss') or None, "
+            f"not {type(name).__name__} ({name!r})"
+        )
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise InputTypeError(
+            f"hvdnb.metrics: rank must be a rank's number or None, not {type(rank).__name__} "
+            f"({rank!r})"
+        )
+    if run is not None and (isinstance(run, bool) or not isinstance(run, (int, str))):
+        raise InputTypeError(
+            f"hvdnb.metrics: run must be a run of this session (an int), a stored run's id "
+            f"(a str, hvdnb.runs().id) or None, not {type(run).__name__} ({run!r})"
+        )
     store = attach()
     if isinstance(run, str):
         return RunRows(store.stored_rows(run, name, rank))

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from hvdnb.protocol.errors import InputTypeError
 from hvdnb.rank.hooks import NcclSeconds
 from hvdnb.rank.metrics import fingerprint
 from hvdnb.rank.metrics.recorder import get_recorder
@@ -65,6 +66,11 @@ def ddp_comm_hook(model: Any, state: Any = None) -> Any:
     if getattr(model, "_hvdnb_timed", False):  # hvdnb timed this model already (on a rank,
         return model  # every DDP model is: hvdnb.rank.frameworks.ddp_hooks)
     # the class's method: on a rank the model's own is hvdnb's wrapper, which would time twice
+    if not callable(getattr(model, "register_comm_hook", None)):
+        raise InputTypeError(
+            "hvdnb.ddp_comm_hook takes the model wrapped in torch's DistributedDataParallel "
+            f"(ddp = DDP(model); hvdnb.ddp_comm_hook(ddp)), not {type(model).__name__}"
+        )
     type(model).register_comm_hook(model, state, timed_hook(model, state))
     model._hvdnb_timed = True
     return model

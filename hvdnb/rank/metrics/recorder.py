@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hvdnb.config import get_config
-from hvdnb.protocol.errors import InputError
+from hvdnb.protocol.errors import InputError, InputTypeError
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.metrics.core import LEAD_SECONDS, MAX_LEAD, MIN_LEAD, Recorder, on_step_start
 
@@ -197,6 +197,11 @@ def phase(name: str) -> Iterator[None]:
     >>> with hvdnb.phase("data"):                                 # doctest: +SKIP
     ...     x, y = next(loader)
     """
+    if not isinstance(name, str) or not name:
+        raise InputTypeError(
+            f"hvdnb.phase: name must be a phase's name (e.g. 'data', 'compute', 'comm'), "
+            f"not {type(name).__name__} ({name!r})"
+        )
     rec = get_recorder()
     opened = _nvtx.push(name)  # Nsight Systems sees the phase too (CUDA only)
     t0 = time.perf_counter()
