@@ -202,6 +202,49 @@ def test_dist_knobs_bad_input_is_one_clear_message(dist2, shell, line, message):
     assert [e for e in store.knob_events if e["kind"] == "request"] == before, "it was sent"
 
 
+#: a loop that runs until every rank has had the new value for 5 steps, 3,000 steps at
+#: most; in step across ranks as training is (an allreduce per step), which also makes the
+#: decision to stop the same on every rank
+AFTER = r"""
+import time, torch, torch.distributed as dist, hvdnb
+knobs = hvdnb.knobs(batch_size=16, lr=0.1)
+seen, done = [], 0
+for step in range(3000):
+    knobs.step(step)
+    seen.append(knobs.batch_size)
+    hvdnb.log(step, 1.0 / (step + 1), samples=knobs.batch_size)
+    t = torch.tensor([float(knobs.batch_size == 48)])
+    dist.all_reduce(t)
+    done = done + 1 if t.item() == dist.get_world_size() else 0
+    if done > 5:
+        break
+    time.sleep(0.01)
+hvdnb.metrics.get_recorder().flush()
+(seen[0], seen.index(48) if 48 in seen else None, set(seen), [h[:2] for h in knobs.history])
+"""
+
+
+def test_dist_knobs_after_is_sent_later_and_lands_on_every_rank_at_one_step(dist2, shell, capsys):
+    """``%dist knobs batch_size=48 --after 3`` returns at once and sends nothing yet; 3 s
+    later the request reaches the loop the next cell started meanwhile (its start takes a
+    fraction of that), and every rank changes at the same step of it, after having started
+    with the old value. Without ``--after``'s timer the request is sent at once, or never."""
+    store = attach(dist2)
+    cells.run_cell(dist2, "import hvdnb\nk = hvdnb.knobs(batch_size=16, lr=0.1)", quiet=True)
+    capsys.readouterr()
+    before = [e for e in store.knob_events if e["kind"] == "request"]
+    shell.run_line_magic("dist", "knobs batch_size=48 --after 3")
+    assert "batch_size=48 will be sent to rank 0 in 3 s" in capsys.readouterr().out
+    assert [e for e in store.knob_events if e["kind"] == "request"] == before, "sent at once"
+    res = cells.run_cell(dist2, AFTER, quiet=True)
+    first, at, values, history = zip(*(res.values[r] for r in (0, 1)))
+    assert first == (16, 16), res.values  # the loop started before the request was sent
+    assert at[0] is not None and at[0] > 0 and at == (at[0], at[0]), res.values  # one step
+    assert values == ({16, 48}, {16, 48}), res.values
+    assert history == ([(at[0], {"batch_size": 48})],) * 2, res.values
+    assert len([e for e in store.knob_events if e["kind"] == "request"]) == len(before) + 1
+
+
 DDP = r"""
 import time, statistics, torch, torch.distributed as dist, hvdnb
 from torch.nn.parallel import DistributedDataParallel as DDP
