@@ -5,7 +5,8 @@ shows why. For each world size it runs ``mpiexec -n N`` of this script's worker:
 takes hvdnb's thread count (this host's cores divided by its ranks, at least 1), trains an
 MLP 784-512-512-10 with ``hvd.DistributedOptimizer`` (batch 64 per rank, SGD) for
 ``--steps`` steps after 20 warm-up steps, and times every step; rank 0 reports the median,
-the 99th percentile and the slowest step. Ranks beyond the cores share them with each
+the 99th percentile and the slowest step, and the table the host's 1-minute load average
+read after each size's run (the bench's own ranks included). Ranks beyond the cores share them with each
 other (and with whatever else the host runs), so a step waits whenever a peer in its
 allreduce is not scheduled.
 
