@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from hvdnb.notebook.cellout.introspect import ANSWER_WITHIN
 from hvdnb.notebook.cellout.output import parse_ranks
 from hvdnb.notebook.runner import Kernel
 
@@ -206,6 +207,47 @@ def test_tab_and_shift_tab_answer_with_rank_0s_names(kernel):
     assert info["found"], info
     text = re.sub(r"\x1b\[[0-9;]*m", "", info["data"]["text/plain"])  # IPython colours it
     assert "alpha, beta=2" in text and "Only the ranks have this." in text, text
+
+
+#: a task on rank 0 that ends when ``path`` exists (``ANSWER_WITHIN``, imported above, is
+#: the deadline Tab gives rank 0 as the notebook's module sets it; ``_patient`` raised it for
+#: the tests above, in the kernel, and the test below sets it back)
+HOLD_RANK_0 = """import hvdnb
+fallback_in_the_notebook = 2
+def _hold(path):
+    import os, time
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    return 'released'
+_busy = hvdnb.current().client[0].apply_async(_hold, {path!r})
+"""
+
+
+def test_tab_while_rank_0_is_busy_answers_with_the_notebooks_names_alone(kernel, tmp_path):
+    """Rank 0 busy (a task that ends only when this test says so, after Tab's answer): Tab
+    waits its deadline, then the notebook answers alone, with its own names and none of
+    rank 0's, without waiting for rank 0; once rank 0 is free again it answers again."""
+    r = kernel.run("%%distributed\nfallback_on_the_ranks = 1")
+    assert r.error is None, r
+    r = kernel.run(
+        f"import hvdnb.notebook.cellout.introspect as _i\n_i.ANSWER_WITHIN = {ANSWER_WITHIN!r}"
+    )
+    assert r.error is None, r
+    release = tmp_path / "release"
+    r = kernel.run(HOLD_RANK_0.format(path=str(release)))
+    assert r.error is None, r
+    try:
+        got = kernel.complete("%%distributed\nfallback_")
+        held = kernel.run("print('rank 0 still held:', not _busy.ready())")
+    finally:
+        release.touch()
+    assert "fallback_in_the_notebook" in got, got  # the notebook's own answer
+    assert "fallback_on_the_ranks" not in got, got  # rank 0 had no time to answer
+    assert "rank 0 still held: True" in held.text, held  # the answer did not wait for it
+    r = kernel.run("print(_busy.get(timeout=60))")
+    assert r.error is None and "released" in r.text, r
+    _patient(kernel)
+    assert "fallback_on_the_ranks" in kernel.complete("%%distributed\nfallback_")
 
 
 def test_auto_mode_runs_cells_on_the_ranks_and_ends(kernel):
