@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hvdnb.notebook.cellout.output import per_rank_lines
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 
 
 def _noop(k: Kernel, n: int) -> tuple[list[float], list[float]]:

@@ -77,7 +77,15 @@ def measure(notebook: Path, ranks: int) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_WAIT_POLICY="PASSIVE")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "hvdnb.notebook.cli", "run", str(notebook), "-n", str(ranks)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hvdnb.notebook.headless.cli",
+            "run",
+            str(notebook),
+            "-n",
+            str(ranks),
+        ]
         t0 = time.perf_counter()
         proc = subprocess.Popen(
             [*cmd, "-o", str(Path(tmp) / notebook.name)],

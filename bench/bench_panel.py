@@ -452,7 +452,7 @@ print(json.dumps({"rows": sent_rows, "messages": msgs, "steps": step,
 
 
 def scale(nranks: int, seconds: float) -> dict:
-    from hvdnb.notebook.channel import ClientChannel
+    from hvdnb.notebook.cluster.channel import ClientChannel
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
     from hvdnb.protocol import kinds

@@ -1,7 +1,7 @@
 """What ``%dist restart`` costs a person, cold and warm, side by side in one real kernel.
 
 The "Python 3 (hvdnb)" kernel is started from its kernelspec and driven over jupyter_client
-(``hvdnb.notebook.runner.Kernel``), as JupyterLab drives it. Each pair, in alternating
+(``hvdnb.notebook.headless.runner.Kernel``), as JupyterLab drives it. Each pair, in alternating
 order:
 
 - **cold**: ``HVDNB_STANDBY=0`` in the kernel and a restart that takes the standby away (not
@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 
 PX = "%%px\nimport os\nprint(os.environ.get('HVDNB_STARTED', 'cold'))"
 SETUP_PX = "import hvdnb\nv = hvdnb.current().client[:]\nv.block = True\nv.activate()"

@@ -90,7 +90,7 @@ print(json.dumps({"rows": rows, "messages": msgs, "steps": step, "late_ticks": l
 def run(nranks: int, nhosts: int, seconds: float, hz: float, run_store: bool = False) -> dict:
     import psutil
 
-    from hvdnb.notebook.channel import ClientChannel
+    from hvdnb.notebook.cluster.channel import ClientChannel
     from hvdnb.notebook.metrics.store import MetricsStore
     from hvdnb.notebook.panel.panel import Panel
     from hvdnb.protocol import kinds

@@ -58,7 +58,7 @@ for n in 1 2; do
   for nb in "$HERE"/notebooks/[0-9][0-9]-*.ipynb; do
     name=$(basename "$nb" .ipynb)
     t0=$(date +%s)
-    (cd "$HERE" && PATH="$(dirname "$PY"):$PATH" timeout -k 5 240 "$PY" -m hvdnb.notebook.cli run "$nb" \
+    (cd "$HERE" && PATH="$(dirname "$PY"):$PATH" timeout -k 5 240 "$PY" -m hvdnb.notebook.headless.cli run "$nb" \
       -n "$n" $([ "$n" -gt 1 ] && echo --oversubscribe) -o "$OUT/$name-$n.ipynb" >"$OUT/$name-$n.log" 2>&1)
     rc=$?
     echo "notebook $name at $n rank(s): exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/notebooks.txt"
@@ -70,7 +70,7 @@ done
 # jupyter_client as JupyterLab does), with %%px on the same engines as the anchor
 (cd "$HERE" && step 180 "real kernel trains on the GPU" env PYTHONPATH="$HERE" "$PY" - <<'PYEOF'
 import time
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 with Kernel({"HVDNB_PANEL": "inline"}) as k:
     print(k.run("%load_ext hvdnb\n%dist start -n 1").text.strip().splitlines()[0])
     cell = ("%%distributed\nimport torch, hvdnb, hvdnb.torch as hvd\nhvd.init()\n"

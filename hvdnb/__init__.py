@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from hvdnb.notebook.cluster.spec import ClusterError
     from hvdnb.notebook.metrics.history import import_runs, runs
     from hvdnb.notebook.metrics.store import set_knobs, watch
-    from hvdnb.notebook.tfcoord import ClusterCoordinator
-    from hvdnb.notebook.tfps import tf_cluster_resolver
+    from hvdnb.notebook.tf.tfcoord import ClusterCoordinator
+    from hvdnb.notebook.tf.tfps import tf_cluster_resolver
 
 __version__ = "0.1.0"
 
@@ -97,8 +97,8 @@ _LAZY = {
     "runs": "hvdnb.notebook.metrics.history",
     "import_runs": "hvdnb.notebook.metrics.history",
     "watch": "hvdnb.notebook.metrics.store",
-    "tf_cluster_resolver": "hvdnb.notebook.tfps",
-    "ClusterCoordinator": "hvdnb.notebook.tfcoord",
+    "tf_cluster_resolver": "hvdnb.notebook.tf.tfps",
+    "ClusterCoordinator": "hvdnb.notebook.tf.tfcoord",
 }
 
 
@@ -118,9 +118,9 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext hvdnb``: register ``%dist`` and ``%%distributed``, and name the install
     command under a cell's "No module named ..." for hvdnb's optional dependencies."""
-    from hvdnb.notebook import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
     from hvdnb.notebook.cellout import automode, introspect  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
-    from hvdnb.notebook.magics import DistMagics  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook.ipython import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook.ipython.magics import DistMagics  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
     # TensorFlow's C++ INFO log at import (a dozen "I0000 ..." lines); the kernel imports
     # TensorFlow when a rank's value of a Keras type is shown here. The user's level is kept
@@ -133,8 +133,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext hvdnb``: stop the running cluster so nothing is left behind."""
-    from hvdnb.notebook import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
     from hvdnb.notebook.cluster.lifecycle import current  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+    from hvdnb.notebook.ipython import importhint  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
 
     importhint.uninstall(ipython)
     c = current()

@@ -4,7 +4,7 @@ hvdnb imports these lazily (TensorFlow, Keras, NVML, the test tools); a notebook
 import them too (notebook 08: TensorFlow, scikit-learn). When one is missing, the error
 names the command that installs it: hvdnb's own imports (``require``), a ``%%distributed``
 cell's error (``hvdnb.notebook.cellout.cells.DistributedCellError``) and an ordinary cell of the
-notebook kernel (``hvdnb.notebook.importhint``) read this table.
+notebook kernel (``hvdnb.notebook.ipython.importhint``) read this table.
 
 The command fits where hvdnb runs from. In a clone of the repository (an editable install,
 as ``make lab`` makes) ``pip install 'hvdnb[tf]'`` would look for hvdnb on PyPI, so the

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from hvdnb.notebook.cellout import automode, introspect
-from hvdnb.notebook.magics import DistMagics
+from hvdnb.notebook.ipython.magics import DistMagics
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -255,7 +255,7 @@ def hvdnb_export(path: Path | str, env: dict[str, str]) -> subprocess.CompletedP
     """``hvdnb export PATH`` as a user runs it (this Python, its own process); the caller
     asserts on the result."""
     return subprocess.run(
-        [sys.executable, "-m", "hvdnb.notebook.cli", "export", str(path)],
+        [sys.executable, "-m", "hvdnb.notebook.headless.cli", "export", str(path)],
         capture_output=True,
         text=True,
         env=env,

@@ -111,15 +111,15 @@ def _doc_of(func: Any) -> str:
 
 
 def dist_actions() -> dict[str, Any]:
-    """``%dist``'s action table (``hvdnb.notebook.magic_options.ACTIONS``): the one list."""
-    from hvdnb.notebook import magic_options  # noqa: PLC0415
+    """``%dist``'s action table (``hvdnb.notebook.ipython.magic_options.ACTIONS``): the one list."""
+    from hvdnb.notebook.ipython import magic_options  # noqa: PLC0415
 
     return dict(magic_options.ACTIONS)
 
 
 def dist_actions_md() -> str:
     """Every ``%dist`` action: usage, what it does (its method's docstring), its options."""
-    from hvdnb.notebook import magics  # noqa: PLC0415
+    from hvdnb.notebook.ipython import magics  # noqa: PLC0415
 
     parser = magics.DistMagics.dist.parser
     by_dest = {a.dest: a for a in parser._actions if a.dest != "help"}
@@ -145,7 +145,7 @@ def dist_actions_md() -> str:
 
 def distributed_options_md() -> str:
     """``%%distributed``'s usage, docstring and options, from its own parser."""
-    from hvdnb.notebook import magic_options, magics  # noqa: PLC0415
+    from hvdnb.notebook.ipython import magic_options, magics  # noqa: PLC0415
 
     func = magics.DistMagics.distributed
     rows = [_option_row(a, a.help or "") for a in func.parser._actions if a.dest not in ("help",)]
@@ -162,7 +162,7 @@ def distributed_options_md() -> str:
 
 def cli_md() -> str:
     """The ``hvdnb`` command: every subcommand and argument, from its argparse parser."""
-    from hvdnb.notebook import cli  # noqa: PLC0415
+    from hvdnb.notebook.headless import cli  # noqa: PLC0415
 
     parser = cli._parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -275,7 +275,7 @@ def _execute(src: Path, executed: Path, ranks: int, log: Any) -> Path:
     out = executed / src.name
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_WAIT_POLICY="PASSIVE")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    cmd = [sys.executable, "-m", "hvdnb.notebook.cli", "run", str(src), "-n", str(ranks)]
+    cmd = [sys.executable, "-m", "hvdnb.notebook.headless.cli", "run", str(src), "-n", str(ranks)]
     log(f"hvdnb docs: executing {src.name} on {ranks} CPU ranks (no executed copy yet)")
     res = subprocess.run(
         [*cmd, "-o", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900

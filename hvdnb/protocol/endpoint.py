@@ -1,6 +1,6 @@
 """One ZeroMQ socket owned by one I/O thread: the side channel's transport, on both sides.
 
-The notebook's ``ClientChannel`` (``hvdnb.notebook.channel``) and a rank's ``EngineChannel``
+The notebook's ``ClientChannel`` (``hvdnb.notebook.cluster.channel``) and a rank's ``EngineChannel``
 (``hvdnb.rank.channel``) subclass ``Endpoint``. Messages are typed by ``hvdnb.protocol.kinds``:
 ``on`` and ``send`` take a ``Kind``, never a bare string; a received message of an unknown
 kind or without a required field is dropped and counted (``invalid``), never dispatched.

@@ -16,7 +16,7 @@ in a gloo collective are released at once; the client then rebuilds the group on
 rank (``rebuild_group``) before the next cell.
 
 Never: start processes, open listening sockets other than torch's rendezvous store, or
-import anything from the notebook side (hvdnb.notebook.magics, widgets).
+import anything from the notebook side (hvdnb.notebook.ipython.magics, widgets).
 """
 
 from __future__ import annotations

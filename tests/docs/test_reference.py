@@ -61,7 +61,7 @@ def public(modname: str) -> list[str]:
 
 def test_every_dist_action_is_documented() -> None:
     page = hvdnb_docs.dist_actions_md()
-    from hvdnb.notebook.magics import DistMagics
+    from hvdnb.notebook.ipython.magics import DistMagics
 
     for name in hvdnb_docs.dist_actions():
         method = getattr(DistMagics, f"_{name}", None)
@@ -74,7 +74,7 @@ def test_every_dist_action_is_documented() -> None:
 
 
 def test_every_dist_option_has_help() -> None:
-    from hvdnb.notebook.magics import DistMagics
+    from hvdnb.notebook.ipython.magics import DistMagics
 
     page = hvdnb_docs.dist_actions_md()
     for act in DistMagics.dist.parser._actions:
@@ -92,7 +92,7 @@ def test_every_dist_option_has_help() -> None:
 def test_every_command_line_option_has_help() -> None:
     import argparse
 
-    from hvdnb.notebook import cli
+    from hvdnb.notebook.headless import cli
 
     page = hvdnb_docs.cli_md()
     sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 
 from hvdnb.notebook.cellout import cells
 from hvdnb.notebook.cellout.cells import DistributedCellError
-from hvdnb.notebook.where import format_stacks, rank_stacks
+from hvdnb.notebook.diagnosis.where import format_stacks, rank_stacks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(240)]
 

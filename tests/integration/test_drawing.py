@@ -27,7 +27,7 @@ import pytest
 
 from hvdnb.notebook.cellout.introspect import ANSWER_WITHIN
 from hvdnb.notebook.cellout.output import parse_ranks
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(400)]
 

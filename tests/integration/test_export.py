@@ -22,7 +22,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from hvdnb.notebook.cellout import cells
-from hvdnb.notebook.export import from_notebook
+from hvdnb.notebook.headless.export import from_notebook
 from tests.conftest import hvdnb_export
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -20,10 +20,10 @@ import nbformat
 import psutil
 import pytest
 
-from hvdnb.notebook.stall import StallWatch, describe, waits_alone
+from hvdnb.notebook.diagnosis.stall import StallWatch, describe, waits_alone
 
 ROOT = Path(__file__).resolve().parents[2]
-HVDNB = [sys.executable, "-m", "hvdnb.notebook.cli"]
+HVDNB = [sys.executable, "-m", "hvdnb.notebook.headless.cli"]
 #: a kernel, its cluster's start and teardown on a loaded 2-core box; the hang itself is
 #: bounded by --timeout + 10 s, so a run past START + timeout + 10 s has hung
 START = 60.0

@@ -8,7 +8,7 @@ during a cell is applied when the cell ends. Checked in an environment of its ow
 once for this module (``python -m venv``; torch from ``constraints.txt``, hvdnb editable,
 ``ipykernel<7``; about 1.5 minutes with pip's cache), where the notebook kernel and the
 ranks all run ipykernel 6: a driver run by that environment's Python starts the "Python 3
-(hvdnb)" kernel over jupyter_client as JupyterLab does (``hvdnb.notebook.runner.Kernel``),
+(hvdnb)" kernel over jupyter_client as JupyterLab does (``hvdnb.notebook.headless.runner.Kernel``),
 starts 2 ranks, types a knob into the panel while a cell loops, and reports what happened.
 """
 
@@ -34,7 +34,7 @@ DRIVER = r'''
 import json, sys, time
 from pathlib import Path
 import ipykernel
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 
 work = Path(sys.argv[1])
 started, release = work / "started", work / "release"

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from hvdnb.notebook.cellout.output import per_rank_lines
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from hvdnb.notebook.runner import Kernel
+from hvdnb.notebook.headless.runner import Kernel
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -28,7 +28,7 @@ from hvdnb.notebook.cellout.output import format_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
-HVDNB = [sys.executable, "-m", "hvdnb.notebook.cli"]
+HVDNB = [sys.executable, "-m", "hvdnb.notebook.headless.cli"]
 
 #: the world sizes every notebook runs at: 1 (the default on a one-GPU node), 2, and 3 (more
 #: ranks than this box has cores: ``--oversubscribe``)

@@ -9,7 +9,7 @@ import time
 
 import zmq
 
-from hvdnb.notebook.channel import ClientChannel
+from hvdnb.notebook.cluster.channel import ClientChannel
 from hvdnb.protocol import kinds
 from hvdnb.protocol.wire import decode, encode, sign
 from hvdnb.rank.channel import EngineChannel

@@ -194,7 +194,7 @@ def test_elastic_options_are_checked_before_anything_starts():
 
 
 def test_hvdnb_run_gives_a_script_what_follows_its_path_and_a_notebook_its_options():
-    from hvdnb.notebook.cli import _split_script
+    from hvdnb.notebook.headless.cli import _split_script
 
     assert _split_script(["run", "nb.ipynb", "-n", "2", "-o", "out.ipynb"]) == (
         ["run", "nb.ipynb", "-n", "2", "-o", "out.ipynb"],

@@ -12,8 +12,8 @@ import pytest
 import tomllib
 
 from hvdnb import extras
-from hvdnb.notebook import importhint
 from hvdnb.notebook.cellout.cells import CellResult, DistributedCellError
+from hvdnb.notebook.ipython import importhint
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = "hvdnb_surely_missing_optional"

@@ -245,7 +245,7 @@ def test_no_package_loop():
 
 
 def test_the_directions_issue_32_chose():
-    """``kernels_ext`` sits on hvdnb (its kernelspec re-exports ``hvdnb.notebook.kernelspec``);
+    """``kernels_ext`` sits on hvdnb (its kernelspec re-exports ``hvdnb.notebook.headless.kernelspec``);
     ``hvdnb.notebook.cluster`` uses the metrics store (``attach``, ``follow``,
     ``get_store``), and the store never imports a cluster module."""
     assert [
@@ -253,7 +253,7 @@ def test_the_directions_issue_32_chose():
         for m in GRAPH
         if m.startswith("hvdnb") and any(d.startswith("kernels_ext") for d in GRAPH[m])
     ] == []
-    assert "hvdnb.notebook.kernelspec" in GRAPH["kernels_ext.kernelspec"]
+    assert "hvdnb.notebook.headless.kernelspec" in GRAPH["kernels_ext.kernelspec"]
     assert [
         m
         for m in GRAPH

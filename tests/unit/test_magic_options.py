@@ -11,8 +11,8 @@ import pytest
 from IPython.core.error import UsageError
 
 import hvdnb
-from hvdnb.notebook.magic_options import ACTIONS as _ACTIONS
-from hvdnb.notebook.magics import DistMagics
+from hvdnb.notebook.ipython.magic_options import ACTIONS as _ACTIONS
+from hvdnb.notebook.ipython.magics import DistMagics
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hvdnb.notebook.channel import ClientChannel
+from hvdnb.notebook.cluster.channel import ClientChannel
 from hvdnb.protocol import kinds
 from hvdnb.protocol.kinds import outgoing
 from hvdnb.protocol.knobs import KnobTextError, make_spec, parse, validate

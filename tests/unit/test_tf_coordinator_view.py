@@ -1,5 +1,5 @@
 """The ParameterServerStrategy panel's pieces without processes: what counts as a step's loss
-(``hvdnb.notebook.tfcoord.loss_of``) and the panel's parameter-server table, fed the
+(``hvdnb.notebook.tf.tfcoord.loss_of``) and the panel's parameter-server table, fed the
 messages a ps rank's heartbeat and ``hvdnb.ClusterCoordinator`` put into a store. The
 whole path on real ranks is ``tests/integration/test_tf_strategies.py``."""
 
@@ -15,7 +15,7 @@ from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.notebook.panel.pstable import ps_table
 from hvdnb.notebook.panel.tables import tables_html
-from hvdnb.notebook.tfcoord import StepBook, loss_of
+from hvdnb.notebook.tf.tfcoord import StepBook, loss_of
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -42,14 +42,14 @@ from hvdnb.notebook.cellout.cellwait import (
     Redraw,
 )
 from hvdnb.notebook.cellout.elasticcell import CellMembers, elastic_between_cells, rejoin_note
+from hvdnb.notebook.cellout.history import ExportCell
 from hvdnb.notebook.cellout.output import format_ranks
 from hvdnb.notebook.cellout.pdbprompt import PdbPrompt
 from hvdnb.notebook.cellout.streaming import Intake, Streamer
 from hvdnb.notebook.cluster import health
-from hvdnb.notebook.export import ExportCell
+from hvdnb.notebook.diagnosis.stall import StallWatch
 from hvdnb.notebook.metrics.runlog import outcome_of
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.stall import StallWatch
 from hvdnb.protocol.remote import JOIN_CELL, REBUILD_GROUP, RUN_CELL
 from hvdnb.protocol.replies import CellReply
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from hvdnb.notebook.cluster.livescale import LiveScale
 from hvdnb.notebook.cluster.spec import ClusterError
+from hvdnb.notebook.metrics.ranklabels import format_ranks
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.ranklabels import format_ranks
 from hvdnb.protocol.remote import REBUILD_GROUP
 
 __all__ = ["CellMembers", "elastic_between_cells", "rejoin_note"]

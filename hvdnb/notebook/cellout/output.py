@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from hvdnb.notebook.ranklabels import format_ranks, parse_ranks
+from hvdnb.notebook.metrics.ranklabels import format_ranks, parse_ranks
 
 __all__ = ["OutputCollapser", "format_ranks", "parse_ranks", "per_rank_lines"]
 

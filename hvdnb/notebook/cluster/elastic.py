@@ -36,7 +36,7 @@ import psutil
 
 from hvdnb.notebook.cluster import launch
 from hvdnb.notebook.cluster.spec import ClusterError
-from hvdnb.notebook.ranklabels import format_ranks
+from hvdnb.notebook.metrics.ranklabels import format_ranks
 from hvdnb.protocol import kinds
 from hvdnb.protocol.remote import CONNECT_CHANNEL, ELASTIC_REJOIN
 

@@ -22,8 +22,8 @@ import socket
 from typing import Any, Protocol
 
 from hvdnb.notebook.cluster.spec import ClusterError
+from hvdnb.notebook.metrics.ranklabels import format_ranks
 from hvdnb.notebook.metrics.store import get_store
-from hvdnb.notebook.ranklabels import format_ranks
 from hvdnb.protocol.remote import ENGINE_INFO
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from hvdnb.notebook.channel import ClientChannel
+from hvdnb.notebook.cluster.channel import ClientChannel
 from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.protocol import kinds
 

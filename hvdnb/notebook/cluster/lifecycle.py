@@ -157,7 +157,7 @@ class Cluster:
         self._watchdog: subprocess.Popen[bytes] | None = None
         self.generation = 0
         self.cell_no = 0
-        #: every %%distributed cell run on this cluster (``hvdnb.notebook.export.ExportCell``)
+        #: every %%distributed cell run on this cluster (``cellout.history.ExportCell``)
         self.history: list[Any] = []
         #: rank -> what the notebook saw of its death ("died in cell 4: ..."; ``health``)
         self.death_notes: dict[int, str] = {}

@@ -63,7 +63,7 @@ class StartSpec:
     slurm: dict[str, Any]
     sbatch_args: list[str]
     #: ranks ``0..tf_ps-1`` serve as TensorFlow parameter servers, the rest as workers, and
-    #: the notebook kernel is the chief (``hvdnb.notebook.tfps``); 0: no ParameterServerStrategy
+    #: the notebook kernel is the chief (``hvdnb.notebook.tf.tfps``); 0: no ParameterServerStrategy
     tf_ps: int = 0
     #: an elastic cluster (``--min-np``): it goes on while at least ``min_np`` ranks live,
     #: and ``%dist scale`` takes it to any size up to ``max_np``; None: a fixed-size cluster

@@ -26,8 +26,8 @@ from typing import Any
 
 from hvdnb.notebook.metrics.link import Link
 from hvdnb.notebook.metrics.points import PointStore
+from hvdnb.notebook.metrics.ranklabels import format_ranks
 from hvdnb.notebook.metrics.runs import Runs
-from hvdnb.notebook.ranklabels import format_ranks
 from hvdnb.protocol import kinds
 from hvdnb.protocol.knobs import at_step_error, validate
 

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from hvdnb.config import get_config
-from hvdnb.notebook.kernelspec import KERNEL_NAME, get_kernel_dict
+from hvdnb.notebook.headless.kernelspec import KERNEL_NAME, get_kernel_dict
 
 __all__ = ["Kernel", "NotebookRunError", "run_notebook"]
 

@@ -39,7 +39,7 @@ import numpy as np
 from hvdnb.notebook.cluster.lifecycle import Cluster
 from hvdnb.notebook.metrics.store import MetricsStore, attach
 from hvdnb.notebook.panel.panel import get_panel
-from hvdnb.notebook.tfps import ps_cluster
+from hvdnb.notebook.tf.tfps import ps_cluster
 from hvdnb.protocol.remote import RemoteCall
 
 __all__ = ["ClusterCoordinator", "Scheduled", "StepBook", "loss_of"]

@@ -17,12 +17,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, magics_class
 from IPython.core.magic_arguments import parse_argstring
 
-from hvdnb.notebook import export as _export
 from hvdnb.notebook.cellout import automode, cells, introspect
 from hvdnb.notebook.cellout.ranklogs import format_logs
 from hvdnb.notebook.cluster import health
 from hvdnb.notebook.cluster import lifecycle as _cluster
-from hvdnb.notebook.magic_options import (
+from hvdnb.notebook.diagnosis.where import format_stacks, rank_stacks
+from hvdnb.notebook.headless import export as _export
+from hvdnb.notebook.ipython.magic_options import (
     ACTIONS,
     CELL_USAGE,
     action_of,
@@ -40,7 +41,6 @@ from hvdnb.notebook.metrics import history
 from hvdnb.notebook.metrics import store as _store
 from hvdnb.notebook.metrics.knobreq import describe_change
 from hvdnb.notebook.metrics.watchers import parse_settings
-from hvdnb.notebook.where import format_stacks, rank_stacks
 from hvdnb.protocol.knobs import KnobTextError, parse
 from hvdnb.protocol.remote import DEBUG_COMMAND
 from hvdnb.protocol.replies import DebugReply

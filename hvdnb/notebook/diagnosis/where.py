@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvdnb.notebook.cellout.output import format_ranks
+from hvdnb.notebook.metrics.ranklabels import format_ranks
 from hvdnb.notebook.metrics.store import get_store
 from hvdnb.protocol import kinds
 

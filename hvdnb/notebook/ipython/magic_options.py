@@ -2,7 +2,7 @@
 the option list (IPython's ``magic_arguments``, so ``%dist?`` prints real help), and the
 words of a refusal (what was wrong, then that action's usage).
 
-Owns: ``ACTIONS``, ``DIST_OPTIONS``, ``CELL_USAGE``. Read by ``hvdnb.notebook.magics`` and
+Owns: ``ACTIONS``, ``DIST_OPTIONS``, ``CELL_USAGE``. Read by ``hvdnb.notebook.ipython.magics`` and
 by the documentation's reference (generated from them). Never: act on a cluster.
 """
 

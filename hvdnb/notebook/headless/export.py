@@ -31,9 +31,10 @@ import sys
 import textwrap
 import tokenize
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hvdnb.notebook.cellout.history import ExportCell
 
 __all__ = ["ExportCell", "ExportError", "export", "from_notebook", "from_session"]
 
@@ -43,16 +44,6 @@ _MAGIC_LINE = re.compile(r"^\s*(%|!)|=\s*[!%]")
 
 class ExportError(ValueError):
     """The session or notebook cannot become a script as it is; the message says why."""
-
-
-@dataclass
-class ExportCell:
-    """One ``%%distributed`` cell as it ran."""
-
-    number: int  # the session's cell number (or the notebook's execution count)
-    code: str  # the cell's body (without the %%distributed line)
-    ranks: list[int] | None  # the ranks it ran on; None: all
-    ok: bool  # every rank ran it without an error
 
 
 # ---------------------------------------------------------------------- collecting

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from hvdnb.notebook.cellout.cells import DistributedCellError, run_cell
 from hvdnb.notebook.cluster.lifecycle import Cluster, ClusterError
-from hvdnb.notebook.export import ExportError, export, from_notebook
-from hvdnb.notebook.kernelspec import DISPLAY_NAME, install
-from hvdnb.notebook.runner import NotebookRunError, run_notebook
+from hvdnb.notebook.headless.export import ExportError, export, from_notebook
+from hvdnb.notebook.headless.kernelspec import DISPLAY_NAME, install
+from hvdnb.notebook.headless.runner import NotebookRunError, run_notebook
 
 __all__ = ["main"]
 

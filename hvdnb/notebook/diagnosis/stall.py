@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from hvdnb.notebook.where import format_stacks, from_replies
+from hvdnb.notebook.diagnosis.where import format_stacks, from_replies
 from hvdnb.protocol import kinds
 
 __all__ = ["StallWatch", "alone_note", "describe", "waits_alone"]
