@@ -66,15 +66,19 @@ def test_cell_end_message_comes_after_every_other_message_of_the_cell():
         rec.close()
 
 
-def test_time_spent_off_does_not_count_toward_the_next_message():
+def test_time_spent_off_does_not_count_toward_the_next_message(monkeypatch):
     """set_enabled(False) stops the message clock and set_enabled(True) goes on where it
     stopped: a loop that switches recording off for longer than an interval sends no
     message on its first step back (it has logged nothing new), and sends one once it has
-    logged for the rest of the interval."""
-    import time
-
+    logged for the rest of the interval. On the test's own clock (1 ms steps)."""
+    import hvdnb.rank.metrics.core as coremod
+    import hvdnb.rank.metrics.drain as drainmod
     from hvdnb.rank.metrics import recorder as recmod
 
+    clock = [100.0]
+    monkeypatch.setattr(coremod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(drainmod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(coremod.time, "perf_counter", lambda: clock[0])
     ch = FakeChannel(rank=0)
     rec = Recorder(0, ch, flush_interval=0.3, capacity=1024, warm=0.0)
     rec.flush_interval_steady = 0.3
@@ -82,23 +86,22 @@ def test_time_spent_off_does_not_count_toward_the_next_message():
     old, recmod._RECORDER = recmod._RECORDER, rec
     try:
         step = 0
-        deadline = time.perf_counter() + 10
-        while len(ch.sent) < 2 and time.perf_counter() < deadline:  # the clock runs
+        while len(ch.sent) < 2 and step < 10_000:  # the clock runs
             rec.log(step, 1.0)
             step += 1
-            time.sleep(0.001)
+            clock[0] += 0.001
         assert len(ch.sent) == 2
-        left = rec._due - time.perf_counter()  # just after a message: ~a whole interval
+        left = rec._due - clock[0]  # just after a message: ~a whole interval
         recmod.set_enabled(False)
         assert 0.15 < left <= 0.3
-        time.sleep(0.5)  # longer than the interval
+        clock[0] += 0.5  # longer than the interval
         recmod.set_enabled(True)
-        assert rec._due - time.perf_counter() == pytest.approx(left, abs=0.1)
+        assert rec._due - clock[0] == pytest.approx(left, abs=1e-9)
         rec.log(step, 1.0)
         assert len(ch.sent) == 2, "a message went out for time spent off"
         # past the rest of the interval (and its slack, in which a loop waits for the step
         # that every rank sends on): the next step sends
-        time.sleep(max(0.0, rec.flusher.due_late - time.perf_counter()) + 0.05)
+        clock[0] = max(clock[0], rec.flusher.due_late) + 0.05
         rec.log(step + 1, 1.0)
         assert len(ch.sent) == 3
     finally:
@@ -636,12 +639,21 @@ def test_object_values_are_read_at_pack_then_released_and_lapped_ones_dropped():
     assert ch.sent[-1]["cols"]["loss"][2] == [7.0]
 
 
-def test_log_sends_from_the_loop_once_per_interval_without_the_flusher_thread():
+def test_log_sends_from_the_loop_once_per_interval_without_the_flusher_thread(monkeypatch):
+    """0.5 s of 1 ms steps on the test's own clock, the flusher thread never started: the
+    loop's own ``log`` sends, about once per 50 ms interval, never once per step."""
     import threading
-    import time as _time
 
+    import hvdnb.rank.metrics.core as coremod
+    import hvdnb.rank.metrics.drain as drainmod
+
+    clock = [100.0]
+    monkeypatch.setattr(coremod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(drainmod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(coremod.time, "perf_counter", lambda: clock[0])
     ch = FakeChannel()
     rec = Recorder(0, ch, flush_interval=0.05, capacity=1024)
+    rec.flusher.start = lambda: None
     sender = set()
     send = ch.send
 
@@ -650,17 +662,15 @@ def test_log_sends_from_the_loop_once_per_interval_without_the_flusher_thread():
         send(kind, **payload)
 
     ch.send = spy
-    t0 = _time.perf_counter()
-    step = 0
-    while _time.perf_counter() - t0 < 0.5:
+    for step in range(500):
         rec.log(step, 0.5)
-        step += 1
-        _time.sleep(0.001)
+        clock[0] += 0.001
+    step += 1
     rec.close()
     seqs = [m["seq"] for m in ch.sent]
     assert seqs == list(range(1, len(seqs) + 1))
-    assert 5 <= len(ch.sent) <= 12  # ~one per 50 ms, not one per step
-    assert threading.get_ident() in sender
+    assert 5 <= len(ch.sent) <= 12, len(ch.sent)  # ~one per 50 ms, not one per step
+    assert sender == {threading.get_ident()}
     got = _rows_of(ch.sent)
     assert [s for s, _, _ in got["loss"]] == list(range(step))
 
@@ -759,29 +769,37 @@ def test_set_enabled_off_stops_logging_and_the_collective_timing():
         R.set_enabled(True)
 
 
-def test_flush_interval_stretches_once_a_loop_has_run_and_resets_after_a_pause():
+def test_flush_interval_stretches_once_a_loop_has_run_and_resets_after_a_pause(monkeypatch):
     """Quick messages for the first ``warm`` seconds of a loop, ``steady_interval`` after:
     the panel comes alive at once, then each rank sends fewer (costly) messages."""
-    import time as _time
+    # on a clock of the test's own (1 ms steps), messages from log() only: the gaps are the
+    # schedule's, never the machine's load
+    import hvdnb.rank.metrics.core as coremod
+    import hvdnb.rank.metrics.drain as drainmod
 
+    clock = [100.0]
+    monkeypatch.setattr(coremod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(drainmod, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(coremod.time, "perf_counter", lambda: clock[0])
     ch = FakeChannel()
     rec = Recorder(0, ch, flush_interval=0.04, steady_interval=0.2, warm=0.3, capacity=4096)
+    rec.flusher.start = lambda: None
     sent_at: list[float] = []
     send = ch.send
 
     def spy(kind, **payload):
-        sent_at.append(_time.perf_counter())
+        sent_at.append(clock[0])
         send(kind, **payload)
 
     ch.send = spy
 
     def loop(seconds: float) -> float:
-        start = _time.perf_counter()
+        start = clock[0]
         step = 0
-        while _time.perf_counter() - start < seconds:
+        while clock[0] - start < seconds:
             rec.log(step, 0.5)
             step += 1
-            _time.sleep(0.001)
+            clock[0] += 0.001
         return start
 
     def gaps(a: float, b: float) -> list[float]:
@@ -792,7 +810,7 @@ def test_flush_interval_stretches_once_a_loop_has_run_and_resets_after_a_pause()
     early, late = gaps(t0, t0 + 0.3), gaps(t0 + 0.45, t0 + 1.2)
     assert early and max(early) < 0.1, early  # every 40 ms while warming up
     assert late and min(late) > 0.15, late  # every 200 ms once steady
-    _time.sleep(1.3)  # the loop pauses longer than IDLE_AFTER: a new loop warms up again
+    clock[0] += 1.3  # the loop pauses longer than IDLE_AFTER: a new loop warms up again
     t1 = loop(0.3)
     again = gaps(t1, t1 + 0.3)
     assert again and max(again) < 0.1, again
@@ -824,27 +842,28 @@ def test_log_never_waits_for_a_pack_in_progress():
     ch = FakeChannel()
     rec = Recorder(0, ch, flush_interval=0.01, capacity=1024)
     rec.log(0, 1.0)  # the first log only schedules the first message
-    held, release = threading.Event(), threading.Event()
+    held, release, let_go = threading.Event(), threading.Event(), threading.Event()
 
     def slow_pack() -> None:  # as the flusher thread's flush(): both locks, then a slow read
         with rec.flusher.send_lock, rec._lock:
             held.set()
-            release.wait(5)
+            release.wait(10)
+            let_go.set()  # still holding both locks: a log() that waited for them sees it
 
     th = threading.Thread(target=slow_pack)
     th.start()
     held.wait(5)
     time.sleep(0.02)  # a message is due now
-    t0 = time.perf_counter()
     for step in range(1, 40):
         rec.log(step, 1.0, samples=4)
         rec.on_comm("allreduce.x", 16, 0.0001, "mpi", 0.0)
         rec.record(step, "time/data", 0.001)
         time.sleep(0.002)  # several messages fall due during the loop
-    took = time.perf_counter() - t0
+    # every call returned while the pack still held the locks: none waited for it
+    waited = let_go.is_set()
     release.set()
     th.join()
-    assert took < 1.0, f"log waited {took:.2f} s for a pack held elsewhere"
+    assert not waited, "log waited for a pack held elsewhere"
     rec.flush()
     assert [s for s, _, _ in _rows_of(ch.sent)["loss"]] == list(range(40))
 
