@@ -142,6 +142,29 @@ def test_clear_output_then_print_leaves_the_ranks_last_text(kernel):
         assert f"[{rank}] start {rank}" in r.text, r.text
 
 
+def test_a_value_that_is_no_number_is_refused_at_the_users_line(kernel):
+    """In the real kernel at 1, 2 and 3 ranks: ``hvdnb.log(step, 'low')`` fails the cell on
+    every rank, naming the ranks, with a traceback that ends at the cell's line (no frame of
+    hvdnb's; before, the string became NaN and the NaN watcher spoke); the loop's earlier
+    points, logged with ``total_steps=None`` (its first log raised TypeError in the drain),
+    are in the store."""
+    r = kernel.run(
+        "%%distributed\nimport hvdnb\nfor s in range(3):\n"
+        "    hvdnb.log(s, 0.5, total_steps=None)\nhvdnb.log(3, 'low')\n"
+    )
+    assert r.error is not None, r
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", r.traceback)
+    assert "TypeError: hvdnb.log: loss must be a number, not str ('low')" in tb, tb
+    assert "hvdnb.log(3, 'low')" in tb and "/hvdnb/" not in tb, tb
+    label = "0" if kernel.n == 1 else "0,1" if kernel.n == 2 else "0-2"
+    assert f"rank{'s' if kernel.n > 1 else ''} {label}" in tb, tb
+    got = kernel.run(
+        "import hvdnb\nr = hvdnb.metrics('loss')\nprint(len([x for x in r if x.run == r[-1].run]))"
+    )
+    assert got.text.strip().splitlines()[-1] == str(3 * kernel.n), got.text
+    assert "nan" not in r.text.lower(), r.text  # no NaN alarm for a value never logged
+
+
 def test_torch_rank_prefixed_lines_merge(kernel):
     r = kernel.run(
         "%%distributed\nimport sys, torch.distributed as d\n"

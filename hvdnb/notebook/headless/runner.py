@@ -318,6 +318,8 @@ class CellRun:
     display_msgs: list[dict[str, Any]] = field(default_factory=list)
     #: the comms opened (``comm_open`` contents: widgets made on a rank arrive so)
     comm_opens: list[dict[str, Any]] = field(default_factory=list)
+    #: the error reply's traceback as the front end draws it (its lines joined)
+    traceback: str = ""
 
 
 class Kernel:
@@ -352,6 +354,7 @@ class Kernel:
         displayed: dict[str, str] = {}
         display_msgs: list[dict[str, Any]] = []
         comm_opens: list[dict[str, Any]] = []
+        tb = ""
         while True:
             try:
                 msg = self.kc.get_iopub_msg(timeout=timeout)
@@ -375,6 +378,7 @@ class Kernel:
                 comm_opens.append(content)
             elif kind == "error":
                 error = f"{content['ename']}: {content['evalue']}"
+                tb = "\n".join(content.get("traceback") or [])
             elif kind == "status" and content["execution_state"] == "idle":
                 return CellRun(
                     time.perf_counter() - t0,
@@ -385,6 +389,7 @@ class Kernel:
                     displayed,
                     display_msgs,
                     comm_opens,
+                    tb,
                 )
 
     def complete(self, code: str, cursor_pos: int | None = None) -> list[str]:
