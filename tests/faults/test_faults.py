@@ -1,8 +1,11 @@
 """Fault injection on a real 2-rank cluster: repeated trials, counts printed.
 
 Each scenario runs many times because the failure modes are races (where the signal
-lands, which rank notices first). The counts go to the terminal, e.g.
-``fail-fast (inside a collective): 4/4 within 5 s, slowest 1.9 s``. The suite runs 4
+lands, which rank notices first). A trial counts on what happened, never on how long it
+took (the slowest time is printed, not asserted: figures are bench/'s): the failed rank
+named once, the healthy one stopped by hvdnb for it ("because rank N failed", an interrupt
+in a sleep it would otherwise have slept out), the group usable after. The counts go to
+the terminal, e.g. ``fail-fast (inside a collective): 4/4, slowest 1.9 s``. The suite runs 4
 trials of each (2 of a killed rank) to stay inside its time budget (the elastic cluster's
 faults, ``test_elastic.py``, and the warm standby's tests took the rest); for a longer hunt,
 ``HVDNB_FAULT_TRIALS=100 HVDNB_DEATH_TRIALS=50 pytest tests/faults``.
@@ -76,9 +79,12 @@ def test_failing_rank_ends_the_cell_everywhere(ready, shell, capsys, place):
             f"--- rank {bad} raised ValueError ---" in text and f"bad input on rank {bad}" in text
         )
         once = text.count(f"ValueError: bad input on rank {bad}") == 1
-        if elapsed < 5.0 and named and once and _collective_ok(shell):
+        # the healthy rank was released or interrupted for the failure, not by a timeout
+        # (or the end of its 30 s sleep)
+        stopped = info.value.failed_ranks == [0, 1] and f"because rank {bad} failed" in text
+        if named and once and stopped and _collective_ok(shell):
             ok += 1
-    report(capsys, f"fail-fast ({place}): {ok}/{TRIALS} within 5 s, slowest {slowest:.1f} s")
+    report(capsys, f"fail-fast ({place}): {ok}/{TRIALS}, slowest {slowest:.1f} s")
     assert ok == TRIALS
 
 
@@ -99,15 +105,14 @@ def test_notebook_interrupt_stops_every_rank(ready, shell, capsys, where, kernel
             shell.run_cell_magic("distributed", "", code)
         stop = time.monotonic() - t0 - delay
         slowest = max(slowest, stop)
-        if (
-            stop < 2.0
-            and "interrupted from the notebook" in str(info.value)
-            and _collective_ok(shell)
-        ):
+        # every rank interrupted (a sleep left to end would raise nothing)
+        errors = info.value.result.errors
+        every = sorted(errors) == [0, 1] and all(
+            e["ename"] == "KeyboardInterrupt" for e in errors.values()
+        )
+        if every and "interrupted from the notebook" in str(info.value) and _collective_ok(shell):
             ok += 1
-    report(
-        capsys, f"interrupt ({where}): {ok}/{TRIALS} stopped within 2 s, slowest {slowest:.2f} s"
-    )
+    report(capsys, f"interrupt ({where}): {ok}/{TRIALS} stopped, slowest {slowest:.2f} s")
     assert ok == TRIALS
 
 
@@ -133,14 +138,15 @@ def test_interrupt_lost_while_submitting_still_stops_the_cell(
         return real(self)
 
     monkeypatch.setattr(type(ready), "_check_alive", swallowing)
-    t0 = time.monotonic()
     with pytest.raises(hvdnb.DistributedCellError) as info:
         shell.run_cell_magic("distributed", "", "time.sleep(30)")
-    took = time.monotonic() - t0
     monkeypatch.undo()
     assert calls == [1, "dropped"]
     assert "interrupted from the notebook" in str(info.value)
-    assert took < 3.0, f"the cell ran {took:.1f} s after a Ctrl-C"
+    # both ranks were interrupted in their sleep, not left to sleep it out
+    errors = info.value.result.errors
+    assert sorted(errors) == [0, 1], errors
+    assert {e["ename"] for e in errors.values()} == {"KeyboardInterrupt"}, errors
     # both ranks answered the interrupt (no escalation to a restart of the cluster)
     assert "restarted" not in str(info.value) and "did not stop" not in str(info.value)
     assert _collective_ok(shell)
@@ -172,13 +178,15 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
         took = time.monotonic() - t0
         slow_report = max(slow_report, took)
         text = str(info.value)
-        if took < 5.0 and f"rank {victim} died" in text and "%dist restart" in text:
+        survivor = 1 - victim  # stopped for the death, not left to sleep its 30 s out
+        stopped = f"[{survivor}] interrupted, because rank {victim} failed" in text
+        if f"rank {victim} died" in text and "%dist restart" in text and stopped:
             reported += 1
         t1 = time.monotonic()
         shell.run_line_magic("dist", "restart")
         took = time.monotonic() - t1
         slow_restart = max(slow_restart, took)
-        if took < 10.0 and _collective_ok(shell):
+        if _collective_ok(shell):
             restarted += 1
         shell.run_cell_magic(
             "distributed",
@@ -192,23 +200,26 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
             restored += 1
     report(
         capsys,
-        f"killed rank: reported {reported}/{DEATH_TRIALS} within 5 s (slowest {slow_report:.1f} s); "
-        f"restart {restarted}/{DEATH_TRIALS} within 10 s (slowest {slow_restart:.1f} s); "
+        f"killed rank: reported {reported}/{DEATH_TRIALS} (slowest {slow_report:.1f} s); "
+        f"restart {restarted}/{DEATH_TRIALS} (slowest {slow_restart:.1f} s); "
         f"state restored {restored}/{DEATH_TRIALS}",
     )
     assert reported == restarted == restored == DEATH_TRIALS
 
 
 def test_stall_names_which_rank_is_where(ready, shell, capsys):
-    t0 = time.monotonic()
-    with pytest.raises(hvdnb.DistributedCellError):
+    start = time.time()
+    with pytest.raises(hvdnb.DistributedCellError) as info:
         shell.run_cell_magic(
             "distributed",
             "--timeout 9",
             "x = torch.ones(1)\nif dist.get_rank() == 0:\n    dist.all_reduce(x)\nelse:\n    time.sleep(30)",
         )
+    end = time.time()
     stall = ready.last_stall
-    assert stall["time"] - (time.time() - (time.monotonic() - t0)) < 8.5
+    # this cell's report, made while it ran (not one left from an earlier cell)
+    assert start < stall["time"] < end, (start, stall["time"], end)
+    assert "timed out after 9 s" in str(info.value), str(info.value)
     assert "rank 0 waits in all_reduce" in stall["text"]
     assert "rank 1 is at <cell" in stall["text"] and "not in a collective" in stall["text"]
     report(capsys, f"stall report: {stall['text']}")
