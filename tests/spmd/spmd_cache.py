@@ -2,15 +2,15 @@
 way ranks can fall out of step under a name that was seen before.
 
 Each disagreement must raise the same clear ``CollectiveMismatchError`` on every rank
-within seconds, leave an in-place tensor as it was, and leave the group usable (the next
-allreduce gives the right sum). Meant for 3 and 4 ranks (the butterfly: an odd rank
-folded into a partner, and recursive doubling), and passes on 2 (one message with the
-header) and without MPI (gloo). Prints ``OK spmd_cache`` on each rank.
+(never hang: a rank stuck past the hang guard fails the run), leave an in-place tensor as
+it was, and leave the group usable (the next allreduce gives the right sum). Meant for 3
+and 4 ranks (the butterfly: an odd rank folded into a partner, and recursive doubling),
+and passes on 2 (one message with the header) and without MPI (gloo). Prints
+``OK spmd_cache`` on each rank.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import _spmd
@@ -38,21 +38,19 @@ def usable() -> None:
 
 
 def raises(case: str, call: Callable[[], object], words: list[str]) -> None:
-    """``call`` raises CollectiveMismatchError naming ``words`` on this rank, quickly (one
-    rank has nobody to disagree with: there the call must simply succeed)."""
+    """``call`` raises CollectiveMismatchError naming ``words`` on this rank (one rank has
+    nobody to disagree with: there the call must simply succeed). A call that hangs instead
+    is ended by the script's hang guard (``_spmd.setup``), which fails the run."""
     if n == 1:
         call()
         usable()
         return
-    t0 = time.perf_counter()
     msg = ""
     try:
         call()
     except hvd.CollectiveMismatchError as e:
         msg = str(e)
     assert msg, f"{case}: no error on rank {r}"
-    dt = time.perf_counter() - t0
-    assert dt < 10.0, f"{case}: took {dt:.1f} s to raise"
     for w in [*words, "every rank must"]:
         assert w.lower() in msg.lower(), f"{case}: {w!r} not in {msg!r}"
     # the same diagnosis on every rank (the call it names is each rank's own)
