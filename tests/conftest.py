@@ -110,8 +110,13 @@ def _build_lessons_env(venv: Path) -> dict[str, Any]:
 #: for the lessons' environment, built from the session's start
 COSTLIEST_FIRST = (
     "tests/spmd/test_spmd.py",  # 165 s
+    # with Horovod's two TF2 examples from the harness beside the clone (../shared): 438 s
+    # at a load of 8 here, the examples 221 + 98 s of it
+    "tests/integration/test_hvdnb_tensorflow.py",
     "tests/docs/test_howto.py",  # 93 s
     "tests/notebooks/test_notebooks.py",  # 249 s
+    # builds an environment with ipykernel 6 (pip: much of it waits on disk and network)
+    "tests/integration/test_ipykernel6.py",  # 142 s at a load of 7
     "tests/faults/test_elastic.py",  # 62 s
     "tests/integration/test_frameworks.py",  # 59 s
     "tests/integration/test_standby.py",  # 54 s
@@ -120,7 +125,6 @@ COSTLIEST_FIRST = (
     "tests/faults/test_faults.py",  # 49 s
     "tests/browser/test_edges_browser.py",  # 46 s
     "tests/integration/test_tf_strategies.py",  # 43 s
-    "tests/integration/test_hvdnb_tensorflow.py",  # 41 s
     "tests/integration/test_headless.py",  # 40 s
 )
 

@@ -258,27 +258,23 @@ def test_horovod_example_tensorflow2_mnist(tmp_path: Path) -> None:
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_horovod_example_tensorflow2_keras_mnist(tmp_path: Path) -> None:
-    """DistributedOptimizer and the three callbacks in ``fit``: 24 epochs on 2 ranks,
-    the warm-up reported, checkpoints written by rank 0 alone."""
-    proc = _example(tmp_path, "tensorflow2_keras_mnist.py")
-    out = proc.stdout
-    assert out.count("Epoch 24/24") == 1, _report(proc)  # rank 0 is verbose, rank 1 not
-    accs = [float(a) for a in re.findall(r" accuracy: ([0-9.]+)", out)]
-    assert accs and accs[-1] > 0.5, accs[-5:]  # chance is 0.1
-    assert "learning rate" in out.lower(), _report(proc)  # LearningRateWarmupCallback, verbose
-    assert len(list(tmp_path.glob("checkpoint-*.h5"))) == 24
+def test_horovod_example_tensorflow2_keras_mnist_in_a_distributed_cell(
+    tmp_path: Path, shell, capsys
+) -> None:
+    """DistributedOptimizer and the three callbacks in ``fit``, unchanged, run by ``runpy``
+    in a ``%%distributed`` cell on 2 ranks (the engines get the same ``sitecustomize`` as
+    under mpiexec): 24 epochs, the warm-up reported, checkpoints written by rank 0 alone.
 
-
-@pytest.mark.mpi
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_horovod_examples_from_a_distributed_cell(tmp_path: Path, shell, capsys) -> None:
-    """Both examples, unchanged, run by ``runpy`` in ``%%distributed`` cells on 2 ranks of
-    one cluster (the engines get the same ``sitecustomize`` as under mpiexec)."""
-    for name in ("tensorflow2_mnist.py", "tensorflow2_keras_mnist.py"):
-        if not (EXAMPLES / name).exists():
-            _example(tmp_path, name)  # skips, saying where the examples are looked for
+    Each example runs once, on one launcher (the tape one under mpiexec, above; this one in
+    a cell, where Keras' progress bar meets the notebook's output): both on both launchers
+    took 97 + 78 + 77 s, too much of the suite's 20 minutes for what the second launcher
+    adds; ``spmd_tf_keras`` and ``tests/integration/test_tensorflow.py`` cover the rest."""
+    name = "tensorflow2_keras_mnist.py"
+    if not (EXAMPLES / name).exists():
+        _example(tmp_path, name)  # skips, saying where the examples are looked for
+    _need("tensorflow")
+    _need("tf_keras")
+    _need("sklearn")
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -288,26 +284,21 @@ def test_horovod_examples_from_a_distributed_cell(tmp_path: Path, shell, capsys)
     if running is not None and running.running:
         running.stop()
     cluster = hvdnb.Cluster(n=2, timeout=240, engine_env=env).start()
+    work = tmp_path / "keras"
+    work.mkdir()
     try:
         capsys.readouterr()
-        for name, work in (
-            ("tensorflow2_mnist.py", "tape"),
-            ("tensorflow2_keras_mnist.py", "keras"),
-        ):
-            (tmp_path / work).mkdir()
-            code = (
-                f"import os, runpy\nos.chdir({str(tmp_path / work)!r})\n"
-                f"runpy.run_path({str(EXAMPLES / name)!r}, run_name='__main__')\n"
-            )
-            shell.run_cell_magic("distributed", "", code)
+        code = (
+            f"import os, runpy\nos.chdir({str(work)!r})\n"
+            f"runpy.run_path({str(EXAMPLES / name)!r}, run_name='__main__')\n"
+        )
+        shell.run_cell_magic("distributed", "", code)
         out = capsys.readouterr().out
     finally:
         cluster.stop()
-    losses = [float(x) for x in re.findall(r"^\[0\] Step #\d+\tLoss: ([0-9.]+)", out, re.M)]
-    assert len(losses) == 10000 // 2 // 10, out[-3000:]  # rank 0 prints, as under mpiexec
-    assert min(losses[-10:]) < losses[0] / 2, losses[:3] + losses[-10:]
-    assert list((tmp_path / "tape").glob("checkpoints-1.index"))
-    assert re.search(r"^\[0\] Epoch 24/24", out, re.M), out[-3000:]
+    # rank 0 is verbose, rank 1 not (its line would merge into one labelled "[0,1]")
+    assert len(re.findall(r"^\[0\] Epoch 24/24", out, re.M)) == 1, out[-3000:]
     accs = [float(a) for a in re.findall(r" accuracy: ([0-9.]+)", out)]
-    assert accs and accs[-1] > 0.5, accs[-5:]
-    assert len(list((tmp_path / "keras").glob("checkpoint-*.h5"))) == 24
+    assert accs and accs[-1] > 0.5, accs[-5:]  # chance is 0.1
+    assert "learning rate" in out.lower(), out[-3000:]  # LearningRateWarmupCallback, verbose
+    assert len(list(work.glob("checkpoint-*.h5"))) == 24
