@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-# render and main-loop times are its figures: never beside another test (make test's lanes)
-pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
+# counts only (its render and main-loop times are the bench's figures, in
+# bench/results/scale.json): a test beside it in the other lane changes nothing it checks
+pytestmark = [pytest.mark.timeout(120)]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
-def test_no_point_lost_and_panel_stays_responsive():
+def test_no_point_lost_and_the_panel_redraws_while_points_arrive():
     import bench_scale
 
     r = bench_scale.main(["--quick"])
@@ -22,6 +23,4 @@ def test_no_point_lost_and_panel_stays_responsive():
     assert r["messages_stored"] == r["messages_sent"]
     assert r["lost_messages"] == 0 and r["bad_signatures"] == 0
     assert r["hosts_seen"] == 4 and r["band_drawn"]
-    # generous bounds: 2 shared cores; the full run's numbers are in bench/results/scale.json
-    assert r["render_ms_p95"] < 1000, r
-    assert r["main_loop_gap_ms_max"] < 2000, r
+    assert r["panel_renders"] > 0, r  # drawn during the run, not only at its end
