@@ -234,7 +234,8 @@ def world() -> World:
 
 
 def threads_per_rank(w: World) -> int:
-    """Cores on this host divided by the ranks on it: oversubscribed threads cost 40x here."""
+    """Cores on this host divided by the ranks on it: more threads than cores make each step
+    wait for the others' (``bench/bench_omp_wait.py``, ``bench/bench_oversubscribe.py``)."""
     return max(1, cores() // max(w.local_size, 1))
 
 

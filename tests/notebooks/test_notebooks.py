@@ -1,7 +1,8 @@
 """The teaching notebooks and the headless runner (``hvdnb run``), executed for real.
 
-Every notebook in ``notebooks/`` runs through the ``hvdnb`` command at 1, 2 and 3 CPU ranks
-(world size is a dimension of every lesson: 1 is the default on a one-GPU node), writing its
+Every notebook in ``notebooks/`` runs through the ``hvdnb`` command at 1, 2 and 3 CPU ranks,
+except 08, 09 and 10 at 3, whose 3-rank clusters other tests run (``ELSEWHERE``; world size is
+a dimension of every lesson: 1 is the default on a one-GPU node), writing its
 executed copy under a tmp dir (never into ``notebooks/``); each must print the result its
 lesson is about at that size (e.g. the ring allreduce equals the library's), or, below the
 ranks its lesson needs, refuse in its first ``%%distributed`` cell saying so. Also: a failing
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
 HVDNB = [sys.executable, "-m", "hvdnb.notebook.headless.cli"]
 
-#: the world sizes every notebook runs at: 1 (the default on a one-GPU node), 2, and 3 (more
-#: ranks than this box has cores: ``--oversubscribe``)
+#: the world sizes the notebooks run at: 1 (the default on a one-GPU node), 2, and 3 (more
+#: ranks than this box has cores: ``--oversubscribe``), less the pairs in ``ELSEWHERE``
 SIZES = (1, 2, 3)
 #: the fewest ranks a lesson needs; below it its first %%distributed cell refuses, in words
 NEEDS_RANKS = {"06-sync-vs-async": 2, "09-tf-parameter-server": 2}

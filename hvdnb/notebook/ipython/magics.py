@@ -198,8 +198,9 @@ class DistMagics(Magics):
             )
         except _export.ExportError as exc:
             raise UsageError(f"{exc}; nothing was written") from None
+        many = "s" if len(cells_) != 1 else ""
         print(
-            f"hvdnb: wrote {', '.join(map(str, written))} ({len(cells_)} cells); "
+            f"hvdnb: wrote {', '.join(map(str, written))} ({len(cells_)} cell{many}); "
             f"run it with: {line}"
         )
 

@@ -34,6 +34,7 @@ NaN, not 0; hold state of its own beyond its parts.
 
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
 from collections.abc import Callable
@@ -618,6 +619,18 @@ def watch(
         raise cls(f"hvdnb.watch: {exc}") from None
 
 
+def _whole(what: str, v: Any, takes: str) -> Any:
+    """``v`` as an int (a numpy integer too: ``df.run.max()``), or None; else refused."""
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise InputTypeError(f"hvdnb.metrics: {what} must be {takes}, not {type(v).__name__} ({v!r})")
+
+
 def metrics(
     name: str | None = None, rank: int | None = None, run: int | str | None = None
 ) -> MetricRows:
@@ -648,15 +661,12 @@ def metrics(
             f"hvdnb.metrics: name must be a metric's name (e.g. 'loss') or None, "
             f"not {type(name).__name__} ({name!r})"
         )
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise InputTypeError(
-            f"hvdnb.metrics: rank must be a rank's number or None, not {type(rank).__name__} "
-            f"({rank!r})"
-        )
-    if run is not None and (isinstance(run, bool) or not isinstance(run, (int, str))):
-        raise InputTypeError(
-            f"hvdnb.metrics: run must be a run of this session (an int), a stored run's id "
-            f"(a str, hvdnb.runs().id) or None, not {type(run).__name__} ({run!r})"
+    rank = _whole("rank", rank, "a rank's number or None")
+    if not isinstance(run, str):
+        run = _whole(
+            "run",
+            run,
+            "a run of this session (an int), a stored run's id (a str, hvdnb.runs().id) or None",
         )
     store = attach()
     if isinstance(run, str):

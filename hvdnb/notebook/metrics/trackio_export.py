@@ -1,8 +1,9 @@
 """``hvdnb.metrics(run=ID).to_trackio(PROJECT)``: rows as a trackio project database.
 
 Owns: the export to trackio's on-disk format, written with ``sqlite3`` (trackio itself is
-not a dependency: 31 packages, a web stack). The format is trackio 0.43.0's
-``trackio/sqlite_storage.py`` at schema version 2 (``PRAGMA user_version``): one file per
+not a dependency: 13 more distributions in this project's environment, a web stack;
+``bench/bench_trackio_deps.py``, ``bench/results/trackio_deps.json``). The format is trackio
+0.43.0's ``trackio/sqlite_storage.py`` at schema version 2 (``PRAGMA user_version``): one file per
 project, ``$TRACKIO_DIR/<project>.db`` (default ``$HF_HOME/trackio``, i.e.
 ``~/.cache/huggingface/trackio``); a run is a ``run_id`` (unique) and a ``run_name``
 (shown); ``metrics`` holds one row per logged step with every value of that step in one
