@@ -58,7 +58,7 @@ _EXTERNAL = (
 # signature, not part of the reference
 _INTERNAL = (
     r"hvdnb\.(torch|tensorflow)\.compression\.\w+Compressor|hvdnb\.rank\.metrics\.core\.Recorder"
-    r"|hvdnb\.notebook\.tfcoord\.Scheduled|hvdnb\.notebook\.metrics\.watchers\.WatchSettings"
+    r"|hvdnb\.notebook\.tf\.tfcoord\.Scheduled|hvdnb\.notebook\.metrics\.watchers\.WatchSettings"
 )
 nitpick_ignore_regex = [
     (r"py:.*", _INTERNAL),

@@ -132,7 +132,7 @@ class CellResult:
     metrics_marks: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     #: ranks an elastic cluster lost while the cell ran, which went on without them
     lost: dict[int, dict[str, Any]] = field(default_factory=dict)
-    #: each rank's process-group generation when its cell ended (-1: not known)
+    #: each rank's process-group generation when its cell ended, -1 where not known
     generations: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property

@@ -37,11 +37,9 @@ class MetricRow(NamedTuple):
 class MetricRows(list):  # type: ignore[type-arg]
     """A list of ``MetricRow`` with exports.
 
-    Attributes
-    ----------
-    lost_points : points the ranks recorded that never reached the notebook (a rank's
-        ring lapped before it sent; 0 unless told otherwise)
-    lost_messages : the ranks' messages that never arrived (gaps in their sequence)
+    ``lost_points`` counts the points the ranks recorded that never reached the notebook (a
+    rank's ring lapped before it sent), ``lost_messages`` the ranks' messages that never
+    arrived (gaps in their sequence); both 0 unless ``hvdnb.metrics()`` said otherwise.
     """
 
     lost_points: int = 0
