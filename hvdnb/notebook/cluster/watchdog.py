@@ -25,6 +25,27 @@ import sys
 import time
 from typing import Any
 
+#: pid -> its start time (``/proc/PID/stat``'s 22nd field) when the watchdog began, so that a
+#: pid the kernel reused for another process is never taken for the cluster's: with a
+#: pid_max of 32,768 a long session (or the suite) wraps around within minutes, and a
+#: watchdog whose kernel died sent SIGTERM to another cluster's controller
+_STARTED: dict[int, str | None] = {}
+
+
+def _start_time(pid: int) -> str | None:
+    """``pid``'s start time in clock ticks since boot (None: no /proc, or no such pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _same(pid: int) -> bool:
+    """Is ``pid`` still the process the watchdog was given (not a reuse of its number)?"""
+    was = _STARTED.get(pid)
+    return was is None or _start_time(pid) == was
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -33,6 +54,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    if not _same(pid):
+        return False  # gone; its number now names another process
     try:  # a zombie is gone for our purposes
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
@@ -41,6 +64,8 @@ def _alive(pid: int) -> bool:
 
 
 def _signal(pid: int, sig: int) -> None:
+    if not _same(pid):
+        return  # not the cluster's process any more: never signal it, nor its group
     for kill in (os.killpg, os.kill):
         try:
             kill(pid, sig)
@@ -131,6 +156,10 @@ def retire(proc: subprocess.Popen[bytes] | None) -> None:
 
 def main(argv: list[str]) -> int:
     kernel, pids, cancels, files = _parse(argv)
+    if os.path.isdir("/proc/self"):  # where /proc tells, know each process by its start
+        for pid in pids:  # started a moment ago by the kernel: these are the cluster's
+            _STARTED[pid] = _start_time(pid)
+        pids = [p for p in pids if _STARTED[p] is not None]  # gone already: never signalled
     while _alive(kernel) and os.getppid() == kernel:
         if not any(_alive(p) for p in pids):
             return 0  # the cluster stopped first: nothing to guard
