@@ -22,6 +22,7 @@ __all__ = [
     "InputValueError",
     "UserFacing",
     "exception_lines",
+    "refusal",
     "user_frames",
 ]
 
@@ -70,6 +71,15 @@ class UserFacing:
 
 class InputError(UserFacing, Exception):
     """A value given to hvdnb's public API is not one it accepts."""
+
+
+def refusal(where: str, exc: BaseException) -> InputError:
+    """A validator's ``TypeError`` / ``ValueError`` as the public function's refusal, named
+    by it (``hvdnb.knobs: ...``): raise it ``from None`` in the public function."""
+    if isinstance(exc, InputError):
+        return exc
+    cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
+    return cls(f"{where}: {exc}")
 
 
 class InputTypeError(InputError, TypeError):

@@ -52,7 +52,7 @@ from hvdnb.notebook.metrics.tboard import RunRows
 from hvdnb.notebook.metrics.views import Views
 from hvdnb.notebook.metrics.watchers import Alarm, WatchSettings
 from hvdnb.protocol import kinds
-from hvdnb.protocol.errors import InputError, InputTypeError, InputValueError
+from hvdnb.protocol.errors import InputTypeError, refusal
 
 __all__ = [
     "MetricRow",
@@ -566,11 +566,8 @@ def set_knobs(
     __tracebackhide__ = True
     try:
         return attach().change_knobs(at_step=at_step, after=after, timeout=timeout, **values)
-    except InputError as exc:
-        raise exc.with_traceback(None) from None
     except (TypeError, ValueError) as exc:  # the knobs' own refusal (``protocol.knobs``)
-        cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
-        raise cls(f"hvdnb.set_knobs: {exc}") from None
+        raise refusal("hvdnb.set_knobs", exc).with_traceback(None) from None
 
 
 def watch(
@@ -615,8 +612,7 @@ def watch(
     try:
         return attach().set_watch(**values, **options)
     except (TypeError, ValueError) as exc:  # the watchers' refusal: nothing changed
-        cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
-        raise cls(f"hvdnb.watch: {exc}") from None
+        raise refusal("hvdnb.watch", exc).with_traceback(None) from None
 
 
 def _whole(what: str, v: Any, takes: str) -> Any:

@@ -216,7 +216,7 @@ class Recorder:
             # keeping it would keep its autograd graph alive until the drain
             loss = scalar(loss)
             if type(loss) is not float:  # a device tensor, or a value that is no number
-                loss = number("loss", loss)
+                loss = number("loss", loss, read=False)
         if metrics:  # tensors in it are read now too
             for v in metrics.values():
                 if type(v) is not float and type(v) is not int:

@@ -33,7 +33,7 @@ import threading
 from typing import Any
 
 from hvdnb.protocol import kinds
-from hvdnb.protocol.errors import InputError, InputTypeError, InputValueError
+from hvdnb.protocol.errors import InputError, InputValueError, refusal
 from hvdnb.protocol.kinds import Kind
 from hvdnb.protocol.knobs import at_step_error, coerce, make_spec, validate
 from hvdnb.rank.metrics import stop
@@ -267,8 +267,7 @@ def knobs(ranges: dict[str, tuple[float, float]] | None = None, **values: Any) -
     try:
         k = Knobs(values, ranges, rank, rec.channel)
     except (TypeError, ValueError) as exc:  # the spec's refusal (``protocol.knobs``)
-        cls = InputTypeError if isinstance(exc, TypeError) else InputValueError
-        raise cls(f"hvdnb.knobs: {exc}") from None
+        raise refusal("hvdnb.knobs", exc) from None
     old = CURRENT
     if old is not None and old.pending:
         with old._lock:  # plans for a step not reached yet belong to the new loop

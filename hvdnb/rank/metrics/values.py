@@ -56,10 +56,11 @@ def _elements(v: Any) -> int | None:
     return math.prod(dims)
 
 
-def number(name: str, v: Any) -> Any:
+def number(name: str, v: Any, read: bool = True) -> Any:
     """``v`` (not a float already) as ``log`` keeps it: a float, or a one-element device
-    tensor read later. Raises ``InputTypeError`` / ``InputValueError`` for anything else."""
-    s = scalar(v)
+    tensor read later. Raises ``InputTypeError`` / ``InputValueError`` for anything else.
+    ``read`` False: ``v`` is ``ring.scalar``'s answer already (the hot path's)."""
+    s = scalar(v) if read else v
     if type(s) is float:
         return s
     n = _elements(s)
