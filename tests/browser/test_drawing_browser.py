@@ -78,6 +78,18 @@ _ = m.fit(x, y, batch_size=8, epochs=1, verbose=1, callbacks=[Slow()])
 print("keras done")
 """
 
+#: the live-print habit on rank 0: a local kernel leaves only ``tick 4``
+TICKS = """%%distributed
+import time
+from IPython.display import clear_output
+import torch.distributed as d
+for i in range(5):
+    if d.get_rank() == 0:
+        clear_output(wait=True)
+        print(f"tick {i}")
+    time.sleep(0.3)
+"""
+
 #: what each cell shows at its end (a bar's final state), and a bar short of it
 CASES = [
     ("tqdm", TQDM, r"100%\|.*300/300", r"\b(\d{1,2})%\|.*\b\d{1,3}/300"),
@@ -93,6 +105,7 @@ def lab(lab_server):
     filler = "\n\n".join(f"Paragraph {i}: text above the training cells." for i in range(14))
     cells = [("code", "%load_ext hvdnb\n%dist start -n 2"), ("markdown", filler)]
     cells += [("code", code) for _, code, _, _ in CASES]
+    cells += [("code", TICKS)]
     write_notebook(lab_server["work"] / "drawing.ipynb", cells)
     return lab_server
 
@@ -139,3 +152,19 @@ def test_bars_draw_in_place_mid_run_and_end_at_their_final_state(lab):
             assert re.search(final, text), f"{name} did not end at its final state: {text[-1500:]}"
             assert seen_partial, f"{name}: no state short of the end was seen on screen"
             _shot(page, f"{name}-end")
+        # clear_output(wait=True) then print, on rank 0: only its last text is on screen
+        cell = cells.nth(len(CASES) + 2)
+        cell.scroll_into_view_if_needed()
+        cell.click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_function(
+            "(i) => { const p = [...document.querySelectorAll('.jp-InputPrompt')][i];"
+            " return p && /\\[\\d+\\]/.test(p.innerText); }",
+            arg=len(CASES) + 2,
+            timeout=120_000,
+        )
+        cell.scroll_into_view_if_needed()
+        text = cell.locator(".jp-OutputArea").inner_text()
+        _shot(page, "clear-then-print")
+        assert "[0] tick 4" in text, text
+        assert not re.search(r"tick [0-3]\b", text), text
