@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hvdnb.protocol import parsocache
+
 __all__ = ["complete", "inspect", "prewarm"]
 
 #: completions sent back at most (a module's attributes can be thousands)
@@ -31,6 +33,7 @@ def complete(code: str, cursor: int) -> list[tuple[str, int, int, str]]:
         ip = get_ipython()
         if ip is None:
             return []
+        parsocache.harden()  # a rank killed mid-write must not end Tab for everyone
         # one completion at a time: the prewarm thread's and a request's ran together, and
         # IPython's completer (jedi) failed in one of them, which answered no names at all
         with _ONE_AT_A_TIME, provisionalcompleter():

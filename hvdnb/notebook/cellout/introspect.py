@@ -22,6 +22,7 @@ from IPython.core.completer import CompletionContext, SimpleCompletion, completi
 
 from hvdnb.notebook.cellout import automode
 from hvdnb.notebook.cluster import lifecycle
+from hvdnb.protocol import parsocache
 from hvdnb.protocol.remote import COMPLETE, COMPLETER_PREWARM, INSPECT
 
 __all__ = ["ANSWER_WITHIN", "install", "prewarm", "rank_body"]
@@ -100,6 +101,7 @@ def install(shell: Any) -> None:
     if id(shell) in _INSTALLED:
         return
     _INSTALLED.add(id(shell))
+    parsocache.harden()  # a truncated cache file (a rank killed mid-write) ends Tab here too
     shell.Completer.custom_matchers.append(_make_matcher(shell))
     local_mime = shell.object_inspect_mime
     local_inspect = shell._inspect
