@@ -54,7 +54,7 @@ from hvdnb.notebook.cluster.elastic import request as elastic_request
 from hvdnb.notebook.cluster.elastic import scale as elastic_scale
 from hvdnb.notebook.cluster.hub import Hub
 from hvdnb.notebook.cluster.launch import find_mpiexec
-from hvdnb.notebook.cluster.procs import LoopThread, kill_survivors, polite_shutdown
+from hvdnb.notebook.cluster.procs import LoopThread, kill_survivors, polite_shutdown, processes
 from hvdnb.notebook.cluster.spec import ClusterError, StartSpec
 from hvdnb.notebook.cluster.standby import Standby
 from hvdnb.notebook.cluster.watchdog import cluster_files, remove_files, retire, watch
@@ -515,7 +515,8 @@ class Cluster:
     def _teardown(self, force: bool = False) -> None:
         """Stop everything. ``force``: ranks are known to be stuck, so kill them first
         instead of asking (and waiting) politely."""
-        pids = self.pids() if self._ipp is not None else []
+        # taken now, with their start times: killed below only if still the same processes
+        pids = processes(self.pids()) if self._ipp is not None else []
         profile = self._ipp.profile_dir if self._ipp is not None else None
         if force:
             kill_survivors(pids)

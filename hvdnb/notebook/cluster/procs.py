@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["LoopThread", "kill_survivors", "polite_shutdown"]
+__all__ = ["LoopThread", "kill_survivors", "polite_shutdown", "processes"]
 
 
 def polite_shutdown(client: Any, wait: float, ranks: list[int]) -> None:
@@ -50,15 +50,29 @@ def polite_shutdown(client: Any, wait: float, ranks: list[int]) -> None:
             break
 
 
-def kill_survivors(pids: list[int], wait: float = 1.0) -> None:
-    """SIGKILL what a polite stop left behind: an engine busy in a loop that ignores
-    signals never reaches ipyparallel's own shutdown code."""
-
+def processes(pids: list[int]) -> list[psutil.Process]:
+    """``pids`` as psutil processes, each knowing its start time: one killed later through
+    these is refused if its pid was reused meanwhile (pid_max 32,768 wraps in minutes)."""
     procs = []
     for pid in pids:
         try:
-            p = psutil.Process(pid)
-            if p.status() != psutil.STATUS_ZOMBIE:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def kill_survivors(pids: list[int] | list[psutil.Process], wait: float = 1.0) -> None:
+    """SIGKILL what a polite stop left behind: an engine busy in a loop that ignores
+    signals never reaches ipyparallel's own shutdown code. Pass the processes taken
+    before the stop began (``processes``): a bare pid looked up now may name another
+    process already."""
+
+    procs = []
+    for given in pids:
+        try:
+            p = given if isinstance(given, psutil.Process) else psutil.Process(given)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 procs.append(p)
         except psutil.NoSuchProcess:
             pass
