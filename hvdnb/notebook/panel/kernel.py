@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["IdleTimer", "control_subshell", "kernel", "route_comms"]
+__all__ = ["IdleTimer", "control_subshell", "kernel", "route_comms", "serve_page_loads"]
 
 _SUBSHELL: dict[int, str] = {}
 
@@ -93,6 +93,123 @@ def route_comms(widgets: list[Any], subshell_id: str | None) -> int:
         except Exception:
             pass
     return n
+
+
+#: the shell messages a page sends when it loads (or reloads) that hvdnb answers on its
+#: subshell while a cell runs: its kernel info, and ipywidgets' state request (the
+#: ``jupyter.widget.control`` comm, opened by each page that loads, and that comm's
+#: ``request_states``). Queued behind a training cell on the main thread, a reloaded page
+#: drew no widget until the cell ended.
+PAGE_LOAD_TYPES = frozenset({"kernel_info_request", "comm_info_request"})
+WIDGET_CONTROL_TARGET = "jupyter.widget.control"
+_SERVING: set[int] = set()
+
+
+def serve_page_loads(subshell_id: str | None) -> bool:
+    """Answer a loading page's kernel info and widget-state requests on ``subshell_id``
+    (ipykernel 7), so that a page reloaded while a cell trains draws the kernel's widgets
+    (the panel, the cell's live view) at once. Every other message goes the way ipykernel
+    sends it. Returns whether the routing is in place."""
+    k = kernel()
+    if subshell_id is None or k is None or id(k) in _SERVING:
+        return id(k) in _SERVING if k is not None else False
+    sct = getattr(k, "shell_channel_thread", None)
+    stream = getattr(k, "shell_stream", None)
+    if sct is None or stream is None:
+        return False
+    ipykernel_route = k.shell_channel_thread_main  # ipykernel's router, bound
+    routed: set[str] = set()  # control comms opened on the subshell
+
+    def ours(msg: Any) -> bool:
+        _, rest = k.session.feed_identities(msg, copy=False)
+        head = k.session.deserialize(rest, content=False, copy=False)
+        header = head["header"]
+        if header.get("subshell_id"):
+            return False
+        kind = header["msg_type"]
+        if kind in PAGE_LOAD_TYPES:
+            return True
+        if kind not in ("comm_open", "comm_msg", "comm_close"):
+            return False
+        content = k.session.unpack(head["content"])
+        comm_id = content.get("comm_id")
+        if kind == "comm_open" and content.get("target_name") == WIDGET_CONTROL_TARGET:
+            routed.add(comm_id)
+            return True
+        if comm_id in routed:
+            if kind == "comm_close":
+                routed.discard(comm_id)
+            return True
+        return False
+
+    def addressed(msg: Any) -> list[Any]:
+        """The message as the page would have sent it to the subshell: its header names
+        the subshell (ipykernel checks that a request other than a comm message carries the
+        id of the subshell that runs it), signed again with the kernel's key."""
+        idents, rest = k.session.feed_identities(msg, copy=False)
+        head = k.session.deserialize(rest, content=False, copy=False)  # a peek: no digest kept
+        if head["header"]["msg_type"] in ("comm_msg", "comm_close"):
+            return list(msg)  # routed by their comm: as they came
+        full = k.session.deserialize(rest, content=True, copy=False)
+        full["header"]["subshell_id"] = subshell_id
+        return list(k.session.serialize(full, ident=idents))
+
+    async def route(msg: Any) -> None:
+        try:
+            if ours(msg):
+                frames = addressed(msg)
+                sock = sct.manager.get_shell_channel_to_subshell_socket(subshell_id)
+                async with sct.asyncio_lock:
+                    sock.send_multipart(frames, copy=False)
+                return
+        except Exception:  # an unknown shape: ipykernel's own path decides
+            pass
+        await ipykernel_route(msg)
+
+    _quiet_subshell_comms(k)
+    done = threading.Event()
+
+    def install() -> None:
+        try:
+            stream.on_recv(route, copy=False)
+            _SERVING.add(id(k))
+        finally:
+            done.set()
+
+    sct.io_loop.add_callback(install)
+    done.wait(5.0)
+    return id(k) in _SERVING
+
+
+_COMM_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
+
+
+def _quiet_subshell_comms(k: Any) -> None:
+    """Keep the page's kernel status true while a cell runs. ipykernel publishes busy and
+    idle around every shell message, a subshell's too, and a page takes each status as the
+    kernel's: every knob moved and every page that loaded turned the status bar to "Idle"
+    while the cell trained. So, off the main thread: a comm message gets no status at all
+    (it has no reply, and no front end waits for its idle), and any other request's idle
+    (a loading page's kernel info, which the page waits for) is followed by the main
+    shell's "busy" again while the main shell runs a cell."""
+    publish = k._publish_status
+    main: dict[str, Any] = {"status": "idle", "parent": None}
+
+    def truthful(status: str, channel: str, parent: Any = None) -> Any:
+        if status not in ("busy", "idle"):
+            return publish(status, channel, parent)
+        msg = parent or k.get_parent(channel)
+        if threading.current_thread() is threading.main_thread():
+            main.update(status=status, parent=msg)
+            return publish(status, channel, parent)
+        if (msg or {}).get("header", {}).get("msg_type") in _COMM_TYPES:
+            return None
+        out = publish(status, channel, parent)
+        if status == "idle" and main["status"] == "busy" and main["parent"] is not None:
+            publish("busy", "shell", main["parent"])  # the cell still runs
+        return out
+
+    k._publish_status = truthful
 
 
 class IdleTimer:

@@ -1,0 +1,141 @@
+"""A page that loads while a cell trains (a reload, a second tab), in the real kernel over
+jupyter_client, at 1, 2 and 3 ranks.
+
+A page that loads asks the kernel for its kernel info, then opens ipywidgets' control comm
+(``jupyter.widget.control``) and sends ``request_states``: the state of every widget, from
+which it draws the panel again. Those requests reach the kernel on its shell channel, where
+a training cell holds the main thread; hvdnb answers them on its subshell
+(``hvdnb.notebook.panel.kernel.serve_page_loads``). Each test holds the cell until it
+releases it, so "while the cell runs" is a fact here, not a timing.
+
+Also: with no page to report that the side area drew the panel, the ``%dist start`` cell's
+stand-in says so and shows the panel itself (``hvdnb.notebook.panel.beacon``).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+
+import pytest
+from jupyter_client.blocking import BlockingKernelClient
+
+from hvdnb.notebook.headless.runner import Kernel
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(400)]
+
+#: a cell that trains (logs a step every 20 ms) until the test releases it
+HELD = """%%distributed
+import os, time, hvdnb
+step = 0
+while not os.path.exists({release!r}):
+    hvdnb.log(step, 1.0 / (step + 1))
+    if step == 5:
+        open({started!r}, "a").close()
+    step += 1
+    time.sleep(0.02)
+print("trained", step > 5)
+"""
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}rank")
+def kernel(request):
+    n = request.param
+    with Kernel({"HVDNB_PANEL": "side"}) as k:  # the default: beside the notebook
+        extra = " --oversubscribe" if n > 2 else ""
+        r = k.run(f"%dist start -n {n} --timeout 120{extra}", timeout=240)
+        assert r.error is None, r
+        k.start_run = r
+        yield k
+
+
+def _states(msg: dict) -> dict | None:
+    data = msg["content"].get("data") or {}
+    return data.get("states") if data.get("method") == "update_states" else None
+
+
+def test_with_no_page_to_draw_the_side_area_the_start_cell_shows_the_panel(kernel):
+    """Nothing renders the side area here (no page), so nothing reports it: the stand-in
+    first says it is opening the panel, then that this page has no side area, and holds
+    the panel itself. It never claims the panel is beside the notebook."""
+    r = kernel.start_run
+    opened = [c for c in r.comm_opens if "hvdnb-stub-box" in str(c)]
+    assert len(opened) == 1, r.comm_opens
+    first = [c for c in r.comm_opens if "hvdnb-stub-waiting" in str(c)]
+    assert first, "the stand-in's first line is not 'opening ...'"
+    assert not [c for c in r.comm_opens if "hvdnb-stub-shown" in str(c)]
+    # the idle timer follows the (missing) report: read what it sent after the cell
+    deadline = time.monotonic() + 60
+    missing = box = None
+    while time.monotonic() < deadline and not (missing and box):
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        text = str(msg["content"].get("data", {}))
+        if "hvdnb-stub-missing" in text and "no side area" in text:
+            missing = msg
+        if "'children'" in text and opened[0]["comm_id"] == msg["content"].get("comm_id"):
+            box = msg
+    assert missing is not None, "the stand-in never said the page has no side area"
+    assert box is not None, "the stand-in never took the panel in"
+    children = box["content"]["data"]["state"]["children"]
+    assert len(children) == 2, children  # its line, then the panel
+
+
+def test_a_page_loaded_mid_cell_gets_the_kernel_info_and_every_widget_at_once(kernel, tmp_path):
+    release, started = tmp_path / "release", tmp_path / "started"
+    msg_id = kernel.kc.execute(HELD.format(release=str(release), started=str(started)))
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "the cell did not start training"
+    # a reloaded page: a second connection to the same kernel, with a session of its own
+    # (``km.client()`` would share the first client's, and its record of signatures seen)
+    page = BlockingKernelClient(connection_file=kernel.km.connection_file)
+    page.load_connection_file()
+    page.start_channels()
+    try:
+        info = page.kernel_info(reply=True, timeout=60)  # on main: after the cell
+        assert info["content"]["status"] == "ok"
+        assert not release.exists()
+        comm_id = uuid.uuid4().hex
+        page.shell_channel.send(
+            page.session.msg(
+                "comm_open",
+                {"comm_id": comm_id, "target_name": "jupyter.widget.control", "data": {}},
+                metadata={"version": "1.0.0"},
+            )
+        )
+        page.shell_channel.send(
+            page.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "request_states"}})
+        )
+        states = None
+        deadline = time.monotonic() + 60
+        while states is None and time.monotonic() < deadline:
+            try:
+                msg = page.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "comm_msg" and msg["content"].get("comm_id") == comm_id:
+                states = _states(msg)
+        assert states is not None, "no update_states for the page's request"
+        # answered while the cell still trains: it is held until the test releases it
+        assert not release.exists()
+        assert kernel.kc.is_alive()
+        classes = [s["state"].get("_dom_classes") for s in states.values()]
+        assert ["hvdnb-panel"] in classes, classes  # the panel, to draw again
+        views = [s["state"].get("value", "") for s in states.values()]
+        assert any("hvdnb-header" in str(v) for v in views), "no panel view among the states"
+    finally:
+        release.touch()
+        page.stop_channels()
+    while True:  # the held cell ends normally, after the page's requests
+        msg = kernel.kc.get_iopub_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            pytest.fail(f"{msg['content']['ename']}: {msg['content']['evalue']}")
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
