@@ -46,9 +46,11 @@ from typing import Any
 
 from hvdnb.notebook.metrics.store import MetricsStore, get_store
 from hvdnb.notebook.panel import kernel as _kernel
+from hvdnb.notebook.panel.beacon import REPORT_WITHIN, make_beacon
 from hvdnb.notebook.panel.controls import Controls
+from hvdnb.notebook.panel.liveline import picture_line
 from hvdnb.notebook.panel.pins import Pins
-from hvdnb.notebook.panel.png import render_png
+from hvdnb.notebook.panel.png import draw, picture, render_png
 from hvdnb.notebook.panel.svg import charts_html
 from hvdnb.notebook.panel.tables import header_html, tables_html
 
@@ -98,6 +100,8 @@ class Panel:
         self.latencies: list[float] = []
         self.measure_latency = False
         self._subshell = _kernel.control_subshell()
+        # a page loaded while a cell trains asks for the widgets' state: answered at once
+        _kernel.serve_page_loads(self._subshell)
         self.line: Any = None  # the LiveLine under the running cell (with a kernel)
 
         #: everything drawn (header, charts, hint, tables) is this one widget: one comm
@@ -128,6 +132,13 @@ class Panel:
         self.view.add_class("hvdnb-view")
         self._sidecar: Any = None
         self._want_side = False
+        #: reports a view of the side area (``beacon``); None: anywidget is not installed
+        self._beacon = make_beacon("side")
+        if self._beacon is not None:
+            _kernel.route_comms([self._beacon], self._subshell)
+        self._side_asked = 0.0  # monotonic time the side area was last opened
+        #: training cells that ended and wait for their picture (``cell_ended``)
+        self._cell_pics: list[dict[str, Any]] = []
         self._stub: _Stub | None = None
         self._idle = _kernel.IdleTimer(self._idle_tick, 0.5)
         self.render(force=True)
@@ -175,9 +186,36 @@ class Panel:
                 old.close()
             except Exception:
                 pass
+        import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
+
         sc = Sidecar(title="hvdnb panel", anchor="split-right")
-        sc.append_display_data(self.box)
+        # one output: the beacon (no room) over the panel, so only the side area's view of
+        # the panel reports (the copy a page without a side area shows in the cell has none)
+        beacon = [self._beacon] if self._beacon is not None else []
+        sc.append_display_data(w.VBox([*beacon, self.box]))
         self._sidecar = sc
+        self._side_asked = time.monotonic()
+        if self._stub is not None:
+            self._stub.waiting()
+
+    def side_state(self) -> str:
+        """Where the side panel is, as the page reported it: "shown" (a view of the side
+        area rendered since it was opened), "waiting" (opened less than
+        ``REPORT_WITHIN`` s ago, no report yet), "missing" (no report in time: this page
+        has no side area, or no sidecar extension) or "closed" (never opened)."""
+        if not self._side_asked:
+            return "closed"
+        b = self._beacon
+        if b is not None and b.heard_since(self._side_asked):
+            return "shown"
+        if time.monotonic() - self._side_asked < REPORT_WITHIN:
+            return "waiting"
+        return "missing"
+
+    def _check_side(self) -> None:
+        """Follow the page's report in the ``%dist start`` cell's stand-in."""
+        if self._stub is not None and self._side_asked:
+            self._stub.follow(self.side_state())
 
     def want_side(self) -> None:
         """Open the panel beside the notebook at the next tick (any thread)."""
@@ -185,9 +223,60 @@ class Panel:
         if _kernel.kernel() is not None and self._subshell is None:
             self.tick(False)  # no subshell: we are on the main thread already
 
+    # -------------------------------------------------------------- each training cell's picture
+    def cell_ended(self, handle: Any, text: str) -> None:
+        """A training cell ended with ``text`` as its live line (``handle``): read its run's
+        charts now (the models: milliseconds), draw them in a background thread, and put
+        the picture under the line once drawn (``deliver_cell_pictures``), so the saved
+        notebook shows each run where it trained."""
+        try:
+            pic = picture(
+                self.store,
+                log_y=self.log_y.value,
+                smoothing=self.smoothing.value,
+                window=self.window.value,
+            )
+        except Exception:
+            return
+        item: dict[str, Any] = {"handle": handle, "text": text, "png": None}
+
+        def draw_it() -> None:
+            try:
+                with self._png_lock:
+                    item["png"] = draw(pic)
+            except Exception:
+                item["png"] = b""
+
+        item["thread"] = threading.Thread(target=draw_it, name="hvdnb-cell-picture", daemon=True)
+        self._cell_pics.append(item)
+        item["thread"].start()
+
+    def deliver_cell_pictures(self, wait: float = 0.0) -> int:
+        """Put each drawn cell picture under its cell's line (``update_display``; front ends
+        and nbclient apply it to the earlier cell's output by its display id); with
+        ``wait``, wait up to that many seconds for each draw. Returns how many were put."""
+        put = 0
+        for item in list(self._cell_pics):
+            if wait:
+                item["thread"].join(wait)
+            png = item["png"]
+            if png is None:
+                continue
+            self._cell_pics.remove(item)
+            if png:
+                try:
+                    item["handle"].update(picture_line(item["text"], png))
+                    put += 1
+                except Exception:
+                    pass
+        return put
+
     def snapshot(self, if_stale: bool = False) -> None:
         """Draw the PNG kept in every displayed copy (what a saved notebook shows) now, on
-        this thread; with ``if_stale``, only when the store changed since the last one."""
+        this thread; with ``if_stale``, only when the store changed since the last one.
+        Cell pictures still drawing are waited for and put in first."""
+        if self._cell_pics:
+            self.deliver_cell_pictures(wait=10.0)
         if not self._handles:
             return
         version = self.store.version
@@ -208,6 +297,7 @@ class Panel:
                 log_y=self.log_y.value,
                 smoothing=self.smoothing.value,
                 window=self.window.value,
+                runs=True,  # the %dist start cell's picture: every run since the kernel began
             )
 
     def _show_png(self, version: int, png: bytes) -> None:
@@ -222,6 +312,8 @@ class Panel:
         """Between cells (the kernel's event loop): redraw, show a picture drawn in the
         background, and start the next background draw when the store changed."""
         self.tick(False)
+        if self._cell_pics:
+            self.deliver_cell_pictures()
         ready = self._png_ready
         if ready is not None:
             self._png_ready = None
@@ -265,6 +357,9 @@ class Panel:
         if self._want_side:  # the stand-in's button, pressed on the control thread
             self._want_side = False
             self.open_side()
+        self._check_side()
+        if self._cell_pics:
+            self.deliver_cell_pictures()
         now = time.monotonic()
         if final:  # the cell's end: draw what changed; the saved picture waits for idle
             self.render()
@@ -356,9 +451,22 @@ class Panel:
         self.box.close()
 
 
+#: the stand-in's line in each state of the side panel (``Panel.side_state``)
+_STUB_LINES = {
+    "waiting": "hvdnb: opening the live panel beside the notebook...",
+    "shown": "hvdnb: the live panel is open beside the notebook.",
+    "missing": (
+        "hvdnb: this page has no side area for the live panel (Jupyter Notebook 7, VS Code, "
+        "or no jupyterlab-sidecar on the server): it is here."
+    ),
+}
+
+
 class _Stub:
     """What the ``%dist start`` cell shows when the panel is beside the notebook: a button
-    that brings the panel back, and the panel's last picture for saved notebooks."""
+    that brings the panel back, a line saying where the panel is (as the page reported it),
+    the panel itself where the page has no side area, and the panel's last picture for
+    saved notebooks."""
 
     def __init__(self, panel: Panel) -> None:
         import ipywidgets as w  # noqa: PLC0415  widgets: only when the panel is shown
@@ -372,13 +480,28 @@ class _Stub:
         )
         self.button.add_class("hvdnb-show-panel")
         self.button.on_click(self._on_click)
-        note = w.HTML(
-            "<span class='hvdnb-stub'>hvdnb: the live panel is open beside the "
-            "notebook. Not there? <code>%dist panel --inline</code> shows it "
-            "here.</span>"
-        )
-        self.box = w.HBox([self.button, note])
+        self.state = "waiting"
+        self.note = w.HTML(self._line(self.state))
+        self.line = w.HBox([self.button, self.note])
+        self.box = w.VBox([self.line], _dom_classes=("hvdnb-stub-box",))
         _kernel.route_comms([self.button], panel._subshell)
+
+    @staticmethod
+    def _line(state: str) -> str:
+        return f"<span class='hvdnb-stub hvdnb-stub-{state}'>{_STUB_LINES[state]}</span>"
+
+    def waiting(self) -> None:
+        """The side area was opened (again): wait for the page's report."""
+        self.follow("waiting")
+
+    def follow(self, state: str) -> None:
+        """Show ``state``'s line; in "missing", the panel itself below it."""
+        if state == self.state or state not in _STUB_LINES:
+            return
+        self.state = state
+        self.note.value = self._line(state)
+        here = state == "missing"
+        self.box.children = (self.line, self.panel.box) if here else (self.line,)
 
     def _on_click(self, *_: Any) -> None:
         self.panel.want_side()  # opened on the main thread (tick), never here
