@@ -45,6 +45,10 @@ class NotebookRunError(RuntimeError):
         self.exit_code = exit_code
 
 
+#: the hidden last cell of ``hvdnb run`` (``run_notebook``)
+_FLUSH = "import hvdnb.notebook.panel.panel as _hvdnb_panel\n_hvdnb_panel.flush_pictures()"
+
+
 def run_notebook(
     path: str | os.PathLike[str],
     n: int | None = None,
@@ -90,6 +94,10 @@ def run_notebook(
             env["HVDNB_STALL_AFTER"] = f"{min(stall, max(timeout / 2, 0.5)):g}"
     tree = _ProcessTree()
     error: NotebookRunError | None = None
+    # a last cell of its own puts in the pictures still drawing when the last training cell
+    # ended (nbclient reads only a running cell's messages, and applies each display update
+    # to the earlier cell it names); taken out of the saved copy
+    nb.cells.append(nbformat.v4.new_code_cell(_FLUSH, metadata={"hvdnb": "flush"}))
     with tempfile.TemporaryDirectory() as td:
         client = _client(nb, _kernel_manager(td, env, run=True), timeout, path, tree)
         try:
@@ -114,6 +122,7 @@ def run_notebook(
             del exc
         finally:
             tree.stop()
+            nb.cells = [c for c in nb.cells if c.get("metadata", {}).get("hvdnb") != "flush"]
             if error is not None and error.exit_code != 1:
                 client.note(str(error).split(": ", 1)[-1])
             nbformat.write(nb, out)

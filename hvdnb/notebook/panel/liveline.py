@@ -8,7 +8,8 @@ and keeps updating it in place (``update_display``, one message per update, at m
     run 3 · step 120/400 · loss r0 0.521 r1 0.563 · 1,240 samples/s · bottleneck: compute
     (62% of a 1.1 ms step) · batch_size=64 warmup_steps=100
 
-Figures: step is the highest step any rank logged; loss is each rank's latest (min-max
+Figures: step is the furthest rank's steps done (its last logged step + 1, so a
+finished ``range(400)`` loop reads 400/400); loss is each rank's latest (min-max
 beyond 4 ranks); samples/s and the bottleneck are the store's (``throughput``, ``hint``);
 the knob values are those in force now; the watchers' alarms of the run, last
 (``⚠ nan loss r1@57``: ``hvdnb.watch``). Runs on the notebook's main thread, called by
@@ -21,6 +22,7 @@ compiles, saves or prints, whose collectives and memory still reach the store).
 
 from __future__ import annotations
 
+import base64
 import html
 import time
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 from hvdnb.notebook.metrics.store import MetricsStore
 from hvdnb.protocol.kinds import MAIN_LOSS
 
-__all__ = ["STEP_METRICS", "LiveLine"]
+__all__ = ["STEP_METRICS", "LiveLine", "picture_line"]
 
 #: what a training step logs (``hvdnb.log``, the frameworks' callbacks): a run with none of
 #: these on any rank trained nothing
@@ -52,6 +54,9 @@ class LiveLine:
         self._handle: Any = None
         self._last = 0.0
         self._version = -1
+        #: called with (display handle, final text) when a training cell ends (the panel's
+        #: ``cell_ended``: the run's picture goes under the line)
+        self.on_end: Any = None
 
     def __call__(self, final: bool) -> None:
         st = self.store
@@ -73,6 +78,8 @@ class LiveLine:
         elif self._handle is not None:
             self._handle.update(out)
         self.updates += 1
+        if final and self.on_end is not None and self._handle is not None:
+            self.on_end(self._handle, out.text)
 
     def text(self, run: dict[str, Any], final: bool = False) -> str:
         """The line for ``run`` now."""
@@ -141,15 +148,28 @@ def _lost(rows: int, messages: int) -> str:
 
 
 class _Line:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, png: bytes = b"") -> None:
         self.text = text
+        self.png = png
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, str]:
-        return {
-            "text/plain": self.text,
-            "text/html": (
-                "<div class='hvdnb-liveline' style='font:12px monospace;"
-                "border-left:3px solid #4c78a8;padding-left:6px'>"
-                f"{html.escape(self.text)}</div>"
-            ),
-        }
+        img = ""
+        bundle = {"text/plain": self.text}
+        if self.png:
+            b64 = base64.b64encode(self.png).decode("ascii")
+            bundle["image/png"] = b64
+            img = (
+                f"<img class='hvdnb-run-picture' alt='the run: loss per rank, allreduce, "
+                f"step time split, memory' src='data:image/png;base64,{b64}'/>"
+            )
+        bundle["text/html"] = (
+            "<div class='hvdnb-liveline' style='font:12px monospace;"
+            "border-left:3px solid #4c78a8;padding-left:6px'>"
+            f"{html.escape(self.text)}</div>{img}"
+        )
+        return bundle
+
+
+def picture_line(text: str, png: bytes) -> Any:
+    """A cell's last live line with its run's picture under it (what the saved file keeps)."""
+    return _Line(text, png)

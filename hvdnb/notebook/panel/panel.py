@@ -29,7 +29,7 @@ from hvdnb.notebook.panel import kernel as _kernel
 from hvdnb.notebook.panel.layout import Panel
 from hvdnb.notebook.panel.liveline import LiveLine
 
-__all__ = ["Panel", "get_panel", "show_panel"]
+__all__ = ["Panel", "flush_pictures", "get_panel", "show_panel"]
 
 _PANEL: Panel | None = None
 
@@ -42,8 +42,43 @@ def get_panel(create: bool = True) -> Panel | None:
         cells.add_wait_hook(_PANEL.tick)
         if _kernel.kernel() is not None:  # a terminal would print every update
             _PANEL.line = LiveLine(_PANEL.store)
+            _PANEL.line.on_end = _PANEL.cell_ended
             cells.add_wait_hook(_PANEL.line)
+            _deliver_around_cells(_PANEL)
     return _PANEL
+
+
+def flush_pictures(wait: float = 10.0) -> int:
+    """Put every training cell's picture still drawing under its line, and bring the
+    ``%dist start`` cell's picture up to date (``hvdnb run`` calls it after the last cell;
+    ``%dist stop`` does it too). Returns how many cell pictures were put."""
+    p = get_panel(create=False)
+    if p is None:
+        return 0
+    put = p.deliver_cell_pictures(wait=wait)
+    p.snapshot(if_stale=True)
+    return put
+
+
+def _deliver_around_cells(panel: Panel) -> None:
+    """Put drawn cell pictures in before and after every cell too (IPython's events), with
+    that cell's parent header: a headless run (nbclient) reads only the running cell's
+    messages, and applies a display update to the earlier cell it names."""
+    try:
+        from IPython import get_ipython  # noqa: PLC0415  IPython: only inside a kernel
+
+        ip = get_ipython()
+    except Exception:
+        return
+    if ip is None:
+        return
+
+    def deliver(*_: Any) -> None:
+        if panel._cell_pics:
+            panel.deliver_cell_pictures()
+
+    ip.events.register("pre_run_cell", deliver)
+    ip.events.register("post_run_cell", deliver)
 
 
 def show_panel(

@@ -15,6 +15,7 @@ reading as 0 (it says "n/a").
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,29 +30,34 @@ from hvdnb.notebook.panel.charts import (
     BarChart,
     LineChart,
     MemoryChart,
+    RunsChart,
     allreduce_chart,
     breakdown_chart,
     loss_chart,
     memory_chart,
+    runs_chart,
 )
 
-__all__ = ["render_png"]
+__all__ = ["Picture", "draw", "picture", "render_png"]
 
 
 class _Figure:
-    """A reusable figure (creating one costs more than drawing it)."""
+    """A reusable figure (creating one costs more than drawing it): the four charts in two
+    rows, and with ``runs`` a third row across both columns for the runs chart."""
 
-    def __init__(self, width: float = 10.0, height: float = 6.2, dpi: int = 72) -> None:
+    def __init__(self, runs: bool = False, dpi: int = 72) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415  matplotlib is heavy: only for the saved picture
         from matplotlib.figure import Figure  # noqa: PLC0415  matplotlib is heavy: only for the saved picture
 
-        self.fig = Figure(figsize=(width, height), dpi=dpi)
+        rows = 3 if runs else 2
+        self.fig = Figure(figsize=(10.0, 3.1 * rows), dpi=dpi)
         self.canvas = FigureCanvasAgg(self.fig)
-        gs = self.fig.add_gridspec(2, 2, hspace=0.45, wspace=0.25)
+        gs = self.fig.add_gridspec(rows, 2, hspace=0.45, wspace=0.25)
         self.ax_loss = self.fig.add_subplot(gs[0, 0])
         self.ax_comm = self.fig.add_subplot(gs[0, 1])
         self.ax_break = self.fig.add_subplot(gs[1, 0])
         self.ax_mem = self.fig.add_subplot(gs[1, 1])
+        self.ax_runs = self.fig.add_subplot(gs[2, :]) if runs else None
 
     def png(self) -> bytes:
         buf = io.BytesIO()
@@ -59,14 +65,60 @@ class _Figure:
         return buf.getvalue()
 
 
-_FIG: _Figure | None = None
+_FIGS: dict[bool, _Figure] = {}
 
 
-def _figure() -> _Figure:
-    global _FIG
-    if _FIG is None:
-        _FIG = _Figure()
-    return _FIG
+def _figure(runs: bool = False) -> _Figure:
+    if runs not in _FIGS:
+        _FIGS[runs] = _Figure(runs)
+    return _FIGS[runs]
+
+
+@dataclass
+class Picture:
+    """What one picture draws: the chart models, read from the store at one moment (a
+    cell's end: that run's, however soon the next one starts) and drawn later, off the
+    cell's path (``draw``)."""
+
+    loss: LineChart
+    comm: LineChart
+    breakdown: BarChart
+    memory: MemoryChart
+    runs: RunsChart | None = None
+
+
+def picture(
+    store: MetricsStore,
+    *,
+    log_y: bool = False,
+    smoothing: float = 0.0,
+    ranks: list[int] | None = None,
+    window: int = 0,
+    runs: bool = False,
+) -> Picture:
+    """Read the models of a picture of ``store``'s current run (and with ``runs``, the runs
+    chart of every run since the kernel started) now."""
+    return Picture(
+        loss_chart(
+            store, points=PNG_POINTS, alpha=smoothing, log_y=log_y, ranks=ranks, window=window
+        ),
+        allreduce_chart(store, points=PNG_POINTS, ranks=ranks, window=window),
+        breakdown_chart(store),
+        memory_chart(store),
+        runs_chart(store, points=PNG_POINTS, log_y=log_y) if runs else None,
+    )
+
+
+def draw(p: Picture) -> bytes:
+    """``p`` drawn to PNG bytes (matplotlib: hundreds of ms; never on a cell's path)."""
+    f = _figure(p.runs is not None)
+    _loss(f.ax_loss, p.loss)
+    _comm(f.ax_comm, p.comm)
+    _breakdown(f.ax_break, p.breakdown)
+    _memory(f.ax_mem, p.memory)
+    if f.ax_runs is not None and p.runs is not None:
+        _runs(f.ax_runs, p.runs)
+    return f.png()
 
 
 def render_png(
@@ -76,18 +128,32 @@ def render_png(
     smoothing: float = 0.0,
     ranks: list[int] | None = None,
     window: int = 0,
+    runs: bool = False,
 ) -> bytes:
     """Draw the four charts from ``store`` and return PNG bytes; the loss and allreduce
-    over the last ``window`` steps (0: the whole run), as the live panel shows them."""
-    f = _figure()
-    loss = loss_chart(
-        store, points=PNG_POINTS, alpha=smoothing, log_y=log_y, ranks=ranks, window=window
+    over the last ``window`` steps (0: the whole run), as the live panel shows them; with
+    ``runs``, the runs chart below them."""
+    return draw(
+        picture(store, log_y=log_y, smoothing=smoothing, ranks=ranks, window=window, runs=runs)
     )
-    _loss(f.ax_loss, loss)
-    _comm(f.ax_comm, allreduce_chart(store, points=PNG_POINTS, ranks=ranks, window=window))
-    _breakdown(f.ax_break, breakdown_chart(store))
-    _memory(f.ax_mem, memory_chart(store))
-    return f.png()
+
+
+def _runs(ax: Any, m: RunsChart) -> None:
+    _start(ax, m.title)
+    ax.set_xlabel("samples seen" if m.x == "samples" else "step", fontsize=8)
+    if not m.lines:
+        _empty(ax, m.empty)
+        return
+    colors = []
+    for i, (label, xs, ys) in enumerate(m.lines):
+        style = ":" if i in m.earlier else "-"
+        (ln,) = ax.plot(xs, ys, lw=1.1, ls=style, label=label)
+        colors.append(ln.get_color())
+    for x, _label, i in m.marks:  # knob changes, in their run's colour
+        ax.axvline(x, color=colors[i] if i < len(colors) else MARK_COLOR, ls="--", lw=0.7)
+    if m.log_y:
+        ax.set_yscale("log")
+    ax.legend(fontsize=6, loc="upper right", ncol=1 if len(m.lines) <= 6 else 2)
 
 
 def _start(ax: Any, title: str) -> None:
