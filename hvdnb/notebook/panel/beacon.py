@@ -5,10 +5,10 @@ front end: JupyterLab with jupyterlab-sidecar draws it in a split of the main ar
 Jupyter Notebook 7 has no such area, and a server without the sidecar extension cannot
 make its model. In both, the kernel's messages go out the same way and nothing comes
 back. So the panel does not guess: beside it, in the side area's output, sits a
-``Beacon``, an anywidget whose view sends one message (``{"rendered": ...}``) when a page
-shows it (rendered, and not in an area the page hides); it takes no room. No message within ``REPORT_WITHIN`` seconds of the
-panel being opened there, and the ``%dist start`` cell shows the panel itself
-(``hvdnb.notebook.panel.layout``).
+``Beacon``, an anywidget whose view sends one message (``{"rendered": ...}``) once a page
+shows it (rendered, and in no area the page hides); it takes no room. No message within
+``REPORT_WITHIN`` seconds of the panel being opened there, and the ``%dist start`` cell
+shows the panel itself (``hvdnb.notebook.panel.layout``).
 
 Owns: the beacon's view code and what it heard. Never: draw anything visible, or need a
 build step (anywidget ships its front end as a prebuilt extension).
