@@ -104,6 +104,7 @@ OPTIONAL: Final[dict[str, OptionalModule]] = {
     "sklearn": OptionalModule("lessons", "scikit-learn", what="scikit-learn", lesson=True),
     "tensorboard": OptionalModule("test", "tensorboard", what="TensorBoard's event files"),
     "playwright": OptionalModule("test", "playwright", what="browser tests"),
+    "notebook": OptionalModule("test", "notebook", what="the browser tests' Notebook 7 walk"),
     "pytest": OptionalModule("test", "pytest", what="the test suite"),
     "pytest_timeout": OptionalModule("test", "pytest-timeout", what="the test suite"),
     "xdist": OptionalModule("test", "pytest-xdist", what="the test suite's two lanes"),

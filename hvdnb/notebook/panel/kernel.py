@@ -166,7 +166,7 @@ def serve_page_loads(subshell_id: str | None) -> bool:
             pass
         await ipykernel_route(msg)
 
-    _quiet_subshell_comms(k)
+    _keep_busy_while_a_cell_runs(k)
     done = threading.Event()
 
     def install() -> None:
@@ -181,29 +181,23 @@ def serve_page_loads(subshell_id: str | None) -> bool:
     return id(k) in _SERVING
 
 
-_COMM_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
-
-
-def _quiet_subshell_comms(k: Any) -> None:
+def _keep_busy_while_a_cell_runs(k: Any) -> None:
     """Keep the page's kernel status true while a cell runs. ipykernel publishes busy and
     idle around every shell message, a subshell's too, and a page takes each status as the
     kernel's: every knob moved and every page that loaded turned the status bar to "Idle"
-    while the cell trained. So, off the main thread: a comm message gets no status at all
-    (it has no reply, and no front end waits for its idle), and any other request's idle
-    (a loading page's kernel info, which the page waits for) is followed by the main
-    shell's "busy" again while the main shell runs a cell."""
+    while the cell trained. The idle itself must stay (ipywidgets sends a widget's next
+    change only after the idle of its last; a page's kernel info waits for it), so an idle
+    published off the main thread while the main shell runs a cell is followed by that
+    cell's "busy" again."""
     publish = k._publish_status
     main: dict[str, Any] = {"status": "idle", "parent": None}
 
     def truthful(status: str, channel: str, parent: Any = None) -> Any:
         if status not in ("busy", "idle"):
             return publish(status, channel, parent)
-        msg = parent or k.get_parent(channel)
         if threading.current_thread() is threading.main_thread():
-            main.update(status=status, parent=msg)
+            main.update(status=status, parent=parent or k.get_parent(channel))
             return publish(status, channel, parent)
-        if (msg or {}).get("header", {}).get("msg_type") in _COMM_TYPES:
-            return None
         out = publish(status, channel, parent)
         if status == "idle" and main["status"] == "busy" and main["parent"] is not None:
             publish("busy", "shell", main["parent"])  # the cell still runs
