@@ -191,17 +191,21 @@ def _keep_busy_while_a_cell_runs(k: Any) -> None:
     cell's "busy" again."""
     publish = k._publish_status
     main: dict[str, Any] = {"status": "idle", "parent": None}
+    # one status at a time: a subshell's idle and busy-again must not straddle the main
+    # shell's idle at the cell's end (the page would then say "Busy" after the cell)
+    order = threading.Lock()
 
     def truthful(status: str, channel: str, parent: Any = None) -> Any:
         if status not in ("busy", "idle"):
             return publish(status, channel, parent)
-        if threading.current_thread() is threading.main_thread():
-            main.update(status=status, parent=parent or k.get_parent(channel))
-            return publish(status, channel, parent)
-        out = publish(status, channel, parent)
-        if status == "idle" and main["status"] == "busy" and main["parent"] is not None:
-            publish("busy", "shell", main["parent"])  # the cell still runs
-        return out
+        with order:
+            if threading.current_thread() is threading.main_thread():
+                main.update(status=status, parent=parent or k.get_parent(channel))
+                return publish(status, channel, parent)
+            out = publish(status, channel, parent)
+            if status == "idle" and main["status"] == "busy" and main["parent"] is not None:
+                publish("busy", "shell", main["parent"])  # the cell still runs
+            return out
 
     k._publish_status = truthful
 
