@@ -21,19 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jupyter_client.blocking import BlockingKernelClient
 
 from hvdnb.notebook.headless.runner import Kernel
 
@@ -50,9 +47,7 @@ while not os.path.exists({release!r}):
 
 
 def _page_load(k: Kernel, wait: float) -> dict[str, Any]:
-    page = BlockingKernelClient(connection_file=k.km.connection_file)
-    page.load_connection_file()
-    page.start_channels()
+    page = k.page()
     try:
         t0 = time.perf_counter()
         try:
@@ -60,36 +55,14 @@ def _page_load(k: Kernel, wait: float) -> dict[str, Any]:
             info, info_ok = time.perf_counter() - t0, True
         except Exception:
             info, info_ok = wait, False
-        cid = uuid.uuid4().hex
         t1 = time.perf_counter()
-        page.shell_channel.send(
-            page.session.msg(
-                "comm_open",
-                {"comm_id": cid, "target_name": "jupyter.widget.control", "data": {}},
-                metadata={"version": "1.0.0"},
-            )
-        )
-        page.shell_channel.send(
-            page.session.msg("comm_msg", {"comm_id": cid, "data": {"method": "request_states"}})
-        )
-        states = None
-        while states is None and time.perf_counter() - t1 < wait:
-            try:
-                m = page.get_iopub_msg(timeout=0.5)
-            except queue.Empty:
-                continue
-            data = m["content"].get("data") or {}
-            if (
-                m["msg_type"] == "comm_msg"
-                and m["content"].get("comm_id") == cid
-                and data.get("method") == "update_states"
-            ):
-                states = time.perf_counter() - t1
+        got = Kernel.widget_states(page, wait)
+        states = time.perf_counter() - t1 if got is not None else wait
         return {
             "kernel_info_s": info,
             "kernel_info_answered": info_ok,
-            "states_s": states if states is not None else wait,
-            "states_answered": states is not None,
+            "states_s": states,
+            "states_answered": got is not None,
         }
     finally:
         page.stop_channels()

@@ -148,20 +148,25 @@ def lab_server(tmp_path_factory):
 
 @contextmanager
 def lab_page(
-    lab: dict[str, Any], notebook: str, last: Callable[[Any], None] | None = None
+    lab: dict[str, Any],
+    notebook: str,
+    last: Callable[[Any], None] | None = None,
+    front_end: str = "lab/tree",
+    ready: str = "text=/\\| Idle/",
 ) -> Iterator[Any]:
     """A Chromium page on ``notebook`` in the lab server, once its kernel is idle (the
     status bar's "| Idle": the toolbar can say idle before the kernel is) and JupyterLab's
     news question is answered, so it covers nothing; ``last(page)`` runs at the end, passed
-    or failed (a last screenshot), then the browser is closed."""
+    or failed (a last screenshot), then the browser is closed. ``front_end``: the page's
+    path (``notebooks`` for Jupyter Notebook 7), ``ready``: what it shows once usable."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         try:
-            page.goto(f"{lab['url']}/lab/tree/{notebook}?token={lab['token']}")
-            page.wait_for_selector("text=/\\| Idle/", timeout=90_000)
+            page.goto(f"{lab['url']}/{front_end}/{notebook}?token={lab['token']}")
+            page.wait_for_selector(ready, timeout=90_000)
             try:
                 page.locator(".jp-toast-button:has-text('No')").click(timeout=3000)
             except Exception:

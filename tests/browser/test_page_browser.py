@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.browser._lab import ARGS, ARTIFACTS, CHROMIUM, lab_page, write_notebook
+from tests.browser._lab import ARTIFACTS, lab_page, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -108,29 +108,24 @@ def test_jupyterlab_says_the_panel_is_beside_and_a_reload_mid_cell_brings_it_bac
 
 
 def test_notebook_7_shows_the_panel_in_the_start_cell(lab):
-    from playwright.sync_api import sync_playwright
-
     write_notebook(lab["work"] / "nb7.ipynb", [("code", START), ("code", "1 + 1")])
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{lab['url']}/notebooks/nb7.ipynb?token={lab['token']}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            assert page.locator(".jp-LabShell").count() == 0  # Notebook 7's own shell
-            page.wait_for_selector("text=Python 3 (hvdnb)", timeout=90_000)
-            # its kernel indicator is an icon; a cell run before the kernel is ready waits
-            # for it, as in JupyterLab
-            page.locator(".jp-Notebook .jp-Cell").nth(0).click()
-            page.keyboard.press("Shift+Enter")
-            # shown where the person looks: in the cell, with the line saying why
-            page.wait_for_selector(".jp-Notebook .hvdnb-panel", state="visible", timeout=120_000)
-            note = page.locator(".jp-Notebook .hvdnb-stub-missing")
-            note.wait_for(timeout=30_000)
-            assert "no side area" in note.inner_text()
-            assert page.locator(".jp-Notebook .hvdnb-stub-shown").count() == 0
-            page.wait_for_selector(".jp-Notebook .hvdnb-view", state="visible", timeout=30_000)
-            _shot(page, "nb7-panel-in-cell")
-        finally:
-            _shot(page, "nb7-last")
-            browser.close()
+    # Notebook 7's kernel indicator is an icon: its name is shown once the page is up, and a
+    # cell run before the kernel is ready waits for it, as in JupyterLab
+    with lab_page(
+        lab,
+        "nb7.ipynb",
+        last=lambda pg: _shot(pg, "nb7-last"),
+        front_end="notebooks",
+        ready="text=Python 3 (hvdnb)",
+    ) as page:
+        assert page.locator(".jp-LabShell").count() == 0  # Notebook 7's own shell
+        page.locator(".jp-Notebook .jp-Cell").nth(0).click()
+        page.keyboard.press("Shift+Enter")
+        # shown where the person looks: in the cell, with the line saying why
+        page.wait_for_selector(".jp-Notebook .hvdnb-panel", state="visible", timeout=120_000)
+        note = page.locator(".jp-Notebook .hvdnb-stub-missing")
+        note.wait_for(timeout=30_000)
+        assert "no side area" in note.inner_text()
+        assert page.locator(".jp-Notebook .hvdnb-stub-shown").count() == 0
+        page.wait_for_selector(".jp-Notebook .hvdnb-view", state="visible", timeout=30_000)
+        _shot(page, "nb7-panel-in-cell")

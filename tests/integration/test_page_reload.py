@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import queue
 import time
-import uuid
 
 import pytest
-from jupyter_client.blocking import BlockingKernelClient
 
 from hvdnb.notebook.headless.runner import Kernel
 
@@ -48,11 +46,6 @@ def kernel(request):
         assert r.error is None, r
         k.start_run = r
         yield k
-
-
-def _states(msg: dict) -> dict | None:
-    data = msg["content"].get("data") or {}
-    return data.get("states") if data.get("method") == "update_states" else None
 
 
 def test_with_no_page_to_draw_the_side_area_the_start_cell_shows_the_panel(kernel):
@@ -91,35 +84,12 @@ def test_a_page_loaded_mid_cell_gets_the_kernel_info_and_every_widget_at_once(ke
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert started.exists(), "the cell did not start training"
-    # a reloaded page: a second connection to the same kernel, with a session of its own
-    # (``km.client()`` would share the first client's, and its record of signatures seen)
-    page = BlockingKernelClient(connection_file=kernel.km.connection_file)
-    page.load_connection_file()
-    page.start_channels()
+    page = kernel.page()  # a reloaded page: a second connection to the same kernel
     try:
         info = page.kernel_info(reply=True, timeout=60)  # on main: after the cell
         assert info["content"]["status"] == "ok"
         assert not release.exists()
-        comm_id = uuid.uuid4().hex
-        page.shell_channel.send(
-            page.session.msg(
-                "comm_open",
-                {"comm_id": comm_id, "target_name": "jupyter.widget.control", "data": {}},
-                metadata={"version": "1.0.0"},
-            )
-        )
-        page.shell_channel.send(
-            page.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "request_states"}})
-        )
-        states = None
-        deadline = time.monotonic() + 60
-        while states is None and time.monotonic() < deadline:
-            try:
-                msg = page.get_iopub_msg(timeout=1)
-            except queue.Empty:
-                continue
-            if msg["msg_type"] == "comm_msg" and msg["content"].get("comm_id") == comm_id:
-                states = _states(msg)
+        states = Kernel.widget_states(page, timeout=60)
         assert states is not None, "no update_states for the page's request"
         # answered while the cell still trains: it is held until the test releases it
         assert not release.exists()

@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,6 +411,48 @@ class Kernel:
         """The content of an ``inspect_request`` (what Shift-Tab shows in JupyterLab)."""
         reply = self.kc.inspect(code, cursor_pos, reply=True, timeout=30)
         return dict(reply["content"])
+
+    def page(self) -> Any:
+        """A second connection to this kernel, as a reloaded page or a second tab makes:
+        a client with a session of its own (``km.client()`` would share this one's, and its
+        record of the signatures it has seen), channels started; stop them when done."""
+        from jupyter_client.blocking import BlockingKernelClient  # noqa: PLC0415  Jupyter's libraries: only for tests and benches
+
+        page = BlockingKernelClient(connection_file=self.km.connection_file)
+        page.load_connection_file()
+        page.start_channels()
+        return page
+
+    @staticmethod
+    def widget_states(page: Any, timeout: float) -> dict[str, Any] | None:
+        """What a loading page asks of ipywidgets (the ``jupyter.widget.control`` comm's
+        ``request_states``), sent over ``page``: every widget's state, or None if no answer
+        came within ``timeout`` seconds."""
+        comm_id = uuid.uuid4().hex
+        page.shell_channel.send(
+            page.session.msg(
+                "comm_open",
+                {"comm_id": comm_id, "target_name": "jupyter.widget.control", "data": {}},
+                metadata={"version": "1.0.0"},  # ipywidgets' control protocol
+            )
+        )
+        page.shell_channel.send(
+            page.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "request_states"}})
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = page.get_iopub_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            data = msg["content"].get("data") or {}
+            if (
+                msg["msg_type"] == "comm_msg"
+                and msg["content"].get("comm_id") == comm_id
+                and data.get("method") == "update_states"
+            ):
+                return dict(data["states"])
+        return None
 
     def send_comm(self, comm_id: str, data: dict[str, Any]) -> None:
         """A ``comm_msg`` from the front end (as JupyterLab sends a widget's change)."""
