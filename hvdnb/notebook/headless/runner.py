@@ -416,7 +416,7 @@ class Kernel:
         """A second connection to this kernel, as a reloaded page or a second tab makes:
         a client with a session of its own (``km.client()`` would share this one's, and its
         record of the signatures it has seen), channels started; stop them when done."""
-        from jupyter_client.blocking import BlockingKernelClient  # noqa: PLC0415  Jupyter's libraries: only for tests and benches
+        from jupyter_client.blocking.client import BlockingKernelClient  # noqa: PLC0415  Jupyter's libraries: only for tests and benches
 
         page = BlockingKernelClient(connection_file=self.km.connection_file)
         page.load_connection_file()
