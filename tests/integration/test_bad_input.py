@@ -178,7 +178,9 @@ class TestWithACluster:
         for rank in (0, 1):  # the loop's points before the refusal were not lost
             got = [r.value for r in rows if r.rank == rank and r.run == run]
             assert got == [1.0 / (s + 1) for s in range(5)], got
-        assert not any(r.value != r.value for r in rows)  # no NaN was made of a bad value
+        # no NaN was made of a bad value (this run's rows only: the store is the process's,
+        # and a watcher test in the same worker logs NaN on purpose)
+        assert not any(r.value != r.value for r in rows if r.run == run)
 
     def test_total_steps_none_in_the_first_loop_trains_and_the_step_moves(self, dist2, shell):
         """A loop of unknown length (``total_steps=None``) on its first log call raised
