@@ -23,7 +23,8 @@ PIP_OPTS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# hvdnb with the `lessons` extra: everything the ten teaching notebooks import (scikit-learn,
+# hvdnb with the `durable` extra (the server runs each cell and keeps its output, so a reload or
+# a closed browser loses none of it: docs/reference/panel.md) and the `lessons` extra: everything the ten teaching notebooks import (scikit-learn,
 # TensorFlow with tf-keras, Accelerate, transformers, Lightning), so that every lesson runs with
 # no install step left for run time. A TensorFlow already in the environment (a GPU build the
 # user installed, or one of another release) is kept: then the lessons' other packages go in
@@ -37,11 +38,19 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	@tf="$$($(BIN)/python -c '$(OWN_TF)')"; set -ex; \
 	if [ -n "$$tf" ]; then \
 		echo "make: keeping the TensorFlow $$tf in $(VENV); the lessons' other packages go in beside it"; \
-		$(PIP) $(PIP_OPTS) -e ".[lessons-torch]"; \
+		$(PIP) $(PIP_OPTS) -e ".[lessons-torch,durable]"; \
 		$(PIP) $(PIP_OPTS) --no-deps "tf-keras==$$tf.*"; \
 	else \
-		$(PIP) $(PIP_OPTS) -e ".[lessons]"; \
+		$(PIP) $(PIP_OPTS) -e ".[lessons,durable]"; \
 	fi
+	@# an editable install skips the wheel's data files, among them the one that turns
+	@# hvdnb's server extension on; put it where the wheel would (`jupyter server extension
+	@# enable` refuses an extension that no config file names yet)
+	install -D -m 644 jupyter-config/hvdnb-serverext.json \
+		$(VENV)/etc/jupyter/jupyter_server_config.d/hvdnb-serverext.json
+	@# the page runs cells itself (its outputs trusted: widgets draw); the server writes
+	@# only a running cell whose page left (hvdnb.takeover), not nbmodel's page executor
+	$(BIN)/jupyter labextension disable --level=sys_prefix @datalayer/jupyter-server-nbmodel
 	touch $@
 
 # the test tools; the docs extra too: tests/docs reads the reference through Sphinx's own

@@ -105,6 +105,13 @@ OPTIONAL: Final[dict[str, OptionalModule]] = {
     "tensorboard": OptionalModule("test", "tensorboard", what="TensorBoard's event files"),
     "playwright": OptionalModule("test", "playwright", what="browser tests"),
     "notebook": OptionalModule("test", "notebook", what="the browser tests' Notebook 7 walk"),
+    # hvdnb.serverext: the server runs each cell and keeps its output (a reload loses none)
+    "jupyter_server_nbmodel": OptionalModule(
+        "durable", "jupyter-server-nbmodel", what="server-side execution"
+    ),
+    "jupyter_collaboration": OptionalModule(
+        "durable", "jupyter-collaboration", what="the server's copy of the notebook"
+    ),
     "pytest": OptionalModule("test", "pytest", what="the test suite"),
     "pytest_timeout": OptionalModule("test", "pytest-timeout", what="the test suite"),
     "xdist": OptionalModule("test", "pytest-xdist", what="the test suite's two lanes"),

@@ -1,6 +1,8 @@
-"""The panel where the person looks, in real front ends driven by headless Chromium: the
-page, not the kernel, says where it drew the panel, and a page reloaded mid-training
-gets the panel back while the cell still trains.
+"""The training outlives the page, in real front ends driven by headless Chromium: the
+page, not the kernel, says where it drew the panel; a page reloaded mid-training gets the
+panel back while the cell still trains, and the cell's own output back, live (the server
+runs the cell and keeps its output: hvdnb's durable extra, ``hvdnb.serverext``); a cell
+run with the browser closed is whole in the file and in the page opened afterwards.
 
 - JupyterLab (with jupyterlab-sidecar): ``%dist start`` opens the panel beside the
   notebook; once the page drew it there, the cell's stand-in says so. The training cell,
@@ -16,13 +18,15 @@ Screenshots: ``test-artifacts/page-*.png``.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import pytest
 
 from tests.browser._lab import ARTIFACTS, lab_page, write_notebook
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(500)]
 
 START = "%load_ext hvdnb\n%dist start -n 2"
 
@@ -80,6 +84,8 @@ def test_jupyterlab_says_the_panel_is_beside_and_a_reload_mid_cell_brings_it_bac
             page.keyboard.press("Shift+Enter")
             page.wait_for_selector(".jp-Notebook .hvdnb-liveline", timeout=90_000)
             _shot(page, "lab-2-training")
+            text = _wait_text(cells.nth(2), "] step 0", 30)
+            printed = max(max(v) for v in _printed_steps(text).values())
             page.reload()
             t0 = time.monotonic()
             page.wait_for_load_state("domcontentloaded")
@@ -99,12 +105,114 @@ def test_jupyterlab_says_the_panel_is_beside_and_a_reload_mid_cell_brings_it_bac
                 time.sleep(1.0)
             assert looks[-2:] == ["Busy", "Busy"], looks
             _shot(page, "lab-3-after-reload")
+            # the cell's own output is back too, and live: the server ran the cell and kept
+            # what it printed (hvdnb's durable extra: jupyter-server-nbmodel), the page
+            # draws the server's copy
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+            first = _wait_step(cell, above=-1)
+            live = _wait_step(cell, above=first)  # the line moves
+            # ... and lines printed after the reload arrive
+            _wait_text(cell, f"] step {printed + 400}", 60)
+            assert not release.exists()
+            _shot(page, "lab-4-live-again")
         finally:
             release.touch()
+        text = _wait_released(cell, 120)
+        _shot(page, "lab-5-ended")
+    on_page = _printed_steps(text)
+    # nothing printed while the page was away was lost: each rank's every 200th step, in
+    # order, to the end
+    assert sorted(on_page) == [0, 1], text[-800:]
+    for steps in on_page.values():
+        assert steps == list(range(0, steps[-1] + 1, 200)) and steps[-1] + 200 > live, on_page
+    saved = _saved_text(lab["work"] / "reload.ipynb", 2, "released at step", ranks=2)
+    assert _printed_steps(saved) == on_page, (saved[-500:], on_page)
+    assert "run 1 done" in saved  # the final live line, in place
     with capsys.disabled():
         print(
             f"\n    reload mid-cell: panel back beside the notebook {back:.1f} s after the reload"
         )
+
+
+def _live_step(cell) -> int:
+    """The step the cell's live line shows (``run N · step S ...``), or -1."""
+    line = cell.locator(".hvdnb-liveline")
+    if not line.count():
+        return -1
+    m = re.search(r"step (\d+)", line.first.inner_text())
+    return int(m.group(1)) if m else -1
+
+
+def _wait_step(cell, above: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step = _live_step(cell)
+        if step > above:
+            return step
+        time.sleep(0.25)
+    raise AssertionError(f"the live line did not pass step {above}: {cell.inner_text()[-500:]}")
+
+
+def _wait_text(cell, words: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = cell.inner_text()
+        if words in text:
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"{words!r} not in the cell: {cell.inner_text()[-800:]}")
+
+
+def _released(text: str) -> dict[int, int]:
+    """Each rank's ``released at step N`` line: the cell's last."""
+    return {
+        int(r): int(n)
+        for ranks, n in re.findall(r"\[([\d,]+)\] released at step (\d+)", text)
+        for r in ranks.split(",")
+    }
+
+
+def _wait_released(cell, timeout: float) -> str:
+    """The cell's text once both ranks printed their last line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = cell.inner_text()
+        if sorted(_released(text)) == [0, 1]:
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"the ranks' last lines never came: {cell.inner_text()[-800:]}")
+
+
+def _printed_steps(text: str) -> dict[int, list[int]]:
+    """Each rank's printed ``step N`` lines, in order (hvdnb tags a line ``[0]``, or
+    ``[0,1]`` when the ranks printed the same)."""
+    steps: dict[int, list[int]] = {}
+    for ranks, step in re.findall(r"\[([\d,]+)\] step (\d+)", text):
+        for r in ranks.split(","):
+            steps.setdefault(int(r), []).append(int(step))
+    return steps
+
+
+def _saved_text(path, index: int, words: str, timeout: float = 30, ranks: int = 0) -> str:
+    """The text of cell ``index``'s outputs in the file on disk, once it holds ``words``
+    (and, with ``ranks``, that many ranks' last lines: the server saves its copy about a
+    second after the outputs stop changing)."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        try:
+            cell = json.loads(path.read_text())["cells"][index]
+        except (ValueError, KeyError, IndexError):
+            cell = {"outputs": []}
+        parts = []
+        for out in cell.get("outputs", []):
+            body = out.get("text") or out.get("data", {}).get("text/plain", "")
+            parts.append(body if isinstance(body, str) else "".join(body))
+        text = "\n".join(parts)
+        if words in text and len(_released(text)) >= ranks:
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"{words!r} never reached {path.name}: {text[-800:]}")
 
 
 def test_notebook_7_shows_the_panel_in_the_start_cell(lab):
@@ -129,3 +237,61 @@ def test_notebook_7_shows_the_panel_in_the_start_cell(lab):
         assert page.locator(".jp-Notebook .hvdnb-stub-shown").count() == 0
         page.wait_for_selector(".jp-Notebook .hvdnb-view", state="visible", timeout=30_000)
         _shot(page, "nb7-panel-in-cell")
+
+
+#: seconds the browser stays closed: past jupyter-collaboration's 60 s room cleanup
+CLOSED_FOR = 65
+
+
+def test_a_cell_run_with_the_browser_closed_is_whole_in_the_file_and_the_page(lab):
+    """The page starts a training cell and the browser is closed: the server goes on
+    writing the cell's output into its copy of the notebook and saves it once the outputs
+    stop changing (a second after the cell ends), so the file has every line, with no page
+    open. A page opened then shows the whole cell; the next cell puts the run's picture
+    under the training cell's line."""
+    release = lab["work"] / "release-closed"
+    path = lab["work"] / "closed.ipynb"
+    write_notebook(
+        path,
+        [("code", START), ("code", HELD.format(release=str(release))), ("code", "print('next')")],
+    )
+    # a workspace of its own: the default one would open the other tests' notebooks too
+    here = {"front_end": "lab/workspaces/closed/tree"}
+    with lab_page(lab, "closed.ipynb", last=lambda pg: _shot(pg, "closed-1-left"), **here) as page:
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        cells.nth(0).click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_selector(".jp-Notebook .hvdnb-stub-shown", timeout=120_000)
+        cells.nth(1).click()
+        page.keyboard.press("Shift+Enter")
+        at_close = _wait_step(cells.nth(1), above=-1)
+    # no page now, for longer than the minute after which jupyter-collaboration would drop
+    # the notebook's shared copy (hvdnb.serverext keeps it): the cell trains on
+    time.sleep(CLOSED_FOR)
+    release.touch()
+    saved = _saved_text(path, 1, "released at step", timeout=90, ranks=2)
+    in_file = _printed_steps(saved)
+    assert sorted(in_file) == [0, 1], saved[-800:]
+    for steps in in_file.values():
+        assert steps == list(range(0, steps[-1] + 1, 200)), in_file
+    released = _released(saved)
+    assert sorted(released) == [0, 1] and min(released.values()) > at_close, (released, at_close)
+    assert "run 1 done" in saved
+    with lab_page(
+        lab, "closed.ipynb", last=lambda pg: _shot(pg, "closed-2-reopened"), **here
+    ) as page:
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        text = _wait_text(cells.nth(1), "released at step", 30)
+        assert _printed_steps(text) == in_file
+        cells.nth(2).click()
+        page.keyboard.press("Shift+Enter")
+        _wait_text(cells.nth(2), "next", 60)
+        # the run's picture, drawn off the cell's path, goes in with the next cell
+        cells.nth(1).locator("img.hvdnb-run-picture").wait_for(timeout=30_000)
+        _shot(page, "closed-3-picture")
+    outputs = json.loads(path.read_text())["cells"][1]["outputs"]
+    deadline = time.monotonic() + 30
+    while not any("image/png" in o.get("data", {}) for o in outputs):
+        assert time.monotonic() < deadline, "the run's picture never reached the file"
+        time.sleep(0.5)
+        outputs = json.loads(path.read_text())["cells"][1]["outputs"]
