@@ -56,9 +56,11 @@ print("released at step", step)
 
 def _steps(text: str) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
-    for ranks, step in re.findall(r"\[([\d,]+)\] step (\d+)", text):
-        for r in ranks.split(","):
-            out.setdefault(int(r), []).append(int(step))
+    for tag, step in re.findall(r"\[([\d,-]+)\] step (\d+)", text):
+        for part in tag.split(","):
+            lo, _, hi = part.partition("-")
+            for r in range(int(lo), int(hi or lo) + 1):
+                out.setdefault(r, []).append(int(step))
     return out
 
 

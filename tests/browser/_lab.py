@@ -94,6 +94,9 @@ def lab_server(tmp_path_factory):
         JUPYTER_RUNTIME_DIR=str(root / "runtime"),
         JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
         PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        # jupyter-collaboration's file ids and document history: this server's own, so no
+        # earlier server's notebook of the same name is taken for this one's
+        JUPYTER_DATA_DIR=str(root / "jupyter-user-data"),
     )
     log = (root / "lab.log").open("w")
     proc = subprocess.Popen(
@@ -111,6 +114,7 @@ def lab_server(tmp_path_factory):
             "--allow-root",
         ],
         env=env,
+        cwd=root,  # the document history file (.jupyter_ystore.db) goes where it starts
         stdout=log,
         stderr=subprocess.STDOUT,
     )
