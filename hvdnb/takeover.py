@@ -25,8 +25,9 @@ saves it: a reload, a second tab, or a browser opened after the cell ended shows
 output. The cells stay trusted as the page left them (JupyterLab keeps a cell's trust in
 its shared metadata), so widgets draw too.
 
-Owns: the watch (two wrapped methods of jupyter_server's kernel websocket connection, one
-IOPub subscription per kernel a page connected to) and the take-over. Never: a write while
+Owns: the watch (three wrapped methods of jupyter_server's kernel websocket connection,
+one IOPub subscription per running kernel a page connected to, let go once the server no
+longer runs that kernel) and the take-over. Never: a write while
 the page that ran the cell is connected, or a message the page did not ask for.
 """
 
@@ -116,6 +117,7 @@ class TakeOver:
         unless it came back."""
         key = (connection.kernel_id, connection.session.session)
         self._gone[key] = time.monotonic()
+        self.prune()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -133,9 +135,11 @@ class TakeOver:
     # -- what kernels publish -------------------------------------------------------------
 
     def listen(self, kernel_id: str) -> None:
-        """Subscribe to the kernel's IOPub once (the server's own socket)."""
+        """Subscribe to the kernel's IOPub once (the server's own socket); first let go of
+        kernels the server no longer runs."""
         if kernel_id in self._iopub:
             return
+        self.prune()
         try:
             km = self.app.kernel_manager.get_kernel(kernel_id)
             stream = km.connect_iopub()
@@ -145,9 +149,21 @@ class TakeOver:
         self._iopub[kernel_id] = stream
 
     def forget(self, kernel_id: str) -> None:
+        """Close the kernel's IOPub subscription and drop its requests."""
         stream = self._iopub.pop(kernel_id, None)
         if stream is not None:
             stream.close()
+        for msg_id in [m for m, r in self.requests.items() if r.kernel_id == kernel_id]:
+            del self.requests[msg_id]
+
+    def prune(self) -> None:
+        """Forget every kernel the server has shut down (or lost)."""
+        try:
+            running = set(self.app.kernel_manager.list_kernel_ids())
+        except Exception:
+            return
+        for kernel_id in [k for k in self._iopub if k not in running]:
+            self.forget(kernel_id)
 
     def _published(self, session: Any, msg_list: list[Any]) -> None:
         try:
