@@ -166,19 +166,27 @@ class TakeOver:
             self.forget(kernel_id)
 
     def _published(self, session: Any, msg_list: list[Any]) -> None:
+        """One message of a kernel's IOPub. Read as little as decides it: the parent
+        header first (most messages answer no running cell, or one whose page is there
+        and only needs them kept); the signature is not checked again (the server's own
+        socket to the kernel; the copy it forwards to pages is checked)."""
         try:
             _, parts = session.feed_identities(msg_list)
-            msg = session.deserialize(parts, content=False)
+            # [signature, header, parent header, metadata, content, buffers...]
+            parent = session.unpack(parts[2])
+            header = session.unpack(parts[1])
         except Exception:
             return
-        kind = msg["header"]["msg_type"]
+        kind = header.get("msg_type")
+        msg: dict[str, Any] = {"header": header, "parent_header": parent, "content": parts[4]}
         if kind == "update_display_data" and self._server_display(session, msg):
             return
-        req = self.requests.get((msg.get("parent_header") or {}).get("msg_id", ""))
+        req = self.requests.get((parent or {}).get("msg_id", ""))
         if req is None or (kind not in OUTPUTS and kind not in ("status", "execute_input")):
             return
         if not isinstance(msg["content"], dict):
             msg["content"] = session.unpack(msg["content"])
+        msg["metadata"] = session.unpack(parts[3])
         content = msg["content"]
         if kind == "status":
             if content.get("execution_state") == "idle":
