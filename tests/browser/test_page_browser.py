@@ -314,6 +314,54 @@ def test_a_cell_run_with_the_browser_closed_is_whole_in_the_file_and_the_page(la
     _shut_down(lab, name)
 
 
+def test_a_second_tab_follows_the_cell_and_keeps_it_when_the_first_closes(lab):
+    """Tab A runs a training cell; tab B opens the same notebook: B shows A's output live
+    (one shared notebook in the server, no second copy to save over it). A closes: the
+    server writes the rest, B keeps drawing it, and B and the file end with every line."""
+    release = lab["work"] / "release-tabs"
+    name = "tabs.ipynb"
+    path = lab["work"] / name
+    write_notebook(path, [("code", START), ("code", HELD.format(release=str(release)))])
+    here = {"front_end": "lab/workspaces/tabs/tree"}
+    with lab_page(lab, name, **here) as a:
+        cells = a.locator(".jp-Notebook .jp-Cell")
+        cells.nth(0).click()
+        a.keyboard.press("Shift+Enter")
+        a.wait_for_selector(".jp-Notebook .hvdnb-stub-shown", timeout=120_000)
+        cells.nth(1).click()
+        a.keyboard.press("Shift+Enter")
+        _wait_step(cells.nth(1), above=-1)
+        b = a.context.browser.new_page(viewport={"width": 1600, "height": 1000})
+        b.goto(f"{lab['url']}/lab/workspaces/tabs-b/tree/{name}?token={lab['token']}")
+        b.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        try:
+            _follow(a, b, release, path)
+        finally:
+            release.touch()  # never leave the cell held
+            _shot(b, "tabs-b-last")
+    _shut_down(lab, name)
+
+
+def _follow(a, b, release, path) -> None:
+    """The second tab's part of the two-tab test."""
+    in_b = b.locator(".jp-Notebook .jp-Cell").nth(1)
+    seen = _wait_step(in_b, above=-1)
+    _wait_step(in_b, above=seen)  # live in B, written there by A
+    printed = max(max(v) for v in _printed_steps(_wait_text(in_b, "] step 0", 30)).values())
+    a.close()  # A leaves while the cell trains
+    _wait_text(in_b, f"] step {printed + 400}", 90)  # written by the server now
+    _shot(b, "tabs-b-after-a-closed")
+    release.touch()
+    text = _wait_released(in_b, 120)
+    on_b = _printed_steps(text)
+    assert sorted(on_b) == [0, 1], text[-800:]
+    for steps in on_b.values():
+        assert steps == list(range(0, steps[-1] + 1, 200)), on_b
+    _wait_text(in_b, "run 1 done", 30)  # the final live line, in B too
+    saved = _saved_text(path, 1, "released at step", timeout=60, ranks=2)
+    assert _printed_steps(saved) == on_b
+
+
 def _shut_down(lab, notebook: str) -> None:
     """Shut the notebook's kernel down through the server (its cluster stops with it), so
     the next test's ranks have the cores."""
