@@ -46,10 +46,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	@# an editable install skips the wheel's data files, among them the one that turns
 	@# hvdnb's server extension on; put it where the wheel would (`jupyter server extension
 	@# enable` refuses an extension that no config file names yet)
-	install -D -m 644 jupyter-config/hvdnb-serverext.json \
-		$(VENV)/etc/jupyter/jupyter_server_config.d/hvdnb-serverext.json
+	install -D -m 644 jupyter-config/hvdnb-server.json \
+		$(VENV)/etc/jupyter/jupyter_server_config.d/hvdnb-server.json
 	@# the page runs cells itself (its outputs trusted: widgets draw); the server writes
-	@# only a running cell whose page left (hvdnb.takeover), not nbmodel's page executor
+	@# only a running cell whose page left (hvdnb.server.takeover), not nbmodel's page executor
 	$(BIN)/jupyter labextension disable --level=sys_prefix @datalayer/jupyter-server-nbmodel
 	touch $@
 

@@ -1,4 +1,4 @@
-"""What the server's watch over running cells (``hvdnb.takeover``) costs per kernel message.
+"""What the server's watch over running cells (``hvdnb.server.takeover``) costs per kernel message.
 
 The server gets each IOPub message of a kernel a page is connected to once more, on its
 own subscription, and reads its header (``TakeOver._published``); a message answering a
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from jupyter_client.session import Session
 
-from hvdnb.takeover import Request, TakeOver
+from hvdnb.server.takeover import Request, TakeOver
 
 OUT = ROOT / "bench" / "results" / "takeover.json"
 

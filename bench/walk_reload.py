@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from walkkit import walk_in_lab
 
-from tests.browser._lab import write_notebook
+from tests.browser._lab import HELD, printed_steps, write_notebook
 
 SHOTS = ROOT / "test-artifacts" / "walk"
 OUT = ROOT / "bench" / "results" / "walk_reload.json"
@@ -40,28 +40,6 @@ SIDE = (
     "document.querySelectorAll('.jp-Notebook .hvdnb-panel').length"
 )
 RELOADS = 3
-
-HELD = """%%distributed
-import os, time, hvdnb
-step = 0
-while not os.path.exists({release!r}):
-    hvdnb.log(step, 1.0 / (step + 1))
-    if step % 200 == 0:
-        print("step", step, flush=True)
-    step += 1
-    time.sleep(0.01)
-print("released at step", step)
-"""
-
-
-def _steps(text: str) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for tag, step in re.findall(r"\[([\d,-]+)\] step (\d+)", text):
-        for part in tag.split(","):
-            lo, _, hi = part.partition("-")
-            for r in range(int(lo), int(hi or lo) + 1):
-                out.setdefault(r, []).append(int(step))
-    return out
 
 
 def _live(cell) -> int:
@@ -92,7 +70,7 @@ def _one_reload(page, n: int) -> dict:
     newer printed line is in the cell (all read every 50 ms, side by side)."""
     cell = page.locator(f"{PANEL} .jp-Cell").nth(2)
     before_live = _live(cell)
-    before_line = max(max(v) for v in _steps(cell.inner_text()).values())
+    before_line = max(max(v) for v in printed_steps(cell.inner_text()).values())
     page.reload()
     page.wait_for_load_state("domcontentloaded")
     t0 = time.monotonic()
@@ -106,7 +84,8 @@ def _one_reload(page, n: int) -> dict:
             "drawn_s": look["drawn"],
             "panel_s": look["side"],
             "live_s": bool(m) and int(m.group(1)) > before_live + 25,
-            "line_s": max([0, *[max(v) for v in _steps(look["text"]).values()]]) > before_line,
+            "line_s": max([0, *[max(v) for v in printed_steps(look["text"]).values()]])
+            > before_line,
         }
         for name, ok in checks.items():
             if ok and name not in seen:
@@ -161,13 +140,13 @@ def walk(page, url: str, token: str, clone: Path) -> dict:
     cell = page.locator(f"{PANEL} .jp-Cell").nth(2)
     _until(lambda: len(re.findall(r"released at step", cell.inner_text())) >= 1, 120)
     time.sleep(3)  # the second rank's last line, and the server's save a second later
-    on_page = _steps(cell.inner_text())
+    on_page = printed_steps(cell.inner_text())
     saved = json.loads(path.read_text())["cells"][2]["outputs"]
     text = "".join(
         "".join(o["text"]) if "text" in o else "".join(o.get("data", {}).get("text/plain", ""))
         for o in saved
     )
-    in_file = _steps(text)
+    in_file = printed_steps(text)
     whole = all(v == list(range(0, v[-1] + 1, 200)) for v in on_page.values()) and sorted(
         on_page
     ) == [0, 1]

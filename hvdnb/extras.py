@@ -105,7 +105,7 @@ OPTIONAL: Final[dict[str, OptionalModule]] = {
     "tensorboard": OptionalModule("test", "tensorboard", what="TensorBoard's event files"),
     "playwright": OptionalModule("test", "playwright", what="browser tests"),
     "notebook": OptionalModule("test", "notebook", what="the browser tests' Notebook 7 walk"),
-    # hvdnb.serverext: the server runs each cell and keeps its output (a reload loses none)
+    # hvdnb.server: the server runs each cell and keeps its output (a reload loses none)
     "jupyter_server_nbmodel": OptionalModule(
         "durable", "jupyter-server-nbmodel", what="server-side execution"
     ),

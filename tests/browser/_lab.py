@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hvdnb.notebook.metrics.ranklabels import parse_ranks
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -180,3 +183,30 @@ def lab_page(
             if last is not None:
                 last(page)
             browser.close()
+
+
+#: a training cell held until the file ``release`` exists: it logs a step every ~10 ms and
+#: prints ``step N`` every 200 steps, then ``released at step N`` (the reload and
+#: closed-browser tests, bench/walk_reload.py)
+HELD = """%%distributed
+import os, time, hvdnb
+step = 0
+while not os.path.exists({release!r}):
+    hvdnb.log(step, 1.0 / (step + 1))
+    if step % 200 == 0:
+        print("step", step, flush=True)
+    step += 1
+    time.sleep(0.01)
+print("released at step", step)
+"""
+
+
+def printed_steps(text: str) -> dict[int, list[int]]:
+    """Each rank's printed ``step N`` lines in ``text``, in order (hvdnb tags a line with
+    its ranks: ``[0]``, ``[0,1]``, ``[0-2]`` when they printed the same)."""
+
+    steps: dict[int, list[int]] = {}
+    for tag, step in re.findall(r"\[([\d,-]+)\] step (\d+)", text):
+        for r in parse_ranks(tag):
+            steps.setdefault(r, []).append(int(step))
+    return steps

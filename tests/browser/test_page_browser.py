@@ -1,7 +1,7 @@
 """The training outlives the page, in real front ends driven by headless Chromium: the
 page, not the kernel, says where it drew the panel; a page reloaded mid-training gets the
 panel back while the cell still trains, and the cell's own output back, live (the server
-runs the cell and keeps its output: hvdnb's durable extra, ``hvdnb.serverext``); a cell
+runs the cell and keeps its output: hvdnb's durable extra, ``hvdnb.server``); a cell
 run with the browser closed is whole in the file and in the page opened afterwards.
 
 - JupyterLab (with jupyterlab-sidecar): ``%dist start`` opens the panel beside the
@@ -24,23 +24,13 @@ import time
 
 import pytest
 
-from tests.browser._lab import ARTIFACTS, lab_page, write_notebook
+from hvdnb.notebook.metrics.ranklabels import parse_ranks
+from tests.browser._lab import ARTIFACTS, HELD, lab_page, printed_steps, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(500)]
 
 START = "%load_ext hvdnb\n%dist start -n 2"
 
-HELD = """%%distributed
-import os, time, hvdnb
-step = 0
-while not os.path.exists({release!r}):
-    hvdnb.log(step, 1.0 / (step + 1))
-    if step % 200 == 0:
-        print("step", step, flush=True)
-    step += 1
-    time.sleep(0.01)
-print("released at step", step)
-"""
 
 FILLER = "\n\n".join(
     f"Paragraph {i}: what a lesson says between the start and the training cell, enough "
@@ -85,7 +75,7 @@ def test_jupyterlab_says_the_panel_is_beside_and_a_reload_mid_cell_brings_it_bac
             page.wait_for_selector(".jp-Notebook .hvdnb-liveline", timeout=90_000)
             _shot(page, "lab-2-training")
             text = _wait_text(cells.nth(2), "] step 0", 30)
-            printed = max(max(v) for v in _printed_steps(text).values())
+            printed = max(max(v) for v in printed_steps(text).values())
             page.reload()
             t0 = time.monotonic()
             page.wait_for_load_state("domcontentloaded")
@@ -119,19 +109,31 @@ def test_jupyterlab_says_the_panel_is_beside_and_a_reload_mid_cell_brings_it_bac
             release.touch()
         text = _wait_released(cell, 120)
         _shot(page, "lab-5-ended")
-    on_page = _printed_steps(text)
+    on_page = printed_steps(text)
     # nothing printed while the page was away was lost: each rank's every 200th step, in
     # order, to the end
     assert sorted(on_page) == [0, 1], text[-800:]
     for steps in on_page.values():
         assert steps == list(range(0, steps[-1] + 1, 200)) and steps[-1] + 200 > live, on_page
     saved = _saved_text(lab["work"] / "reload.ipynb", 2, "released at step", ranks=2)
-    assert _printed_steps(saved) == on_page, (saved[-500:], on_page)
+    assert printed_steps(saved) == on_page, (saved[-500:], on_page)
     assert "run 1 done" in saved  # the final live line, in place
     with capsys.disabled():
         print(
             f"\n    reload mid-cell: panel back beside the notebook {back:.1f} s after the reload"
         )
+
+
+def _start_and_train(page) -> int:
+    """Run the notebook's first cell (``%dist start``) and, once the panel is beside the
+    notebook, its second (the held training cell); the live line's first step."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    cells.nth(0).click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_selector(".jp-Notebook .hvdnb-stub-shown", timeout=120_000)
+    cells.nth(1).click()
+    page.keyboard.press("Shift+Enter")
+    return _wait_step(cells.nth(1), above=-1)
 
 
 def _live_step(cell) -> int:
@@ -168,17 +170,8 @@ def _released(text: str) -> dict[int, int]:
     return {
         r: int(n)
         for tag, n in re.findall(r"\[([\d,-]+)\] released at step (\d+)", text)
-        for r in _ranks(tag)
+        for r in parse_ranks(tag)
     }
-
-
-def _ranks(tag: str) -> list[int]:
-    """The ranks a line's tag names: ``0``, ``0,1``, ``0-2``."""
-    out: list[int] = []
-    for part in tag.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
 
 
 def _wait_released(cell, timeout: float) -> str:
@@ -190,16 +183,6 @@ def _wait_released(cell, timeout: float) -> str:
             return text
         time.sleep(0.5)
     raise AssertionError(f"the ranks' last lines never came: {cell.inner_text()[-800:]}")
-
-
-def _printed_steps(text: str) -> dict[int, list[int]]:
-    """Each rank's printed ``step N`` lines, in order (hvdnb tags a line ``[0]``, or
-    ``[0,1]``, ``[0-2]`` when the ranks printed the same)."""
-    steps: dict[int, list[int]] = {}
-    for tag, step in re.findall(r"\[([\d,-]+)\] step (\d+)", text):
-        for r in _ranks(tag):
-            steps.setdefault(r, []).append(int(step))
-    return steps
 
 
 def _saved_text(path, index: int, words: str, timeout: float = 30, ranks: int = 0) -> str:
@@ -249,7 +232,7 @@ def test_notebook_7_shows_the_panel_in_the_start_cell(lab):
 
 
 #: seconds the browser stays closed, by ranks: at 2, past jupyter-collaboration's 60 s room
-#: cleanup (hvdnb.serverext keeps the notebook's shared copy); at 1 and 3, a few seconds
+#: cleanup (hvdnb.server keeps the notebook's shared copy); at 1 and 3, a few seconds
 CLOSED_FOR = {1: 5, 2: 65, 3: 5}
 
 
@@ -276,19 +259,13 @@ def test_a_cell_run_with_the_browser_closed_is_whole_in_the_file_and_the_page(la
     # a workspace of its own: the default one would open the other tests' notebooks too
     here = {"front_end": f"lab/workspaces/closed-{n}/tree"}
     with lab_page(lab, name, last=lambda pg: _shot(pg, f"closed-{n}-1-left"), **here) as page:
-        cells = page.locator(".jp-Notebook .jp-Cell")
-        cells.nth(0).click()
-        page.keyboard.press("Shift+Enter")
-        page.wait_for_selector(".jp-Notebook .hvdnb-stub-shown", timeout=120_000)
-        cells.nth(1).click()
-        page.keyboard.press("Shift+Enter")
-        at_close = _wait_step(cells.nth(1), above=-1)
+        at_close = _start_and_train(page)
     # no page now, for longer than the minute after which jupyter-collaboration would drop
-    # the notebook's shared copy (hvdnb.serverext keeps it): the cell trains on
+    # the notebook's shared copy (hvdnb.server keeps it): the cell trains on
     time.sleep(CLOSED_FOR[n])
     release.touch()
     saved = _saved_text(path, 1, "released at step", timeout=90, ranks=n)
-    in_file = _printed_steps(saved)
+    in_file = printed_steps(saved)
     assert sorted(in_file) == ranks, saved[-800:]
     for steps in in_file.values():
         assert steps == list(range(0, steps[-1] + 1, 200)), in_file
@@ -298,7 +275,7 @@ def test_a_cell_run_with_the_browser_closed_is_whole_in_the_file_and_the_page(la
     with lab_page(lab, name, last=lambda pg: _shot(pg, f"closed-{n}-2-reopened"), **here) as page:
         cells = page.locator(".jp-Notebook .jp-Cell")
         text = _wait_text(cells.nth(1), "released at step", 30)
-        assert _printed_steps(text) == in_file
+        assert printed_steps(text) == in_file
         cells.nth(2).click()
         page.keyboard.press("Shift+Enter")
         _wait_text(cells.nth(2), "next", 60)
@@ -324,13 +301,7 @@ def test_a_second_tab_follows_the_cell_and_keeps_it_when_the_first_closes(lab):
     write_notebook(path, [("code", START), ("code", HELD.format(release=str(release)))])
     here = {"front_end": "lab/workspaces/tabs/tree"}
     with lab_page(lab, name, **here) as a:
-        cells = a.locator(".jp-Notebook .jp-Cell")
-        cells.nth(0).click()
-        a.keyboard.press("Shift+Enter")
-        a.wait_for_selector(".jp-Notebook .hvdnb-stub-shown", timeout=120_000)
-        cells.nth(1).click()
-        a.keyboard.press("Shift+Enter")
-        _wait_step(cells.nth(1), above=-1)
+        _start_and_train(a)
         b = a.context.browser.new_page(viewport={"width": 1600, "height": 1000})
         b.goto(f"{lab['url']}/lab/workspaces/tabs-b/tree/{name}?token={lab['token']}")
         b.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
@@ -347,19 +318,19 @@ def _follow(a, b, release, path) -> None:
     in_b = b.locator(".jp-Notebook .jp-Cell").nth(1)
     seen = _wait_step(in_b, above=-1)
     _wait_step(in_b, above=seen)  # live in B, written there by A
-    printed = max(max(v) for v in _printed_steps(_wait_text(in_b, "] step 0", 30)).values())
+    printed = max(max(v) for v in printed_steps(_wait_text(in_b, "] step 0", 30)).values())
     a.close()  # A leaves while the cell trains
     _wait_text(in_b, f"] step {printed + 400}", 90)  # written by the server now
     _shot(b, "tabs-b-after-a-closed")
     release.touch()
     text = _wait_released(in_b, 120)
-    on_b = _printed_steps(text)
+    on_b = printed_steps(text)
     assert sorted(on_b) == [0, 1], text[-800:]
     for steps in on_b.values():
         assert steps == list(range(0, steps[-1] + 1, 200)), on_b
     _wait_text(in_b, "run 1 done", 30)  # the final live line, in B too
     saved = _saved_text(path, 1, "released at step", timeout=60, ranks=2)
-    assert _printed_steps(saved) == on_b
+    assert printed_steps(saved) == on_b
 
 
 def _shut_down(lab, notebook: str) -> None:

@@ -17,7 +17,7 @@ kernel publishes:
   the same session, and the server replays what it buffered), the server writes the
   request's whole output into the shared cell, from the first message, with
   jupyter-server-nbmodel's own output hook (and hvdnb's in-place updates,
-  :func:`hvdnb.serverext.with_display_updates`), then each new message as it comes, and
+  :func:`hvdnb.server.with_display_updates`), then each new message as it comes, and
   marks the cell running, then done with its execution count.
 
 Every page that opens the notebook then draws the server's copy, live, and the server
@@ -77,7 +77,7 @@ class TakeOver:
     ----------
     serverapp : the Jupyter server
     hook : the output hook that writes one message into a shared cell (nbmodel's, wrapped
-        by :func:`hvdnb.serverext.with_display_updates`)
+        by :func:`hvdnb.server.with_display_updates`)
     grace : seconds a page may be gone before its running cells are taken over
     """
 

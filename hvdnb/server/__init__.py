@@ -6,7 +6,7 @@ drops messages answering a request it no longer knows). With hvdnb's ``durable``
 the server keeps its own copy of each open notebook (``jupyter-collaboration``), which
 every page draws and the server saves; the page runs cells as usual (its outputs are
 trusted, so widgets draw), and when it leaves while a cell runs, the server writes the
-rest of that cell's output into the shared copy (:mod:`hvdnb.takeover`), with
+rest of that cell's output into the shared copy (:mod:`hvdnb.server.takeover`), with
 ``jupyter-server-nbmodel``'s output hook. A reloaded page, a second tab, or a browser
 opened after the cell ended all show the whole output. (nbmodel's own page executor,
 which runs every cell from the server, is turned off: its outputs reach the page
@@ -30,7 +30,7 @@ last one is always written, at most that long after it came). An update to the l
 output costs one output.
 
 Owns: that wrapper and the take-over, put in when the server loads this extension
-(enabled by the file ``jupyter-config/hvdnb-serverext.json``), and keeping a notebook's
+(enabled by the file ``jupyter-config/hvdnb-server.json``), and keeping a notebook's
 shared copy in the server while no page has it open (``_link_jupyter_server_extension``).
 Never: anything when nbmodel is not installed, or is a release whose hook has another
 signature (one warning, and the server runs as without hvdnb).
@@ -121,7 +121,7 @@ def with_display_updates(hook: Hook, every: float = REWRITE_EVERY) -> Hook:
             run.known[in_cell] = _shown(content)
 
     apply.__wrapped__ = hook  # type: ignore[attr-defined]
-    apply.places = places  # type: ignore[attr-defined]  # read by hvdnb.takeover
+    apply.places = places  # type: ignore[attr-defined]  # read by hvdnb.server.takeover
     return apply
 
 
@@ -199,7 +199,7 @@ def _rewrite(run: _Execution, ycell: Any) -> None:
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
-    return [{"module": "hvdnb.serverext"}]
+    return [{"module": "hvdnb.server"}]
 
 
 def _link_jupyter_server_extension(serverapp: Any) -> None:
@@ -237,7 +237,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         )
         return
     actions._output_hook = with_display_updates(hook)
-    from hvdnb import takeover  # noqa: PLC0415  a server's import, not the kernel's
+    from hvdnb.server import takeover  # noqa: PLC0415  loaded with the extension only
 
     serverapp.web_app.settings["hvdnb_takeover"] = takeover.install(serverapp, actions._output_hook)
     serverapp.log.info(

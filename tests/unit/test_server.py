@@ -1,4 +1,4 @@
-"""hvdnb.serverext on jupyter-server-nbmodel's own output hook and a real shared notebook
+"""hvdnb.server on jupyter-server-nbmodel's own output hook and a real shared notebook
 (jupyter_ydoc, pycrdt): what the server's copy holds, and what a page that applies its
 changes as JupyterLab 4 does draws.
 
@@ -23,7 +23,7 @@ pytest.importorskip(
 from jupyter_server_nbmodel import actions
 from jupyter_ydoc import YNotebook
 
-from hvdnb import serverext
+from hvdnb import server
 
 ORIGINAL = getattr(actions._output_hook, "__wrapped__", actions._output_hook)
 
@@ -111,7 +111,7 @@ def _shared(ycell: Any) -> list[str]:
 def _run(messages: list[dict[str, Any]], every: float = 0.0) -> tuple[Any, Page, list[Any]]:
     ycell = _cell()
     page = Page(ycell)
-    hook = serverext.with_display_updates(ORIGINAL, every=every)
+    hook = server.with_display_updates(ORIGINAL, every=every)
     outputs: list[Any] = []
     state = actions._StreamState()
     for m in messages:
@@ -186,7 +186,7 @@ def test_a_later_execution_updates_an_earlier_cells_display():
     the protocol applies a display id's update wherever it was displayed."""
     first, second = _cell(), _cell()
     page = Page(first)
-    hook = serverext.with_display_updates(ORIGINAL, every=0.0)
+    hook = server.with_display_updates(ORIGINAL, every=0.0)
     state1, state2 = actions._StreamState(), actions._StreamState()
     for m in (_display("run 1 · step 5", "line"), _stream("[0,1] done\n")):
         hook([], first, state1, m)
@@ -207,7 +207,7 @@ def test_clear_output_forgets_the_places():
 
 def test_a_page_that_cleared_the_cell_is_not_written_over():
     ycell = _cell()
-    hook = serverext.with_display_updates(ORIGINAL, every=0.0)
+    hook = server.with_display_updates(ORIGINAL, every=0.0)
     outputs: list[Any] = []
     state = actions._StreamState()
     for m in (_display("l 1", "l"), _stream("a\n")):
@@ -227,7 +227,7 @@ def test_updates_above_the_last_are_spaced_and_the_last_one_is_written():
     async def main() -> tuple[list[str], list[str], list[str]]:
         ycell = _cell()
         page = Page(ycell)
-        hook = serverext.with_display_updates(ORIGINAL, every=0.3)
+        hook = server.with_display_updates(ORIGINAL, every=0.3)
         outputs: list[Any] = []
         state = actions._StreamState()
         for m in (_display("l 0", "l"), _stream("a\n")):
@@ -266,8 +266,8 @@ def test_the_server_loads_the_wrapper_once():
     }
     try:
         actions._output_hook = ORIGINAL
-        serverext._load_jupyter_server_extension(App())
-        serverext._load_jupyter_server_extension(App())
+        server._load_jupyter_server_extension(App())
+        server._load_jupyter_server_extension(App())
         assert actions._output_hook.__wrapped__ is ORIGINAL
         assert App.web_app.settings["hvdnb_takeover"].hook is actions._output_hook
     finally:
