@@ -162,6 +162,7 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
         "state = hvdnb.State(model=model, optimizer=opt, step=0)\nstate.clear()",
     )
     reported, restarted, restored, slow_report, slow_restart = 0, 0, 0, 0.0, 0.0
+    unreported: list[str] = []  # what the user was shown when it did not say what happened
     for trial in range(DEATH_TRIALS):
         victim = trial % 2
         step = 10 * (trial + 1)
@@ -182,6 +183,8 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
         stopped = f"[{survivor}] interrupted, because rank {victim} failed" in text
         if f"rank {victim} died" in text and "%dist restart" in text and stopped:
             reported += 1
+        else:
+            unreported.append(f"trial {trial}, rank {victim} killed:\n{text}")
         t1 = time.monotonic()
         shell.run_line_magic("dist", "restart")
         took = time.monotonic() - t1
@@ -204,7 +207,8 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
         f"restart {restarted}/{DEATH_TRIALS} (slowest {slow_restart:.1f} s); "
         f"state restored {restored}/{DEATH_TRIALS}",
     )
-    assert reported == restarted == restored == DEATH_TRIALS
+    assert reported == DEATH_TRIALS, "\n\n".join(unreported)
+    assert restarted == restored == DEATH_TRIALS
 
 
 def test_stall_names_which_rank_is_where(ready, shell, capsys):

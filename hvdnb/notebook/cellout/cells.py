@@ -157,6 +157,11 @@ class DistributedCellError(RuntimeError):
     def failed_ranks(self) -> list[int]:
         return sorted(self.result.errors)
 
+    @property
+    def failed_dead(self) -> list[int]:
+        """The failed ranks whose engine the cell found gone."""
+        return sorted(r for r, e in self.result.errors.items() if e.get("dead"))
+
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of a client-side traceback (which would be noise).
         A ModuleNotFoundError for an optional dependency gets the line that installs it."""
@@ -569,7 +574,9 @@ class _CellRun:
         """How the wait ended, and what became of the cluster: dead ranks are named, ranks
         that ignored an interrupt get a restart, otherwise the process group is rebuilt."""
         note = self.members.with_lines(self.policy.note)  # an elastic cluster's changes
-        died = health.died_note(self.cluster)
+        died = health.died_note(
+            self.cluster, sorted(r for r, e in self.result.errors.items() if e.get("dead"))
+        )
         if died:
             return f"{note}; {died}" if note else died
         if self.stuck:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from hvdnb.notebook.cluster.spec import ClusterError
@@ -172,9 +173,14 @@ def require_all_ranks(cluster: Watched) -> None:
         )
 
 
-def died_note(cluster: Watched) -> str | None:
-    """After a failed cell: which ranks died and how to get them back (None: none died)."""
-    dead = dead_ranks(cluster)
+def died_note(cluster: Watched, seen: Iterable[int] = ()) -> str | None:
+    """After a failed cell: which ranks died and how to get them back (None: none died).
+
+    ``seen``: ranks the cell itself found dead (an ``EngineError`` reply). The controller
+    sends that reply and the engine's unregistration on different sockets, so the client's
+    list of engines can still hold the dead one for a moment; CI saw that race once.
+    """
+    dead = sorted(set(dead_ranks(cluster)) | set(seen))
     if not dead:
         return None
     return (

@@ -530,15 +530,15 @@ class DistMagics(Magics):
         except _cluster.ClusterError as exc:
             self._auto_off_if_dead(c)
             raise usage(exc) from None
-        except cells.DistributedCellError:
-            self._auto_off_if_dead(c)
+        except cells.DistributedCellError as exc:
+            self._auto_off_if_dead(c, exc.failed_dead)
             raise
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = result.values
 
-    def _auto_off_if_dead(self, c: Any) -> None:
+    def _auto_off_if_dead(self, c: Any, seen: list[int] | None = None) -> None:
         """Auto mode ends when a rank is lost (the next cells could not run on all ranks)."""
-        if automode.enabled(self.shell) and health.died_note(c):
+        if automode.enabled(self.shell) and health.died_note(c, seen or ()):
             print(automode.off(self.shell, "a rank was lost"))
 
 
