@@ -267,8 +267,9 @@ def hvdnb_export(path: Path | str, env: dict[str, str]) -> subprocess.CompletedP
     )
 
 
-def alive(pids: list[int], within: float = 5.0) -> list[int]:
-    """The pids still alive (zombies count as gone) after waiting up to ``within`` s."""
+def alive(pids: list[int], within: float = 60.0) -> list[int]:
+    """The pids still alive (zombies count as gone) after waiting up to ``within`` s: it
+    returns as soon as none is left, so the bound only says how long counts as hanging."""
     deadline = time.monotonic() + within
     while True:
         left = []

@@ -211,19 +211,22 @@ def test_killed_rank_is_reported_and_restart_restores_state(ready, shell, capsys
     assert restarted == restored == DEATH_TRIALS
 
 
-def test_stall_names_which_rank_is_where(ready, shell, capsys):
+def test_stall_names_which_rank_is_where(ready, shell, capsys, monkeypatch):
+    # the report comes two looks (1 s apart) after the detector starts, at 1 s: ~3 s into
+    # a cell that times out at 20 s, so a loaded box does not let the timeout end it first
+    monkeypatch.setenv("HVDNB_STALL_AFTER", "1")
     start = time.time()
     with pytest.raises(hvdnb.DistributedCellError) as info:
         shell.run_cell_magic(
             "distributed",
-            "--timeout 9",
-            "x = torch.ones(1)\nif dist.get_rank() == 0:\n    dist.all_reduce(x)\nelse:\n    time.sleep(30)",
+            "--timeout 20",
+            "x = torch.ones(1)\nif dist.get_rank() == 0:\n    dist.all_reduce(x)\nelse:\n    time.sleep(120)",
         )
     end = time.time()
     stall = ready.last_stall
     # this cell's report, made while it ran (not one left from an earlier cell)
     assert start < stall["time"] < end, (start, stall["time"], end)
-    assert "timed out after 9 s" in str(info.value), str(info.value)
+    assert "timed out after 20 s" in str(info.value), str(info.value)
     assert "rank 0 waits in all_reduce" in stall["text"]
     assert "rank 1 is at <cell" in stall["text"] and "not in a collective" in stall["text"]
     report(capsys, f"stall report: {stall['text']}")

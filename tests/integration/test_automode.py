@@ -15,7 +15,10 @@ from hvdnb.notebook.cellout import automode
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
-def test_auto_mode_runs_cells_on_the_ranks_until_it_ends(dist2, shell, capsys):
+def test_auto_mode_runs_cells_on_the_ranks_until_it_ends(dist2, shell, capsys, monkeypatch):
+    # a merge window (read by the notebook at each cell) far longer than any rank lags on a
+    # loaded box: the line both ranks print is "[0,1] yes" however far apart they print it
+    monkeypatch.setenv("HVDNB_COLLAPSE_WINDOW", "60")
     shell.run_line_magic("dist", "auto on")
     assert "auto mode on" in capsys.readouterr().out
     try:

@@ -37,7 +37,9 @@ CURSOR = re.compile(r"\x1b\[[0-9;?]*[A-Za-ln-z]")
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}rank")
 def kernel(request):
     n = request.param
-    with Kernel({"HVDNB_PANEL": "inline"}) as k:
+    # a merge window far longer than any rank lags on a loaded box: a line every rank
+    # prints is merged ("[0,1] ...") as soon as the last prints it, however far apart
+    with Kernel({"HVDNB_PANEL": "inline", "HVDNB_COLLAPSE_WINDOW": "60"}) as k:
         extra = " --oversubscribe" if n > 2 else ""
         r = k.run(f"%dist start -n {n} --timeout 120{extra}", timeout=240)
         assert r.error is None, r

@@ -68,7 +68,9 @@ def _engine_of_slot(slot: int) -> psutil.Process | None:
 
 def test_a_killed_rank_is_a_line_and_the_next_cell_runs_on_the_survivors(tmp_path):
     training = tmp_path / "training"
-    with Kernel({"HVDNB_PANEL": "inline"}) as k:
+    # a merge window far longer than any rank lags on a loaded box: the line both ranks
+    # print after the scale is "[0,1] 2", shown as soon as the second prints it
+    with Kernel({"HVDNB_PANEL": "inline", "HVDNB_COLLAPSE_WINDOW": "60"}) as k:
         r = k.run("%dist start -n 2 --min-np 1 --timeout 120", timeout=240)
         assert r.error is None and "elastic" in r.text, r
         victim = _engine_of_slot(1)

@@ -65,11 +65,11 @@ def test_killed_kernel_leaves_nothing_running_or_on_disk():
     assert Path(state_dir).is_dir() and Path(state_dir).name.startswith("hvdnb-state-")
     pids = [int(p) for p in tail.split()]
     assert len(pids) >= 4
-    assert alive(pids, within=8.0) == []
+    assert alive(pids, within=60.0) == []
     # connection files (with the session key), cluster file, logs, state dir: gone too
     left = [p for sub in ("security", "log") for p in (Path(profile) / sub).glob(f"*{cluster_id}*")]
     left.append(Path(state_dir))  # and the state directory (hvdnb.State's commits)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # returns as soon as they are gone
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
         left = [p for p in left if p.exists()]

@@ -27,6 +27,11 @@ HVDNB = [sys.executable, "-m", "hvdnb.notebook.headless.cli"]
 #: a kernel, its cluster's start and teardown on a loaded 2-core box; the hang itself is
 #: bounded by --timeout + 10 s, so a run past START + timeout + 10 s has hung
 START = 60.0
+#: the hung cells' ``--timeout``, and the stall detector's start (``hvdnb run`` passes the
+#: lower of it and half the timeout to the kernel): the report comes two looks (1 s apart)
+#: after it, ~3 s into the cell, far inside the timeout however loaded the box is
+TIMEOUT = 20.0
+STALL_AFTER = "1"
 
 
 def _notebook(tmp_path: Path, cell: str) -> Path:
@@ -106,9 +111,12 @@ def _run_to_end(src: Path, timeout: float, *args: str) -> tuple[int, str, dict[i
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_timeout_ends_a_one_rank_recv_that_ignores_the_interrupt(tmp_path: Path) -> None:
+def test_timeout_ends_a_one_rank_recv_that_ignores_the_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """1 rank blocked in C (an MPI recv no rank can ever answer): the interrupt does not
     reach it, so the runner's backstop stops the kernel and the cluster."""
+    monkeypatch.setenv("HVDNB_STALL_AFTER", STALL_AFTER)
     src = _notebook(
         tmp_path,
         """\
@@ -117,9 +125,9 @@ def test_timeout_ends_a_one_rank_recv_that_ignores_the_interrupt(tmp_path: Path)
         MPI.COMM_WORLD.recv(source=MPI.ANY_SOURCE)
         """,
     )
-    rc, err, seen = _run_to_end(src, 10, "-n", "1", "--timeout", "10")
+    rc, err, seen = _run_to_end(src, TIMEOUT, "-n", "1", "--timeout", f"{TIMEOUT:g}")
     assert rc == 124, err
-    assert "--timeout 10 s" in err
+    assert f"--timeout {TIMEOUT:g} s" in err
     text = _text(src.with_suffix(".out.ipynb"))
     assert "before the hang" in text and "never reached" not in text
     assert "rank 0 waits in MPI recv" in text and "the cluster has 1 rank" in text, text
@@ -131,9 +139,12 @@ def test_timeout_ends_a_one_rank_recv_that_ignores_the_interrupt(tmp_path: Path)
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_timeout_ends_a_two_rank_collective(tmp_path: Path) -> None:
+def test_timeout_ends_a_two_rank_collective(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 0 in all_reduce, rank 1 elsewhere: the cell's own timeout interrupts them and
     the stall report names both."""
+    monkeypatch.setenv("HVDNB_STALL_AFTER", STALL_AFTER)
     src = _notebook(
         tmp_path,
         """\
@@ -146,13 +157,13 @@ def test_timeout_ends_a_two_rank_collective(tmp_path: Path) -> None:
             time.sleep(100000)
         """,
     )
-    rc, err, seen = _run_to_end(src, 10, "-n", "2", "--timeout", "10")
+    rc, err, seen = _run_to_end(src, TIMEOUT, "-n", "2", "--timeout", f"{TIMEOUT:g}")
     assert rc == 124, err
     text = _text(src.with_suffix(".out.ipynb"))
     assert "before the hang" in text and "never reached" not in text
     assert "rank 0 waits in all_reduce" in text, text
     assert "rank 1 is at" in text and "not in a collective" in text
-    assert "cell timed out after 10 s" in text
+    assert f"cell timed out after {TIMEOUT:g} s" in text
     assert _left(seen) == []
 
 

@@ -68,7 +68,9 @@ def until_idle(k, msg_id, timeout=120):
             return "".join(text)
 
 
-with Kernel({"HVDNB_PANEL": "inline"}) as k:
+# a merge window far longer than any rank lags on a loaded box: a line both ranks print
+# is "[0,1] ...", shown as soon as the second prints it
+with Kernel({"HVDNB_PANEL": "inline", "HVDNB_COLLAPSE_WINDOW": "60"}) as k:
     r = k.run(
         "import ipykernel\nfrom hvdnb.notebook.panel import kernel as _k\n"
         "print(ipykernel.__version__, _k.control_subshell())"

@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def kernel():
-    with Kernel({"HVDNB_PANEL": "inline", "HVDNB_RANKS": "2"}) as k:
+    # a merge window far longer than any rank lags on a loaded box: a line both ranks print
+    # is shown as soon as the second prints it ("[0,1] 2"), never as "[0]" and "[1]"
+    env = {"HVDNB_PANEL": "inline", "HVDNB_RANKS": "2", "HVDNB_COLLAPSE_WINDOW": "60"}
+    with Kernel(env) as k:
         r = k.run("%dist start -n 2 --timeout 120", timeout=180)
         assert r.error is None, r
         assert "2 ranks ready" in r.text and r.displays >= 1, r  # the panel is shown
