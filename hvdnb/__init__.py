@@ -129,6 +129,9 @@ def load_ipython_extension(ipython: Any) -> None:
     importhint.install(ipython)
     automode.install(ipython)
     introspect.install(ipython)
+    from hvdnb.notebook.debug import router  # noqa: PLC0415  side separation: the facade loads the notebook side lazily (PEP 562)
+
+    router.install(ipython)  # JupyterLab's visual debugger reaches the ranks
 
 
 def unload_ipython_extension(ipython: Any) -> None:

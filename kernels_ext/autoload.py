@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from hvdnb.notebook.cellout import automode, introspect
+from hvdnb.notebook.debug import router
 from hvdnb.notebook.ipython.magics import DistMagics
 
 
@@ -21,3 +22,4 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(DistMagics)
     automode.install(ipython)
     introspect.install(ipython)
+    router.install(ipython)  # JupyterLab's visual debugger reaches the ranks

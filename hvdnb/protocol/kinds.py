@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 __all__ = [
+    "DEBUG_LISTEN",
+    "DEBUG_READY",
     "ELASTIC_LEFT",
     "ELASTIC_LOOP",
     "ELASTIC_RESET",
@@ -202,6 +204,20 @@ WHERE: Final = Kind(
 )
 PDB_OUT: Final = Kind("pdb_out", "rank", ("text", "waiting"), doc="a rank's debugger output")
 PDB_CMD: Final = Kind("pdb_cmd", "notebook", ("line",), doc="a line for a rank's debugger")
+DEBUG_LISTEN: Final = Kind(
+    "debug_listen",
+    "notebook",
+    ("ask",),
+    doc="JupyterLab's visual debugger is on: start debugpy's adapter on this rank (once) and "
+    "say where it listens",
+)
+DEBUG_READY: Final = Kind(
+    "debug_ready",
+    "rank",
+    ("ask",),
+    ("host", "port", "pid", "error"),
+    doc="where this rank's debugpy adapter listens (or why it could not start)",
+)
 
 KINDS: Final[dict[str, Kind]] = {
     k.name: k
@@ -227,6 +243,8 @@ KINDS: Final[dict[str, Kind]] = {
         WHERE,
         PDB_OUT,
         PDB_CMD,
+        DEBUG_LISTEN,
+        DEBUG_READY,
     )
 }
 

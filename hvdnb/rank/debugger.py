@@ -19,7 +19,7 @@ from typing import Any
 
 from hvdnb.protocol import kinds
 from hvdnb.protocol.replies import DebugReply
-from hvdnb.rank import channel
+from hvdnb.rank import channel, visualdebug
 
 __all__ = ["breakpoint_hook", "debug_command", "forget", "keep"]
 
@@ -133,6 +133,9 @@ def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
     import pdb  # noqa: PLC0415  pdb: only when debugging
 
     global _PDB_LINES
+    if visualdebug.active():  # JupyterLab's debugger is attached: it stops here
+        visualdebug.breakpoint_here()
+        return None
     ch = channel.get()
     if ch is None:
         sys.__breakpointhook__(*args, **kwargs)

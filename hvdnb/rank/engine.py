@@ -47,6 +47,7 @@ from hvdnb.rank import (
     rendezvous,
     standin,
     tfconfig,
+    visualdebug,
 )
 from hvdnb.rank import nvtx as _nvtx
 from hvdnb.rank.frameworks.torch_hooks import destroy_default_group
@@ -409,6 +410,7 @@ def connect_channel() -> None:
     ch = channel.get()
     if ch is not None:
         ch.on(kinds.WHERE_ASK, lambda msg: ch.send(kinds.WHERE, ask=msg.get("ask"), **where()))
+        ch.on(kinds.DEBUG_LISTEN, lambda msg: visualdebug.on_listen(ch, msg))  # JupyterLab's
 
         stop.listen(ch)  # a watcher may stop the loop (hvdnb.watch(nan="stop"))
         elastic.listen(ch)  # an elastic cluster's next generations

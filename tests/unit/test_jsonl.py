@@ -72,6 +72,7 @@ def _rank_messages(tmp_path: Path) -> dict[str, dict]:
         (kinds.RDV_ASK, {}),
         (kinds.WHERE, {"ask": 1, "cell": 2, "line": 5, "code": "loss.backward()", "stack": []}),
         (kinds.PDB_OUT, {"text": "(Pdb) ", "waiting": True}),
+        (kinds.DEBUG_READY, {"ask": "debug-1", "host": "127.0.0.1", "port": 5678, "pid": 4321}),
     ]
     for kind, payload in built:
         msgs[kind.name] = kinds.outgoing(kind, payload)

@@ -8,8 +8,7 @@ turning errors into one ``DistributedCellError`` that names the ranks, and carry
 the wait's policy (``hvdnb.notebook.cellout.cellwait.CellWait``: fail fast, the stop button, the
 timeout, stall checks) decides.
 
-Never: block without a deadline when a rank has failed, or print the same traceback once
-per rank.
+Never: block without a deadline when a rank has failed, or print a traceback once per rank.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from hvdnb.notebook.cellout.output import format_ranks
 from hvdnb.notebook.cellout.pdbprompt import PdbPrompt
 from hvdnb.notebook.cellout.streaming import Intake, Streamer
 from hvdnb.notebook.cluster import health
+from hvdnb.notebook.debug import router as visual
 from hvdnb.notebook.diagnosis.stall import StallWatch
 from hvdnb.notebook.metrics.runlog import outcome_of
 from hvdnb.notebook.metrics.store import get_store
@@ -156,11 +156,6 @@ class DistributedCellError(RuntimeError):
     @property
     def failed_ranks(self) -> list[int]:
         return sorted(self.result.errors)
-
-    @property
-    def failed_dead(self) -> list[int]:
-        """The failed ranks whose engine the cell found gone."""
-        return sorted(r for r, e in self.result.errors.items() if e.get("dead"))
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of a client-side traceback (which would be noise).
@@ -349,6 +344,7 @@ def _submit(cluster: Any, code: str, targets: Any) -> _Sent:
     cluster.cell_no += 1
     cell_no = cluster.cell_no
     view = cluster.client[slots] if not everyone else cluster.view
+    visual.before_cell(cluster, code, cell_no, ranks)  # JupyterLab's debugger, when it is on
 
     store = get_store()
     store.begin_cell(cell_no)  # the cell's first logged point starts a new run
@@ -557,7 +553,6 @@ class _CellRun:
             state = "error" if r in result.errors else "ok"
             self.cluster.last_cell[r] = {"cell": sent.cell_no, "state": state}
         # what %dist export turns into a script: every cell, in the order it ran
-
         self.cluster.history.append(
             ExportCell(
                 sent.cell_no, self.code, None if sent.everyone else list(sent.ranks), result.ok
@@ -574,9 +569,7 @@ class _CellRun:
         """How the wait ended, and what became of the cluster: dead ranks are named, ranks
         that ignored an interrupt get a restart, otherwise the process group is rebuilt."""
         note = self.members.with_lines(self.policy.note)  # an elastic cluster's changes
-        died = health.died_note(
-            self.cluster, sorted(r for r, e in self.result.errors.items() if e.get("dead"))
-        )
+        died = health.died_note(self.cluster, health.dead_in(self.result.errors))
         if died:
             return f"{note}; {died}" if note else died
         if self.stuck:

@@ -30,6 +30,7 @@ from hvdnb.protocol.remote import ENGINE_INFO
 __all__ = [
     "Watched",
     "check_alive",
+    "dead_in",
     "dead_ranks",
     "debug_refusal",
     "died_note",
@@ -171,6 +172,11 @@ def require_all_ranks(cluster: Watched) -> None:
             f"rank(s) {format_ranks(dead)} of {cluster.n} are gone, so collectives would hang: "
             "run `%dist restart` first"
         )
+
+
+def dead_in(errors: dict[int, dict[str, Any]]) -> list[int]:
+    """The ranks of a cell's errors whose engine the cell found gone (``rank_died``)."""
+    return sorted(r for r, e in errors.items() if e.get("dead"))
 
 
 def died_note(cluster: Watched, seen: Iterable[int] = ()) -> str | None:

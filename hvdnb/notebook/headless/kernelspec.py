@@ -38,7 +38,7 @@ def get_kernel_dict(executable: str | None = None) -> dict[str, Any]:
         "display_name": DISPLAY_NAME,
         "language": "python",
         "env": {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"},
-        "metadata": {"debugger": False},
+        "metadata": {"debugger": True},
     }
 
 

@@ -531,7 +531,7 @@ class DistMagics(Magics):
             self._auto_off_if_dead(c)
             raise usage(exc) from None
         except cells.DistributedCellError as exc:
-            self._auto_off_if_dead(c, exc.failed_dead)
+            self._auto_off_if_dead(c, health.dead_in(exc.result.errors))
             raise
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = result.values
