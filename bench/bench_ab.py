@@ -35,6 +35,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_log import _worktree as worktree
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -107,12 +110,7 @@ print("RESULT " + json.dumps(out))
 
 
 def _worktree(ref: str) -> tuple[Path, str]:
-    path = Path(tempfile.mkdtemp(prefix="hvdnb-ab-")) / "tree"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), ref],
-        check=True,
-        capture_output=True,
-    )
+    path = worktree(ref)  # bench_log's: a detached git worktree of ``ref``
     rev = subprocess.run(
         ["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
         capture_output=True,

@@ -56,11 +56,34 @@ def listen() -> tuple[str, int]:
             sys.path.append(plugins)
         import debugpy  # noqa: PLC0415  debugpy: only once the visual debugger is on
 
+        _add_extensions(plugins)
         debugpy.configure(subProcess=False)  # a DataLoader's workers are not debugged
         host, port = debugpy.listen((_listen_addr(), 0))
         endpoint = (str(host), int(port))
         _STATE["endpoint"] = endpoint
         return endpoint
+
+
+def _add_extensions(folder: str) -> None:
+    """pydevd's extension namespace includes ``folder``'s, even when it was imported first
+    (ipykernel imports pydevd on every engine): pydevd reads it when it first shows a value."""
+    try:
+        import pydevd_plugins  # noqa: PLC0415  debugpy's, on sys.path once debugpy is imported
+        import pydevd_plugins.extensions as extensions  # noqa: PLC0415
+    except ImportError:
+        return
+    for pkg, sub in ((pydevd_plugins, "pydevd_plugins"), (extensions, "pydevd_plugins/extensions")):
+        path = str(Path(folder, sub))
+        if path not in list(pkg.__path__):
+            pkg.__path__.append(path)
+    try:  # read again at the next value shown, with hvdnb's among them
+        from _pydevd_bundle import pydevd_extension_utils  # noqa: PLC0415
+
+        manager = pydevd_extension_utils.EXTENSION_MANAGER_INSTANCE
+        manager.loaded_extensions = None
+        manager.type_to_instance.clear()
+    except (ImportError, AttributeError):
+        pass
 
 
 def active() -> bool:

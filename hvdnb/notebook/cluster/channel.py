@@ -6,6 +6,7 @@ Never: block the caller (``hvdnb.protocol.endpoint``), or run on a rank.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
@@ -47,6 +48,30 @@ class ClientChannel(Endpoint):
     def send(self, rank: int, kind: Kind, **payload: Any) -> None:
         """Queue a message for ``rank`` (dropped with a warning if it never connected)."""
         self._queue((rank, outgoing(kind, payload)))
+
+    def ask(
+        self, ranks: list[int], question: Kind, answer: Kind, timeout: float, tag: str
+    ) -> dict[int, dict[str, Any]]:
+        """Send ``question`` to each of ``ranks`` and collect their ``answer`` messages
+        (matched by an ``ask`` field made from ``tag``) until all came or ``timeout``
+        seconds passed: rank -> its answer, the ranks that did not answer left out."""
+        replies: dict[int, dict[str, Any]] = {}
+        ask = f"{tag}-{time.monotonic_ns()}"
+
+        def on_answer(msg: dict[str, Any]) -> None:
+            if msg.get("ask") == ask and isinstance(msg.get("rank"), int):
+                replies[msg["rank"]] = msg
+
+        self.on(answer, on_answer)
+        try:
+            for r in ranks:
+                self.send(r, question, ask=ask)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and len(replies) < len(ranks):
+                time.sleep(0.02)
+        finally:
+            self.off(answer, on_answer)
+        return replies
 
     def _send_item(self, item: tuple[int, dict[str, Any]]) -> None:
         rank, msg = item

@@ -28,8 +28,8 @@ from __future__ import annotations
 import ast
 import itertools
 import logging
+import sys
 import threading
-import time
 from typing import Any
 
 from hvdnb.notebook.debug.dap import DapClient, DapError
@@ -95,7 +95,11 @@ def before_cell(cluster: Any, code: str, cell_no: int, ranks: list[int]) -> None
     try:
         router.prepare_cell(cluster, _raw_cell(), code, cell_no, ranks)
     except Exception as exc:  # the cell must run even when its ranks cannot be debugged
-        log.warning("hvdnb: the visual debugger could not reach the ranks: %s", exc)
+        print(
+            f"hvdnb: the visual debugger could not reach the ranks ({exc}); this cell runs "
+            "without stopping there. Turn the debugger off and on to try again.",
+            file=sys.stderr,
+        )
 
 
 def _raw_cell() -> str | None:
@@ -345,22 +349,7 @@ class RankRouter:
             missing = [r for r in ranks if r not in self.sessions or self.sessions[r].dap.closed]
         if not missing:
             return
-        replies: dict[int, dict[str, Any]] = {}
-        ask = f"debug-{time.monotonic_ns()}"
-
-        def on_ready(msg: dict[str, Any]) -> None:
-            if msg.get("ask") == ask and isinstance(msg.get("rank"), int):
-                replies[msg["rank"]] = msg
-
-        ch.on(kinds.DEBUG_READY, on_ready)
-        try:
-            for r in missing:
-                ch.send(r, kinds.DEBUG_LISTEN, ask=ask)
-            deadline = time.monotonic() + LISTEN_TIMEOUT
-            while time.monotonic() < deadline and len(replies) < len(missing):
-                time.sleep(0.02)
-        finally:
-            ch.off(kinds.DEBUG_READY, on_ready)
+        replies = ch.ask(missing, kinds.DEBUG_LISTEN, kinds.DEBUG_READY, LISTEN_TIMEOUT, "debug")
         problems = []
         for r in missing:
             rep = replies.get(r)

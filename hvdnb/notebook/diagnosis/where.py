@@ -18,7 +18,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,23 +79,7 @@ def _ask(cluster: Any, ranks: list[int], timeout: float) -> dict[int, dict[str, 
     ch = getattr(cluster, "channel", None)
     if ch is None:
         return {}
-    replies: dict[int, dict[str, Any]] = {}
-    ask = f"where-{time.monotonic_ns()}"
-
-    def on_where(msg: dict[str, Any]) -> None:
-        if msg.get("ask") == ask and isinstance(msg.get("rank"), int):
-            replies[msg["rank"]] = msg
-
-    ch.on(kinds.WHERE, on_where)
-    try:
-        for r in ranks:
-            ch.send(r, kinds.WHERE_ASK, ask=ask)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and len(replies) < len(ranks):
-            time.sleep(0.02)
-    finally:
-        ch.off(kinds.WHERE, on_where)
-    return replies
+    return dict(ch.ask(ranks, kinds.WHERE_ASK, kinds.WHERE, timeout, "where"))
 
 
 def rank_stacks(
