@@ -33,6 +33,7 @@ import threading
 from typing import Any
 
 from hvdnb.notebook.debug.dap import DapClient, DapError
+from hvdnb.notebook.debug.local import start_notebook_debugpy
 from hvdnb.protocol import kinds
 
 __all__ = ["RankRouter", "before_cell", "current", "install"]
@@ -427,6 +428,12 @@ class RankRouter:
         if after is not None:
             after(message, args, reply)
         return reply  # type: ignore[no-any-return]
+
+    def _on_initialize(self, message: dict[str, Any], args: Any) -> dict[str, Any] | None:
+        error = start_notebook_debugpy(self.local)
+        if error is None:
+            return None  # ipykernel's initialize goes on from a listening debugpy
+        return _fail(message, f"the notebook's debugpy did not start ({error})")
 
     # requests the notebook's debugger answers, with the ranks told too
     def _after_initialize(self, message: dict[str, Any], args: Any, reply: Any) -> None:
