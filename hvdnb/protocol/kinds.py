@@ -21,6 +21,7 @@ from typing import Any, Final, Literal
 
 __all__ = [
     "DEBUG_LISTEN",
+    "DEBUG_OFF",
     "DEBUG_READY",
     "ELASTIC_LEFT",
     "ELASTIC_LOOP",
@@ -211,6 +212,13 @@ DEBUG_LISTEN: Final = Kind(
     doc="JupyterLab's visual debugger is on: start debugpy's adapter on this rank (once) and "
     "say where it listens",
 )
+DEBUG_OFF: Final = Kind(
+    "debug_off",
+    "notebook",
+    (),
+    doc="JupyterLab's visual debugger was turned off: breakpoint() is pdb's again, and the "
+    "rank's collectives time out again",
+)
 DEBUG_READY: Final = Kind(
     "debug_ready",
     "rank",
@@ -244,6 +252,7 @@ KINDS: Final[dict[str, Kind]] = {
         PDB_OUT,
         PDB_CMD,
         DEBUG_LISTEN,
+        DEBUG_OFF,
         DEBUG_READY,
     )
 }

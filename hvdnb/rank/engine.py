@@ -410,7 +410,9 @@ def connect_channel() -> None:
     ch = channel.get()
     if ch is not None:
         ch.on(kinds.WHERE_ASK, lambda msg: ch.send(kinds.WHERE, ask=msg.get("ask"), **where()))
-        ch.on(kinds.DEBUG_LISTEN, lambda msg: visualdebug.on_listen(ch, msg))  # JupyterLab's
+        # JupyterLab's visual debugger, turned on (once per cell while on) and off
+        ch.on(kinds.DEBUG_LISTEN, lambda msg: visualdebug.on_listen(ch, msg))
+        ch.on(kinds.DEBUG_OFF, visualdebug.on_off)
 
         stop.listen(ch)  # a watcher may stop the loop (hvdnb.watch(nan="stop"))
         elastic.listen(ch)  # an elastic cluster's next generations
@@ -553,6 +555,7 @@ def run_cell(code: str, cell_no: int) -> CellReply:
     connect_channel()
     _new_cell_metrics(cell_no)
     debugger.forget()  # a new cell: the last failed cell's frames go
+    visualdebug.new_cell()  # an interrupt that landed in debugpy's wait is over
     frameworks.new_cell()  # each framework note may be said once more
     sys.breakpointhook = debugger.breakpoint_hook  # pdb on this rank, prompted in the notebook
     t0 = time.time()

@@ -9,12 +9,20 @@ are debugpy's own.
 The adapter listens on the address the notebook reaches this rank on: loopback when the
 notebook is on this host. debugpy has no authentication, so it is never opened wider.
 
-Owns: starting debugpy on this rank, and whether ``breakpoint()`` stops in it. Never:
+While the debugger is attached, a rank may sit at a breakpoint for as long as a person
+reads it, and its peers wait in their next collective: this rank's process groups then
+wait ``HELD_TIMEOUT`` instead of ``collective_timeout`` (torch's ``_set_pg_timeout``, read
+by each collective as it starts), and get their own timeout back when the debugger is
+turned off (``DEBUG_OFF``).
+
+Owns: starting debugpy on this rank, whether ``breakpoint()`` stops in it, and the process
+groups' timeouts while it is attached. Never:
 import debugpy before the notebook asks (it traces every call once attached).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import threading
@@ -25,9 +33,19 @@ from urllib.parse import urlsplit
 from hvdnb.host import is_loopback, route_addr
 from hvdnb.protocol import kinds
 
-__all__ = ["active", "breakpoint_here", "listen"]
+__all__ = [
+    "active",
+    "breakpoint_here",
+    "hold_timeouts",
+    "listen",
+    "new_cell",
+    "on_listen",
+    "on_off",
+]
 
-_STATE: dict[str, Any] = {"endpoint": None, "error": None}
+_STATE: dict[str, Any] = {"endpoint": None, "error": None, "held": [], "on": False}
+#: how long a collective may wait while JupyterLab's debugger is attached
+HELD_TIMEOUT = datetime.timedelta(hours=24)
 _LOCK = threading.Lock()
 
 
@@ -87,8 +105,9 @@ def _add_extensions(folder: str) -> None:
 
 
 def active() -> bool:
-    """debugpy's adapter runs here and a debugger is attached to it."""
-    if _STATE["endpoint"] is None:
+    """JupyterLab's debugger is on (``DEBUG_LISTEN`` came, no ``DEBUG_OFF`` since) and
+    attached to this rank's adapter."""
+    if _STATE["endpoint"] is None or not _STATE["on"]:
         return False
     debugpy = sys.modules.get("debugpy")
     return bool(debugpy is not None and debugpy.is_client_connected())
@@ -108,4 +127,76 @@ def on_listen(ch: Any, msg: dict[str, Any]) -> None:
     except Exception as exc:  # no debugpy, or its adapter would not start: say why
         ch.send(kinds.DEBUG_READY, ask=msg.get("ask"), error=f"{type(exc).__name__}: {exc}")
         return
+    _STATE["on"] = True
+    hold_timeouts()
     ch.send(kinds.DEBUG_READY, ask=msg.get("ask"), host=host, port=port, pid=os.getpid())
+
+
+def _groups() -> list[Any]:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return []
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415  loaded above
+
+    return list(c10d._world.pg_map)
+
+
+def _timeout_of(pg: Any) -> datetime.timedelta | None:
+    try:
+        return pg._get_backend(next(iter(pg._device_types))).options._timeout  # type: ignore[no-any-return]
+    except Exception:  # a backend without options (MPI): it has no timeout to hold
+        return None
+
+
+def new_cell() -> None:
+    """A cell starts. A rank interrupted while the debugger held it took the
+    KeyboardInterrupt inside debugpy's trace function: Python then stopped tracing the
+    thread, and debugpy still counts it as suspended, so it would never stop there again.
+    The thread is marked running and traced again."""
+    if _STATE["endpoint"] is None:
+        return
+    info = getattr(threading.current_thread(), "additional_info", None)
+    if info is not None and info.pydev_state == 2 and not info.is_in_wait_loop:  # suspended
+        info.pydev_state = 1  # pydevd's STATE_RUN
+        info.pydev_step_cmd = info.pydev_original_step_cmd = -1
+    if _STATE["on"] and sys.gettrace() is None:
+        import debugpy  # noqa: PLC0415  imported by listen()
+
+        debugpy.trace_this_thread(True)
+
+
+def hold_timeouts() -> None:
+    """This rank's process groups wait ``HELD_TIMEOUT`` in a collective (once per attach)."""
+    groups = _groups()
+    if not groups:
+        return
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415  loaded: groups exist
+
+    held = _STATE["held"]
+    known = {id(pg) for pg, _ in held}
+    for pg in groups:
+        before = _timeout_of(pg)
+        if id(pg) in known or before is None or before >= HELD_TIMEOUT:
+            continue
+        try:
+            c10d._set_pg_timeout(HELD_TIMEOUT, pg)
+        except Exception:  # a group this rank is not in, or already destroyed
+            continue
+        held.append((pg, before))
+
+
+def on_off(msg: dict[str, Any] | None = None) -> None:
+    """The side channel's ``DEBUG_OFF``: ``breakpoint()`` is pdb's again, and the groups get
+    their timeouts back."""
+    _STATE["on"] = False
+    held = _STATE["held"]
+    if not held:
+        return
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    for pg, before in held:
+        try:
+            c10d._set_pg_timeout(before, pg)
+        except Exception:  # destroyed since (a restart of the group): its successor has its own
+            pass
+    held.clear()

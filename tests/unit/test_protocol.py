@@ -32,7 +32,7 @@ def test_every_kind_is_defined_once_with_a_sender():
     # the module's own constants (tests and plugins may register more in this process)
     own = [v for n in kinds.__all__ if isinstance(v := getattr(kinds, n), kinds.Kind)]
     names = [k.name for k in own]
-    assert len(names) == len(set(names)) == 23
+    assert len(names) == len(set(names)) == 24
     assert {k.sender for k in own} == {"rank", "notebook", "both"}
     for k in own:
         assert kinds.lookup(k.name) is k

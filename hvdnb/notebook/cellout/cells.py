@@ -3,10 +3,9 @@
 Owns: sending a cell to the engines (``apply`` of ``hvdnb.rank.engine.run_cell``, ~25 %
 cheaper than ``execute``), streaming each rank's output while it runs (collapsed by
 ``OutputCollapser``), the watchers' alarm lines (``hvdnb.watch``: the store finds them,
-the waiting loop prints them), displaying trailing-expression values once per distinct value,
-turning errors into one ``DistributedCellError`` that names the ranks, and carrying out what
-the wait's policy (``hvdnb.notebook.cellout.cellwait.CellWait``: fail fast, the stop button, the
-timeout, stall checks) decides.
+the waiting loop prints them), showing trailing-expression values once per distinct value,
+one ``DistributedCellError`` that names the ranks, and doing what the wait's policy
+(``cellwait.CellWait``: fail fast, the stop button, the timeout, stall checks) decides.
 
 Never: block without a deadline when a rank has failed, or print a traceback once per rank.
 """
@@ -306,9 +305,8 @@ def run_cell(
     cfg = get_config()
     if timeout is None and cfg.cell_timeout > 0:  # hvdnb run --timeout (HVDNB_CELL_TIMEOUT)
         timeout = cfg.cell_timeout
-    # from here on a Ctrl-C is remembered even where Python drops its KeyboardInterrupt (a
-    # __del__ run by the garbage collector while the cell is being submitted): the wait
-    # loop below acts on it, so the stop button never leaves the ranks running unwatched
+    # a Ctrl-C is remembered even where Python drops its KeyboardInterrupt (a __del__ run by
+    # the GC during the submit): the stop button never leaves the ranks running unwatched
     sigint = _SigintLatch()
     try:
         sent = _submit(cluster, code, targets)
@@ -492,6 +490,8 @@ class _CellRun:
         if isinstance(action, Pump):
             if self.stream:
                 self.streamer.pump()
+            if visual.paused():  # a rank in JupyterLab's debugger: the cell is not timing out
+                self.policy.deadline = None
             if self.prompt.serve():
                 # a rank sat at breakpoint(): its peers' waiting is no stall, and the stall
                 # detector's countdown starts again; the next tick decides afresh
@@ -544,8 +544,7 @@ class _CellRun:
         store.end_cell(outcome_of(result.errors))  # how the run ended, for the run store
         _run_hooks(True)
         result.seconds = time.monotonic() - sent.t0
-        # in rank order, however the ranks finished (%%distributed -o keeps this dict, and a
-        # lesson prints it: {1: 3.0, 0: 3.0} when rank 1 happened to end first)
+        # in rank order, however they finished (a lesson prints %%distributed -o's dict)
         result.values = dict(sorted(result.values.items()))
         for r, md in zip(result.ranks, self.metadata):
             result.stdout[r] = md.get("stdout") or ""
@@ -560,6 +559,7 @@ class _CellRun:
         )
         settled = self.members.settle(result)  # an elastic cluster's changes, said
         if result.errors and not settled:
+            visual.cell_error(True)  # the notebook's "pause on exceptions" skips this raise
             raise DistributedCellError(result, self._error_note())
         if not quiet:
             _show_values(result)
@@ -680,6 +680,7 @@ class _SigintLatch:
 
 
 def _interrupt(cluster: Any, ranks: list[int]) -> float:
+    visual.release(ranks)  # ranks held in JupyterLab's debugger take it there
     if ranks:
         try:
             cluster.client.send_signal(signal.SIGINT, targets=ranks, block=False)

@@ -7,15 +7,23 @@ between the unbind and the debugpy adapter's bind (CI saw one such failure). Thi
 the same way, tries a fresh port when the first fails, and returns the error otherwise, so
 the page's answer can say what went wrong.
 
-Owns: nothing past the start. Never: start a rank's debugpy (``hvdnb.rank.visualdebug``).
+A ``%%distributed`` cell whose ranks failed raises ``DistributedCellError`` in the notebook
+(so Run All stops there). With "pause on exceptions" on, the notebook's own debugpy would
+stop at that raise, inside hvdnb, and hold the cell until someone pressed Continue: the
+rank that raised has already stopped at its own raise. ``spare_cell_errors`` gives the
+notebook's exception breakpoints a condition that is false while such an error is raised.
+
+Owns: the notebook's debugpy start, and the flag ``cell_error`` sets. Never: start a
+rank's debugpy (``hvdnb.rank.visualdebug``).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["start_notebook_debugpy"]
+__all__ = ["cell_error", "raising", "spare_cell_errors", "start_notebook_debugpy"]
 
 #: how many fresh ports are tried before the debugger says it cannot start
 ATTEMPTS = 3
@@ -51,3 +59,35 @@ def start_notebook_debugpy(debugger: Any) -> str | None:
         error = f"{content.get('ename', 'error')}: {content.get('evalue', '')}".strip()
         client.debugpy_port = -1  # the next try binds a fresh port
     return error
+
+
+_RAISING = {"now": False}
+#: the condition the notebook's exception breakpoints get, evaluated in the raising frame
+CONDITION = "not __import__('hvdnb.notebook.debug.local', fromlist=['raising']).raising()"
+
+
+def raising() -> bool:
+    """True while a ``%%distributed`` cell raises its ranks' errors in the notebook."""
+    return _RAISING["now"]
+
+
+def cell_error(now: bool) -> None:
+    """Said by the cell before it raises its ranks' errors (True), and after it (False)."""
+    _RAISING["now"] = now
+
+
+def spare_cell_errors() -> None:
+    """The notebook's own exception breakpoints (just set by the page) skip the error a
+    ``%%distributed`` cell raises for its ranks; they stop on every other exception."""
+    pydevd = sys.modules.get("pydevd")  # the notebook's debugpy, in this process
+    db = pydevd.get_global_debugger() if pydevd is not None else None
+    if db is None:
+        return
+    for name in (
+        "break_on_caught_exceptions",
+        "break_on_uncaught_exceptions",
+        "break_on_user_uncaught_exceptions",
+    ):
+        for bp in (getattr(db, name, None) or {}).values():
+            if getattr(bp, "condition", "") is None:
+                bp.condition = CONDITION

@@ -32,11 +32,12 @@ import sys
 import threading
 from typing import Any
 
-from hvdnb.notebook.debug.dap import DapClient, DapError
-from hvdnb.notebook.debug.local import start_notebook_debugpy
+from hvdnb.notebook.debug.dap import DapError
+from hvdnb.notebook.debug.local import cell_error, spare_cell_errors, start_notebook_debugpy
+from hvdnb.notebook.debug.session import ANSWER_TIMEOUT, LISTEN_TIMEOUT, RankSession
 from hvdnb.protocol import kinds
 
-__all__ = ["RankRouter", "before_cell", "current", "install"]
+__all__ = ["RankRouter", "before_cell", "cell_error", "current", "install", "paused", "release"]
 
 log = logging.getLogger("hvdnb.debug")
 
@@ -45,25 +46,6 @@ THREAD_BASE = 1_000_000
 #: the ranks' frame and variable references as the page sees them: from here up (above
 #: the notebook's own debugpy's small counters and ipykernel's ``id()`` references)
 REF_BASE = 2**52
-#: how long a rank's debugpy may take to start (a new adapter process) and answer
-LISTEN_TIMEOUT = 20.0
-ANSWER_TIMEOUT = 10.0
-
-#: code the ranks' debuggers never stop in nor show: hvdnb's, the engine's machinery
-SKIPPED_MODULES = (
-    "hvdnb.*",
-    "kernels_ext.*",
-    "ipyparallel.*",
-    "ipykernel.*",
-    "IPython.*",
-    "tornado.*",
-    "zmq.*",
-    "traitlets.*",
-    "asyncio.*",
-    "threading",
-    "concurrent.*",
-)
-
 _ROUTER: RankRouter | None = None
 
 
@@ -84,12 +66,14 @@ def install(ipython: Any) -> RankRouter | None:
         return local
     _ROUTER = RankRouter(local)
     kernel.debugger = _ROUTER
+    ipython.events.register("post_run_cell", lambda _result: cell_error(False))
     return _ROUTER
 
 
 def before_cell(cluster: Any, code: str, cell_no: int, ranks: list[int]) -> None:
     """Called as a ``%%distributed`` cell is sent: with the visual debugger on, the ranks'
     debuggers are connected and told where the cell's lines are. Never raises."""
+    cell_error(False)
     router = _ROUTER
     if router is None or not router.on:
         return
@@ -101,6 +85,30 @@ def before_cell(cluster: Any, code: str, cell_no: int, ranks: list[int]) -> None
             "without stopping there. Turn the debugger off and on to try again.",
             file=sys.stderr,
         )
+
+
+def paused() -> list[int]:
+    """The ranks stopped in JupyterLab's debugger now (none while it is off)."""
+    router = _ROUTER
+    if router is None or not router.on:
+        return []
+    with router.lock:
+        return router._stopped_ranks()
+
+
+def release(ranks: list[int]) -> None:
+    """``ranks`` are being interrupted: those held in the debugger take the interrupt where
+    they stopped (it ends the wait debugpy holds them in), so the page shows them going on.
+    The debugger stays on, its breakpoints set."""
+    router = _ROUTER
+    if router is None or not router.on:
+        return
+    with router.lock:
+        held = [router.sessions[r] for r in router._stopped_ranks() if r in ranks]
+    for s in held:
+        router.rank_continued(s)
+    if held:
+        router._follow_next()
 
 
 def _raw_cell() -> str | None:
@@ -138,63 +146,6 @@ def _fail(request: dict[str, Any], message: str) -> dict[str, Any]:
     }
 
 
-class RankSession:
-    """One rank's debugpy, attached: its DAP client and what is stopped there."""
-
-    def __init__(self, router: RankRouter, rank: int, host: str, port: int, pid: int) -> None:
-        self.router = router
-        self.rank = rank
-        self.pid = pid
-        self.initialized = threading.Event()
-        self.stopped: int | None = None  # the rank's thread id stopped now
-        self.reason = ""
-        self.dap = DapClient(host, port, self._on_event, name=f"rank {rank}")
-
-    def attach(self) -> None:
-        """DAP's start: initialize, attach, the breakpoints known so far, configurationDone."""
-        rep = self.dap.request(
-            "initialize",
-            {
-                "clientID": "hvdnb",
-                "adapterID": "python",
-                "pathFormat": "path",
-                "linesStartAt1": True,
-                "columnsStartAt1": True,
-                "supportsVariableType": True,
-            },
-            LISTEN_TIMEOUT,
-        )
-        if not rep.get("success"):
-            raise DapError(f"rank {self.rank}: initialize failed: {rep.get('message')}")
-        attach = self.dap.send(
-            "attach",
-            {
-                "justMyCode": True,
-                "rules": [{"module": m, "include": False} for m in SKIPPED_MODULES],
-                "redirectOutput": False,
-                "subProcess": False,
-            },
-        )
-        if not self.initialized.wait(LISTEN_TIMEOUT):
-            raise DapError(f"rank {self.rank}'s debugger did not initialize")
-        self.router.replay(self)
-        self.dap.request("configurationDone", {}, ANSWER_TIMEOUT)
-        rep = self.dap.wait(attach, ANSWER_TIMEOUT)
-        if not rep.get("success"):
-            raise DapError(f"rank {self.rank}: attach failed: {rep.get('message')}")
-
-    def _on_event(self, msg: dict[str, Any]) -> None:
-        event = msg.get("event")
-        if event == "initialized":
-            self.initialized.set()
-        elif event == "stopped":
-            self.router.rank_stopped(self, msg.get("body") or {})
-        elif event == "continued":
-            self.router.rank_continued(self)
-        elif event in ("hvdnb_closed", "terminated", "exited"):
-            self.router.rank_gone(self)
-
-
 class RankRouter:
     """The kernel's ``Debugger`` with the ranks added (see the module's docstring).
 
@@ -216,6 +167,7 @@ class RankRouter:
         self.shown: int | None = None  # the rank whose thread the page follows
         self.picked: int | None = None  # the rank of the frame the person picked last
         self.cluster: Any = None
+        self.told: set[int] = set()  # ranks told the debugger is on (DEBUG_LISTEN) since off
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["local"], name)
@@ -346,17 +298,24 @@ class RankRouter:
                 for s in self.sessions.values():
                     s.dap.close()
                 self.sessions.clear()
+                self.told.clear()
                 self.cluster = cluster
             missing = [r for r in ranks if r not in self.sessions or self.sessions[r].dap.closed]
-        if not missing:
+            untold = [r for r in ranks if r not in self.told]
+        if not untold:
             return
-        replies = ch.ask(missing, kinds.DEBUG_LISTEN, kinds.DEBUG_READY, LISTEN_TIMEOUT, "debug")
+        # each rank told the debugger is on (its breakpoint() stops there, its collectives
+        # wait); those without a session also say where their adapter listens
+        replies = ch.ask(untold, kinds.DEBUG_LISTEN, kinds.DEBUG_READY, LISTEN_TIMEOUT, "debug")
         problems = []
-        for r in missing:
+        for r in untold:
             rep = replies.get(r)
             if rep is None or rep.get("error"):
                 why = rep.get("error") if rep else f"no answer within {LISTEN_TIMEOUT:g} s"
                 problems.append(f"rank {r}: {why}")
+                continue
+            self.told.add(r)
+            if r not in missing:
                 continue
             s = RankSession(self, r, str(rep["host"]), int(rep["port"]), int(rep.get("pid") or 0))
             with self.lock:
@@ -452,6 +411,7 @@ class RankRouter:
         self._to_ranks("setBreakpoints", self.breakpoints[path])
 
     def _after_setExceptionBreakpoints(self, message: Any, args: Any, reply: Any) -> None:
+        spare_cell_errors()  # the notebook does not stop where a cell reports its ranks' errors
         self.exceptions = dict(args)
         self._to_ranks("setExceptionBreakpoints", self.exceptions)
 
@@ -479,6 +439,11 @@ class RankRouter:
             self.breakpoints.clear()
             self.exceptions = None
             self.shown = self.picked = None
+            told, self.told = self.told, set()
+        ch = getattr(self.cluster, "channel", None)
+        if ch is not None:
+            for r in sorted(told):  # breakpoint() is pdb's again, collectives time out again
+                ch.send(r, kinds.DEBUG_OFF)
         for s in sessions:
             try:
                 for path in list(self.source_maps):
@@ -642,6 +607,14 @@ class RankRouter:
     _on_next = _stepping
     _on_stepIn = _stepping
     _on_stepOut = _stepping
+
+    def _on_exceptionInfo(self, message: dict[str, Any], args: Any) -> dict[str, Any] | None:
+        with self.lock:
+            s = self.sessions.get(self.rank_of_thread(args.get("threadId")) or -1)
+            tid = s.stopped if s is not None else None
+        if s is None or tid is None:
+            return None
+        return self._forward(s, message, {**args, "threadId": tid})
 
     def _on_threads(self, message: dict[str, Any], args: Any) -> dict[str, Any] | None:
         with self.lock:

@@ -30,7 +30,10 @@ import sys
 import time
 from typing import Any
 
+from hvdnb.notebook.debug import router as visual
 from hvdnb.notebook.diagnosis.where import format_stacks, from_replies
+from hvdnb.notebook.metrics.ranklabels import format_ranks
+from hvdnb.notebook.metrics.store import get_store
 from hvdnb.protocol import kinds
 
 __all__ = ["StallWatch", "alone_note", "describe", "waits_alone"]
@@ -123,6 +126,11 @@ class StallWatch:
         running = [r for r in self.ranks if r not in done]
         if not running:
             return None
+        stopped = [r for r in visual.paused() if r in running]
+        if stopped:  # held in JupyterLab's debugger: its peers wait on it, and that is no stall
+            self.previous = None
+            return self._paused(stopped, running)
+        get_store().set_notice("")
         # position *and* progress counters: in a training loop every step passes the same
         # lines, so only unchanged counters (collectives, hvdnb.torch calls, logged step)
         # show that nobody moved between two looks
@@ -172,6 +180,33 @@ class StallWatch:
         print(text_out, file=sys.stderr, flush=True)
         return text
 
+    def _paused(self, stopped: list[int], running: list[int]) -> str | None:
+        """One line per change: which ranks the debugger holds, and who waits on them."""
+        waiting = [
+            r for r in running if r not in stopped and (self.replies.get(r) or {}).get("collective")
+        ]
+        held = f"rank{'s' if len(stopped) > 1 else ''} {format_ranks(stopped)}"
+        notice = f"{held} paused in the debugger"
+        if waiting:
+            notice += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait on it"
+        get_store().set_notice(notice)
+        key = f"paused {stopped} {waiting}"
+        if key in self.reported:
+            return None
+        self.reported.add(key)
+        parts = [f"{held} paused in JupyterLab's debugger"]
+        parts += [
+            f"rank {r} " + describe(self.replies.get(r)).replace("waits in", "waits on it in", 1)
+            for r in waiting
+        ]
+        text = (
+            "hvdnb: " + "; ".join(parts) + " (not a stall: Continue or Terminate in the "
+            "debugger lets them go on)"
+        )
+        print(text, file=sys.stderr, flush=True)
+        return text
+
     def close(self) -> None:
+        get_store().set_notice("")
         if self.channel is not None and self.after > 0:
             self.channel.off(kinds.WHERE, self._on_where)

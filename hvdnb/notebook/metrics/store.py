@@ -81,6 +81,14 @@ class MetricsStore:
         self._ingest = Ingest(points, link, runs, alarms)
         self._views = Views(points, runs, link)
         self._log = RunLog(points, runs, link, enabled=keep_runs)
+        #: a line the panel's header shows now ("rank 1 paused in the debugger ..."), or ""
+        self.notice = ""
+
+    def set_notice(self, text: str) -> None:
+        """Show ``text`` in the panel's header from its next draw ("" clears it)."""
+        if text != self.notice:
+            self.notice = text
+            self._points.changed()
 
     # ------------------------------------------------------------ wiring and clearing
     def attach_current(self) -> None:

@@ -70,6 +70,8 @@ def header_html(store: MetricsStore) -> tuple[str, tuple[int, int] | None]:
     ]
     if age is not None:
         parts.append(f"updated {age:.1f} s ago")
+    if s.notice:
+        parts.append(f"<span style='color:#b35900'>{html.escape(s.notice)}</span>")
     if s.lost_messages or s.lost_rows:
         parts.append(
             f"<span style='color:#c00'>lost: {s.lost_messages} messages, "
