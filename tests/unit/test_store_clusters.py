@@ -94,3 +94,14 @@ def test_attaching_the_same_channel_again_changes_nothing():
     st.attach(c)  # %dist panel: the same cluster, the same channel
     assert st.run_id == 1 and "step 4" in _text(st)
     assert runs_chart(st).earlier == []
+
+
+def test_the_header_says_which_ranks_the_debugger_holds_until_it_is_cleared():
+    st = MetricsStore()
+    st.attach(_cluster(2, None, "CPU"))
+    version = st.version
+    st.set_notice("rank 1 paused in the debugger; rank 0 waits on it")
+    assert _text(st).endswith("| rank 1 paused in the debugger; rank 0 waits on it"), _text(st)
+    assert st.version != version  # the panel draws it
+    st.set_notice("")
+    assert "paused" not in _text(st)

@@ -579,7 +579,7 @@ class _CellRun:
 
 def _collect(result: CellResult, rank: int, child: Any, cluster: Any = None) -> None:
     try:
-        out = child.get(0)
+        out = child.get(10)  # its reply came: ipyparallel marks it ready a moment later
         if isinstance(out, list):  # a one-rank AsyncResult still returns a list
             out = out[0]
     except Exception as exc:  # serialisation or engine-level failure

@@ -415,6 +415,13 @@ class RankRouter:
         self.exceptions = dict(args)
         self._to_ranks("setExceptionBreakpoints", self.exceptions)
 
+    def _on_disconnect(self, message: dict[str, Any], args: Any) -> dict[str, Any] | None:
+        if getattr(self.local, "is_started", True):
+            return None
+        # off already (a second page's disconnect): ipykernel's own would fail on its socket
+        self.release_all()
+        return _ok(message)
+
     def _after_disconnect(self, message: Any, args: Any, reply: Any) -> None:
         """The debugger was turned off, or Terminate pressed: every rank goes on."""
         self.release_all()
