@@ -76,6 +76,9 @@ def listen() -> tuple[str, int]:
 
         _add_extensions(plugins)
         debugpy.configure(subProcess=False)  # a DataLoader's workers are not debugged
+        for t in threading.enumerate():  # the engine's own threads, never the user's
+            if t is not threading.main_thread():
+                t.pydev_do_not_trace = True  # type: ignore[attr-defined]
         host, port = debugpy.listen((_listen_addr(), 0))
         endpoint = (str(host), int(port))
         _STATE["endpoint"] = endpoint

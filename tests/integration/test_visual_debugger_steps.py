@@ -293,3 +293,37 @@ def test_the_stop_button_ends_a_cell_held_in_the_debugger_and_the_ranks_stop_aga
     assert dbg.req("disconnect", restart=False, terminateDebuggee=False)["success"]
     text, error = _collect(kernel, msg_id)
     assert error is None and "done 0 4.0" in text and "done 1 4.0" in text, (error, text)
+
+
+@pytest.mark.timeout(300)
+def test_terminate_mid_cell_goes_on_and_the_next_stop_still_outlasts_the_collective_timeout(
+    kernel, dbg
+):
+    """JupyterLab's Terminate is a disconnect and a new initialize and attach, with the
+    page's breakpoints sent again, while the cell runs: the ranks go on, stop again at the
+    next step (2 s later: the page's requests take a moment), and their peers still wait past ``collective_timeout``."""
+    slow = LOOP.replace("    dist.all_reduce(x)\n", "    dist.all_reduce(x)\n    time.sleep(2)\n")
+    slow = slow.replace("import os, ", "import os, time, ")
+    path = dbg.req("dumpCell", code=slow)["body"]["sourcePath"]
+    bps = [{"line": 5, "condition": "rank == 0"}]
+    assert dbg.req("setBreakpoints", source={"path": path}, breakpoints=bps)["success"]
+    msg_id = kernel.kc.execute(slow)
+    frames = _until(dbg, lambda f: _at(f, 0, "<module>", 5), "rank 0 held at step 0")
+    step = dbg.req("evaluate", expression="step", frameId=_top(frames, 0)["id"])["body"]
+    assert step["result"] == "0", step
+    assert dbg.req("disconnect", restart=False, terminateDebuggee=False)["success"]
+    assert dbg.req("initialize", clientID="jupyterlab", adapterID="python")["success"]
+    assert dbg.req("attach")["success"]
+    assert dbg.req("setBreakpoints", source={"path": path}, breakpoints=bps)["success"]
+
+    def later(f: list[dict[str, Any]]) -> bool:
+        top = _top(f, 0)
+        if top is None or not _at(f, 0, "<module>", 5):
+            return False
+        return dbg.req("evaluate", expression="step", frameId=top["id"])["body"]["result"] != "0"
+
+    _until(dbg, later, "rank 0 held again at a later step")
+    time.sleep(2 * COLLECTIVE_TIMEOUT + 1)  # rank 1 waits in all_reduce all this time
+    assert dbg.req("disconnect", restart=False, terminateDebuggee=False)["success"]
+    text, error = _collect(kernel, msg_id)
+    assert error is None and "done 0 4.0" in text and "done 1 4.0" in text, (error, text)

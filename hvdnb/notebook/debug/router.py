@@ -399,6 +399,18 @@ class RankRouter:
         if isinstance(reply, dict) and reply.get("success"):
             self.on = True
 
+    def _after_attach(self, message: dict[str, Any], args: Any, reply: Any) -> None:
+        """On again (Terminate is a disconnect and a new attach, mid-cell too): the ranks
+        attached before are told now, not at the next cell, so their collectives wait."""
+        with self.lock:
+            ranks = sorted(self.sessions)
+        if self.cluster is None or not ranks:
+            return
+        try:
+            self.connect(self.cluster, ranks)
+        except Exception as exc:  # the page's attach stands; the cell says what failed
+            log.warning("hvdnb: the visual debugger could not reach ranks again: %s", exc)
+
     def _after_setBreakpoints(self, message: dict[str, Any], args: Any, reply: Any) -> None:
         path = (args.get("source") or {}).get("path")
         if not path:
