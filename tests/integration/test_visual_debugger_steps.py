@@ -327,3 +327,48 @@ def test_terminate_mid_cell_goes_on_and_the_next_stop_still_outlasts_the_collect
     assert dbg.req("disconnect", restart=False, terminateDebuggee=False)["success"]
     text, error = _collect(kernel, msg_id)
     assert error is None and "done 0 4.0" in text and "done 1 4.0" in text, (error, text)
+
+
+@pytest.mark.timeout(300)
+def test_a_local_cell_keeps_the_stock_debugger_and_auto_modes_cells_stop_the_ranks(kernel, dbg):
+    """A cell that runs in the notebook stops in the notebook's own debugpy, as in a plain
+    ipykernel; in auto mode a cell without ``%%distributed`` goes to the ranks, and its
+    breakpoints with it, at the page's lines (there is no magic line to skip)."""
+    local = "a = 1\nb = a + 41\nprint('local', b)\n"
+    path = dbg.req("dumpCell", code=local)["body"]["sourcePath"]
+    assert dbg.req("setBreakpoints", source={"path": path}, breakpoints=[{"line": 2}])["success"]
+    msg_id = kernel.kc.execute(local)
+    deadline, threads = time.monotonic() + 60, []
+    while not threads and time.monotonic() < deadline:
+        threads = dbg.req("debugInfo")["body"]["stoppedThreads"]
+        time.sleep(0.2)
+    assert threads and threads[0] < 1_000_000, threads  # the notebook's own thread
+    frames = dbg.req("stackTrace", threadId=threads[0])["body"]["stackFrames"]
+    assert frames[0]["line"] == 2 and frames[0]["source"]["path"] == path, frames
+    assert not frames[0]["name"].startswith("rank "), frames
+    assert dbg.req("continue", threadId=threads[0])["success"]
+    text, error = _collect(kernel, msg_id)
+    assert error is None and "local 42" in text, (error, text)
+    assert dbg.req("setBreakpoints", source={"path": path}, breakpoints=[])["success"]
+
+    r = kernel.run("%dist auto on")
+    assert r.error is None, r
+    try:
+        auto = "import os\nrank = int(os.environ['RANK'])\nmine = rank + 100\nprint('auto', mine)\n"
+        path = dbg.req("dumpCell", code=auto)["body"]["sourcePath"]
+        bp = dbg.req("setBreakpoints", source={"path": path}, breakpoints=[{"line": 4}])
+        assert bp["success"], bp
+        msg_id = kernel.kc.execute(auto)
+        frames = _until(
+            dbg, lambda f: _at(f, 0, "<module>", 4) and _at(f, 1, "<module>", 4), "both at 4"
+        )
+        got = dbg.req("evaluate", expression="mine", frameId=_top(frames, 1)["id"])["body"]
+        assert got["result"] == "101", got
+        assert dbg.req("setBreakpoints", source={"path": path}, breakpoints=[])["success"]
+        for _ in range(2):
+            thread = dbg.req("debugInfo")["body"]["stoppedThreads"][0]
+            assert dbg.req("continue", threadId=thread)["success"]
+        text, error = _collect(kernel, msg_id)
+        assert error is None and "auto 100" in text and "auto 101" in text, (error, text)
+    finally:
+        kernel.run("%dist auto off")
