@@ -163,6 +163,7 @@ class RankRouter:
         self.source_maps: dict[str, list[dict[str, Any]]] = {}  # dumped path -> pydevd maps
         self.refs: dict[int, tuple[int, int]] = {}  # page ref -> (rank, the rank's ref)
         self.rank_refs: dict[int, list[int]] = {}
+        self.ref_of: dict[tuple[int, int], int] = {}  # (rank, the rank's ref) -> page ref
         self._counter = itertools.count(REF_BASE)
         self.shown: int | None = None  # the rank whose thread the page follows
         self.picked: int | None = None  # the rank of the frame the person picked last
@@ -184,16 +185,24 @@ class RankRouter:
         return None
 
     def _ref(self, rank: int, real: int) -> int:
+        """The page's id for the rank's frame or variable reference ``real``: the same one
+        each time while the rank stays stopped (JupyterLab keeps the picked frame only when
+        a refreshed Callstack has its id again; pydevd's ids hold while suspended)."""
         if not real:
             return 0
-        ours = next(self._counter)
-        self.refs[ours] = (rank, real)
-        self.rank_refs.setdefault(rank, []).append(ours)
+        ours = self.ref_of.get((rank, real))
+        if ours is None:
+            ours = next(self._counter)
+            self.refs[ours] = (rank, real)
+            self.ref_of[(rank, real)] = ours
+            self.rank_refs.setdefault(rank, []).append(ours)
         return ours
 
     def _forget_refs(self, rank: int) -> None:
         for ours in self.rank_refs.pop(rank, []):
-            self.refs.pop(ours, None)
+            hit = self.refs.pop(ours, None)
+            if hit is not None:
+                self.ref_of.pop(hit, None)
 
     def _publish(self, event: str, body: dict[str, Any]) -> None:
         self.local.event_callback({"type": "event", "seq": 0, "event": event, "body": body})
@@ -415,12 +424,15 @@ class RankRouter:
         path = (args.get("source") or {}).get("path")
         if not path:
             return
-        self.breakpoints[path] = {
+        new = {
             "source": {"path": path},
             "breakpoints": args.get("breakpoints") or [],
             "sourceModified": False,
         }
-        self._to_ranks("setBreakpoints", self.breakpoints[path])
+        if self.breakpoints.get(path) == new:
+            return  # the page sends them again at every cell and stop: the ranks have them
+        self.breakpoints[path] = new
+        self._to_ranks("setBreakpoints", new)
 
     def _after_setExceptionBreakpoints(self, message: Any, args: Any, reply: Any) -> None:
         spare_cell_errors()  # the notebook does not stop where a cell reports its ranks' errors
@@ -440,11 +452,12 @@ class RankRouter:
 
     def _after_debugInfo(self, message: Any, args: Any, reply: Any) -> None:
         if isinstance(reply, dict) and isinstance(reply.get("body"), dict):
-            with self.lock:
+            with self.lock:  # the followed rank first: the page follows the first listed
+                order = sorted(self.sessions, key=lambda r: (r != self.shown, r))
                 mine = [
-                    self.thread_of(r, s.stopped)
-                    for r, s in self.sessions.items()
-                    if s.stopped is not None
+                    self.thread_of(r, self.sessions[r].stopped or 0)
+                    for r in order
+                    if self.sessions[r].stopped is not None
                 ]
             if mine:
                 reply["body"]["stoppedThreads"] = mine + list(
@@ -459,6 +472,7 @@ class RankRouter:
             self.exceptions = None
             self.shown = self.picked = None
             told, self.told = self.told, set()
+        held = False
         ch = getattr(self.cluster, "channel", None)
         if ch is not None:
             for r in sorted(told):  # breakpoint() is pdb's again, collectives time out again
@@ -471,8 +485,11 @@ class RankRouter:
                 if s.stopped is not None:
                     s.dap.send("continue", {"threadId": s.stopped})
                     self.rank_continued(s)
+                    held = True
             except DapError:
                 pass
+        if held:  # and once for all, so no page keeps its "paused" bar for a rank it missed
+            self._publish("continued", {"threadId": 0, "allThreadsContinued": True})
 
     def _to_ranks(self, command: str, args: dict[str, Any]) -> None:
         with self.lock:
