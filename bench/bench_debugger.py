@@ -15,8 +15,8 @@ an order that alternates between rounds:
 
 Then, with the debugger on, the stop latency: a breakpoint on a line that follows
 ``reach = time.time()`` in a loop; for each of ``--stops`` stops, the time from ``reach``
-(read back from the stopped frame) to the kernel's ``stopped`` event arriving on iopub, as
-the page receives it (same host, same clock).
+(read back from the stopped frame) to the first ``stopped`` event on iopub after it (as
+the page receives it; same host, same clock), per rank and pass.
 
 Prints a table and writes ``bench/results/debugger.json``.
 Usage: ``python bench/bench_debugger.py [--rounds 3] [--cells 20] [--steps 200] [--stops 5]``
@@ -134,23 +134,30 @@ def _stop_latency(k: Kernel, d: Dap, stops: int) -> list[float]:
     path = d.req("dumpCell", code=cell)["body"]["sourcePath"]
     assert d.req("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])["success"]
     msg_id = k.kc.execute(cell)
-    out: list[float] = []
-    while len(out) < stops * 2:  # both ranks stop at each pass
+    seen: dict[tuple[int, float], float] = {}  # (rank, its reach time) -> latency
+    while len(seen) < stops * 2:  # both ranks stop at each pass
         try:
             m = k.kc.get_iopub_msg(timeout=60)
         except queue.Empty:
-            raise AssertionError(f"no stop after {len(out)}") from None
+            raise AssertionError(f"no stop after {len(seen)}") from None
         heard = time.time()
         if m["msg_type"] != "debug_event" or m["content"].get("event") != "stopped":
             continue
+        # the page follows one thread: the event may name the followed rank while another
+        # stopped too; the Callstack lists every stopped rank's frames
         thread = m["content"]["body"]["threadId"]
         frames = d.req("stackTrace", threadId=thread)["body"]["stackFrames"]
-        mine = [f for f in frames if f["name"].startswith(f"rank {thread // 1_000_000 - 1} ")]
-        reach = float(
-            d.req("evaluate", expression="reach", frameId=mine[0]["id"])["body"]["result"]
-        )
-        out.append(heard - reach)
-        assert d.req("continue", threadId=thread)["success"]
+        ranks = set()
+        for f in frames:
+            rank = int(f["name"].split()[1])
+            ev = d.req("evaluate", expression="reach", frameId=f["id"])["body"]["result"]
+            seen.setdefault((rank, float(ev)), heard - float(ev))
+            ranks.add(rank)
+        # only the ranks read here go on: one that stopped since is read at its own event
+        for t in d.req("debugInfo")["body"]["stoppedThreads"]:
+            if t // 1_000_000 - 1 in ranks:
+                d.req("continue", threadId=t)
+    out = list(seen.values())
     d.req("setBreakpoints", source={"path": path}, breakpoints=[])
     while True:  # the cell's end
         m = k.kc.get_iopub_msg(timeout=60)
