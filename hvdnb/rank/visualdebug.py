@@ -16,8 +16,8 @@ by each collective as it starts), and get their own timeout back when the debugg
 turned off (``DEBUG_OFF``).
 
 Owns: starting debugpy on this rank, whether ``breakpoint()`` stops in it, and the process
-groups' timeouts while it is attached. Never:
-import debugpy before the notebook asks (it traces every call once attached).
+groups' timeouts while it is attached. Never: import debugpy before the notebook asks (it
+traces every call once attached).
 """
 
 from __future__ import annotations
@@ -155,17 +155,20 @@ def new_cell() -> None:
     """A cell starts. A rank interrupted while the debugger held it took the
     KeyboardInterrupt inside debugpy's trace function: Python then stopped tracing the
     thread, and debugpy still counts it as suspended, so it would never stop there again.
-    The thread is marked running and traced again."""
+    The thread is marked running and traced again. While the debugger is on, groups made
+    since it attached wait ``HELD_TIMEOUT`` too."""
     if _STATE["endpoint"] is None:
         return
     info = getattr(threading.current_thread(), "additional_info", None)
     if info is not None and info.pydev_state == 2 and not info.is_in_wait_loop:  # suspended
         info.pydev_state = 1  # pydevd's STATE_RUN
         info.pydev_step_cmd = info.pydev_original_step_cmd = -1
-    if _STATE["on"] and sys.gettrace() is None:
-        import debugpy  # noqa: PLC0415  imported by listen()
+    if _STATE["on"]:
+        if sys.gettrace() is None:
+            import debugpy  # noqa: PLC0415  imported by listen()
 
-        debugpy.trace_this_thread(True)
+            debugpy.trace_this_thread(True)
+        hold_timeouts()  # a group rebuilt since (after a failed cell) waits too
 
 
 def hold_timeouts() -> None:

@@ -225,7 +225,7 @@ def test_pause_on_exceptions_stops_the_rank_that_raised_and_never_the_notebook(k
         "%%distributed\n"
         "import os\n"
         "rank = int(os.environ['RANK'])\n"
-        "if rank == 1:\n"
+        "if rank == 0:\n"
         "    raise ValueError('boom')\n"  # line 5
         "print('ok', rank)\n"
     )
@@ -233,17 +233,17 @@ def test_pause_on_exceptions_stops_the_rank_that_raised_and_never_the_notebook(k
     assert dbg.req("setExceptionBreakpoints", filters=["userUnhandled"])["success"]
     assert dbg.req("configurationDone")["success"]
     msg_id = kernel.kc.execute(cell)
-    frames = _until(dbg, lambda f: _at(f, 1, "<module>", 5), "rank 1 stopped at its raise")
-    assert _top(frames, 0) is None, frames
+    frames = _until(dbg, lambda f: _at(f, 0, "<module>", 5), "rank 0 stopped at its raise")
+    assert _top(frames, 1) is None, frames
     thread = dbg.req("debugInfo")["body"]["stoppedThreads"][0]
     info = dbg.req("exceptionInfo", threadId=thread)
     assert info["success"] and "ValueError" in info["body"]["exceptionId"], info
     assert dbg.req("continue", threadId=thread)["success"]
-    # the cell fails naming rank 1; the notebook's own debugpy does not stop at the error
+    # the cell fails naming rank 0; the notebook's own debugpy does not stop at the error
     # it raises for the ranks (it would hold the cell until someone pressed Continue)
     text, error = _collect(kernel, msg_id, within=60)
-    assert error is not None and "ValueError" in error and "rank 1" in error, (error, text)
-    assert "ok 0" in text, text
+    assert error is not None and "ValueError" in error and "rank 0" in error, (error, text)
+    assert "ok 1" in text, text
     assert dbg.req("debugInfo")["body"]["stoppedThreads"] == []
     r = kernel.run("%%distributed\nprint('next', rank)")
     assert r.error is None and "next 0" in r.text and "next 1" in r.text, r

@@ -646,7 +646,8 @@ class RankRouter:
 
     def _on_exceptionInfo(self, message: dict[str, Any], args: Any) -> dict[str, Any] | None:
         with self.lock:
-            s = self.sessions.get(self.rank_of_thread(args.get("threadId")) or -1)
+            rank = self.rank_of_thread(args.get("threadId"))
+            s = self.sessions.get(rank) if rank is not None else None
             tid = s.stopped if s is not None else None
         if s is None or tid is None:
             return None
