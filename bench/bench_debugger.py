@@ -70,19 +70,11 @@ class Dap:
     """JupyterLab's debugger requests, over the control channel."""
 
     def __init__(self, k: Kernel) -> None:
-        self.kc, self.seq = k.kc, 0
+        self.k, self.seq = k, 0
 
     def req(self, command: str, **arguments: Any) -> dict[str, Any]:
         self.seq += 1
-        msg = self.kc.session.msg(
-            "debug_request",
-            {"type": "request", "seq": self.seq, "command": command, "arguments": arguments},
-        )
-        self.kc.control_channel.send(msg)
-        while True:
-            rep = self.kc.control_channel.get_msg(timeout=60)
-            if rep["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                return dict(rep["content"])
+        return self.k.debug_request(self.seq, command, **arguments)
 
     def on(self) -> None:
         assert self.req("initialize", clientID="jupyterlab", adapterID="python")["success"]

@@ -30,19 +30,25 @@ class Debugger:
     """What JupyterLab's debugger sends, one request at a time."""
 
     def __init__(self, k: Kernel) -> None:
-        self.kc, self.seq = k.kc, 0
+        self.k, self.seq = k, 0
 
     def req(self, command: str, **arguments: Any) -> dict[str, Any]:
         self.seq += 1
-        msg = self.kc.session.msg(
-            "debug_request",
-            {"type": "request", "seq": self.seq, "command": command, "arguments": arguments},
+        return self.k.debug_request(self.seq, command, **arguments)
+
+    def start(self) -> dict[str, Any]:
+        """The bug button: initialize and attach, as JupyterLab sends them."""
+        init = self.req(
+            "initialize",
+            clientID="jupyterlab",
+            adapterID="python",
+            pathFormat="path",
+            linesStartAt1=True,
+            columnsStartAt1=True,
         )
-        self.kc.control_channel.send(msg)
-        while True:
-            rep = self.kc.control_channel.get_msg(timeout=60)
-            if rep["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                return dict(rep["content"])
+        if init["success"]:
+            assert self.req("attach")["success"]
+        return init
 
     def stopped(self, n: int, within: float = 90) -> list[int]:
         """The page's thread ids of the ranks stopped, once ``n`` are (as a reloaded page
@@ -78,16 +84,8 @@ def test_a_breakpoint_stops_every_rank_and_each_reads_its_own_values(n):
         r = k.run(f"%dist start -n {n}" + (" --oversubscribe" if n > 2 else ""), timeout=240)
         assert r.error is None, r
         d = Debugger(k)
-        init = d.req(
-            "initialize",
-            clientID="jupyterlab",
-            adapterID="python",
-            pathFormat="path",
-            linesStartAt1=True,
-            columnsStartAt1=True,
-        )
+        init = d.start()
         assert init["success"], init.get("message", init)
-        assert d.req("attach")["success"]
         path = d.req("dumpCell", code=CELL)["body"]["sourcePath"]
         bp = d.req("setBreakpoints", source={"path": path}, breakpoints=[{"line": 6}])
         assert bp["success"], bp

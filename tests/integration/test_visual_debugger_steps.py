@@ -59,16 +59,8 @@ def kernel() -> Iterator[Kernel]:
 def dbg(kernel: Kernel) -> Iterator[Debugger]:
     """The debugger turned on (initialize, attach), and off again after the test."""
     d = Debugger(kernel)
-    init = d.req(
-        "initialize",
-        clientID="jupyterlab",
-        adapterID="python",
-        pathFormat="path",
-        linesStartAt1=True,
-        columnsStartAt1=True,
-    )
+    init = d.start()
     assert init["success"], init.get("message", init)
-    assert d.req("attach")["success"]
     try:
         yield d
     finally:

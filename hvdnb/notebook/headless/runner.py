@@ -402,6 +402,19 @@ class Kernel:
                     tb,
                 )
 
+    def debug_request(self, seq: int, command: str, **arguments: Any) -> dict[str, Any]:
+        """A ``debug_request`` on the control channel, as JupyterLab's debugger sends one;
+        the content of its reply."""
+        msg = self.kc.session.msg(
+            "debug_request",
+            {"type": "request", "seq": seq, "command": command, "arguments": arguments},
+        )
+        self.kc.control_channel.send(msg)
+        while True:
+            rep = self.kc.control_channel.get_msg(timeout=60)
+            if rep["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return dict(rep["content"])
+
     def complete(self, code: str, cursor_pos: int | None = None) -> list[str]:
         """The matches of a ``complete_request`` (what Tab offers in JupyterLab)."""
         reply = self.kc.complete(code, cursor_pos, reply=True, timeout=30)
