@@ -275,6 +275,7 @@ def export_env(w: World, master_addr: str, master_port: int) -> None:
         LOCAL_RANK=str(w.local_rank),
         LOCAL_WORLD_SIZE=str(w.local_size),
         GROUP_RANK=str(w.cross_rank),
+        NODE_RANK=str(w.cross_rank),  # Lightning's name for it
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
@@ -332,8 +333,8 @@ def init_process_group(
 
     Under mpiexec, rank 0 opens a TCPStore on a free port and broadcasts the port over
     MPI; under torchrun, the ``MASTER_ADDR``/``MASTER_PORT`` it set are used. Also sets
-    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, the device
-    and the torch thread count. Collective on every rank.
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR,
+    MASTER_PORT, the device and the torch thread count. Collective on every rank.
 
     Parameters
     ----------

@@ -35,6 +35,7 @@ __all__ = [
     "hostfile_hosts",
     "hostfile_slots",
     "make_ipp",
+    "preflight",
     "sbatch_template",
     "tf_ps_env",
     "transient_start_failure",
@@ -65,6 +66,20 @@ def find_mpiexec(local: bool = False) -> str:
         "mpiexec not found: install an MPI runtime into this environment with "
         "`pip install mpich` (or load your site's MPI module), then `%dist start` again."
     )
+
+
+def preflight(spec: StartSpec) -> None:
+    """What an MPI start checks before it starts anything: an mpiexec, and with a hostfile,
+    that every other host answers ssh (:mod:`hvdnb.notebook.cluster.sshcheck`)."""
+    find_mpiexec()
+    if spec.hosts and not spec.elastic:
+        from hvdnb.notebook.cluster import sshcheck  # noqa: PLC0415  only across hosts
+
+        bad = sshcheck.unreachable(
+            hostfile_hosts(spec.hosts), spec.timeout, spec.launcher_config.get("mpi_args", ())
+        )
+        if bad:
+            raise ClusterError(sshcheck.verdict(bad, spec.hosts))
 
 
 def warn_cuda_in_kernel() -> None:

@@ -266,7 +266,7 @@ class Cluster:
                 "this cluster is already running; `%dist stop` or `%dist restart` first"
             )
         if self.launcher == "mpi":
-            find_mpiexec()  # fail before starting anything
+            launch.preflight(self.spec)  # fail before starting anything
         if self.launcher == "slurm" and shutil.which("sbatch") is None:
             raise ClusterError(
                 "sbatch not found: --launcher slurm submits the engines with sbatch; run the "

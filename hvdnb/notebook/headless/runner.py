@@ -294,11 +294,19 @@ def _is_watchdog(p: Any) -> bool:
         return False
 
 
-def _kernel_manager(td: str, env: dict[str, str], run: bool = False) -> Any:
+def _kernel_manager(
+    td: str,
+    env: dict[str, str],
+    run: bool = False,
+    prefix: list[str] | None = None,
+    ip: str | None = None,
+) -> Any:
     """A KernelManager for a "Python 3 (hvdnb)" kernelspec written under ``td`` for this
     Python, with ``env`` added to the kernel's environment. ``run``: the asyncio one that
     nbclient needs (with the blocking one, nbclient's waits block its event loop, and its
-    per-cell timeout never fires while a cell hangs)."""
+    per-cell timeout never fires while a cell hangs). ``prefix``: words put before the
+    kernelspec's command (the tests' "login node" enters its namespaces so); ``ip``: the
+    address the kernel listens on (loopback by default)."""
     from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and the kernelspec
     from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: PLC0415  Jupyter's libraries: only for hvdnb run and the kernelspec
 
@@ -306,10 +314,12 @@ def _kernel_manager(td: str, env: dict[str, str], run: bool = False) -> Any:
     kdir.mkdir(parents=True)
     spec = get_kernel_dict()
     spec["env"].update(env)
+    spec["argv"] = [*(prefix or []), *spec["argv"]]
     (kdir / "kernel.json").write_text(json.dumps(spec))
     return (AsyncKernelManager if run else KernelManager)(
         kernel_name=KERNEL_NAME,
         kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kdir.parent)]),
+        **({"ip": ip} if ip else {}),
     )
 
 
@@ -344,11 +354,22 @@ class Kernel:
     ...     print(k.run("%%distributed\nprint(1)").text)
     """
 
-    def __init__(self, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+        prefix: list[str] | None = None,
+        reach: str | None = None,
+    ) -> None:
         self._td = tempfile.TemporaryDirectory()
-        self.km = _kernel_manager(self._td.name, dict(env or {}))
+        # a kernel reached at another namespace's address listens on all of its own (the
+        # manager refuses an address it does not have itself)
+        ip = "0.0.0.0" if reach else None
+        self.km = _kernel_manager(self._td.name, dict(env or {}), prefix=prefix, ip=ip)
         self.km.start_kernel()
         self.kc = self.km.client()
+        if reach:
+            self.kc.ip = reach
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=timeout)
 

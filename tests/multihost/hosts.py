@@ -1,0 +1,241 @@
+"""Hosts made of namespaces: a login node, two hosts with their own sshd, and an outsider.
+
+Each "machine" is a network namespace on one bridge (TEST-NET-3, 203.0.113.0/24), entered
+with ``nsenter --net`` (not ``ip netns exec``: that remounts ``/sys``, which slurmd needs),
+plus ``unshare --uts --mount`` for its own hostname and its own ``/etc/hosts`` (a bind
+mount inside that mount namespace; the machine's own file is never touched):
+
+============  ==============  =====================================================
+name          address         what runs there
+============  ==============  =====================================================
+(root)        203.0.113.1     the test (jupyter_client, as the browser's server would)
+``login``     203.0.113.10    the notebook kernel; mpiexec; the controller
+``h1``        203.0.113.11    sshd; the ranks hydra starts there
+``h2``        203.0.113.12    sshd; the ranks hydra starts there
+``out``       203.0.113.13    nothing: an outsider that tries the cluster's ports
+============  ==============  =====================================================
+
+What stays shared, as on a cluster with a shared home: the file system (so the venv,
+``/tmp`` and the profile directory), ``/dev/shm`` and process ids. That hides what a real
+cluster would show: a Python at another path on a host, files written on one host and
+read on another before a shared file system syncs, and MPICH's shared-memory transport
+between "hosts" (MPICH still treats each hydra proxy as a node and uses TCP between them).
+A process on one host can also see (and signal) another host's processes here.
+
+ssh: the test makes one key, puts it in each sshd's ``AuthorizedKeysFile`` (the test's
+own file) and in an ssh config that hydra uses through ``HYDRA_LAUNCHER_EXEC`` (ssh reads
+the passwd entry's home, so ``$HOME`` cannot point it elsewhere). Root only.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+NET = "203.0.113"
+ROOT_ADDR = f"{NET}.1"
+#: name -> address of the machines (the bridge's own address is the root namespace's)
+MACHINES = {"login": f"{NET}.10", "h1": f"{NET}.11", "h2": f"{NET}.12", "out": f"{NET}.13"}
+HOSTS = ("h1", "h2")
+
+SSHD = "/usr/sbin/sshd"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+def why_not() -> str:
+    """Why namespace hosts cannot be built here ("" when they can)."""
+    if os.geteuid() != 0:
+        return "namespace hosts need root (network and mount namespaces): run as root"
+    for tool in ("ip", "nsenter", "unshare", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (iproute2, util-linux, openssh-client)"
+    if not os.path.exists(SSHD):
+        return "sshd is not installed: apt-get install openssh-server (.ci/run does)"
+    if _ip("netns", "list", check=False).returncode != 0:
+        return "`ip netns` does not work here (no CAP_SYS_ADMIN / netns support)"
+    return ""
+
+
+class Hosts:
+    """The bridge, the four namespaces, their ``/etc/hosts`` and the hosts' sshd."""
+
+    def __init__(self) -> None:
+        tag = secrets.token_hex(2)
+        self.tag = tag
+        self.bridge = f"hvh{tag}"
+        self.ns = {name: f"hvdnb-{tag}-{name}" for name in MACHINES}
+        self.veth = {name: f"hvh{tag}{name[:3]}" for name in MACHINES}
+        self.dir = Path(tempfile.mkdtemp(prefix=f"hvdnb-hosts-{tag}-"))
+        self.hosts_file = self.dir / "hosts"
+        self.ssh_config = self.dir / "ssh_config"
+        self.ssh = self.dir / "ssh"  # what hydra runs (HYDRA_LAUNCHER_EXEC)
+        self.sshd: dict[str, subprocess.Popen] = {}
+
+    # -- the network ----------------------------------------------------------------------
+
+    def up(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{ROOT_ADDR}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for name, addr in MACHINES.items():
+            ns, veth = self.ns[name], self.veth[name]
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        lines = ["127.0.0.1 localhost"] + [f"{a} {n}" for n, a in MACHINES.items() if n != "out"]
+        self.hosts_file.write_text("\n".join(lines) + "\n")
+        self._keys()
+        for name in HOSTS:
+            self.start_sshd(name)
+
+    def cut(self, name: str) -> None:
+        """Take ``name``'s link down (its processes live on, unreachable)."""
+        _ip("link", "set", self.veth[name], "down")
+
+    def mend(self, name: str) -> None:
+        _ip("link", "set", self.veth[name], "up", "master", self.bridge)
+
+    def teardown(self) -> None:
+        for proc in self.sshd.values():
+            proc.terminate()
+        for proc in self.sshd.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for name in MACHINES:
+            _ip("link", "del", self.veth[name], check=False)
+            _ip("netns", "del", self.ns[name], check=False)
+        _ip("link", "del", self.bridge, check=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- processes on a machine -----------------------------------------------------------
+
+    def on(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` run on machine ``name``: its network, hostname and ``/etc/hosts``."""
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.ns[name]}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"',
+            name,
+            str(self.hosts_file),
+            *argv,
+        ]
+
+    # -- ssh ------------------------------------------------------------------------------
+
+    def _keys(self) -> None:
+        key = self.dir / "id_ed25519"
+        for path in (key, self.dir / "host_key"):
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
+                check=True,
+                timeout=30,
+            )
+        shutil.copy(f"{key}.pub", self.dir / "authorized_keys")
+        self.ssh_config.write_text(
+            f"Host *\n  IdentityFile {key}\n  IdentitiesOnly yes\n  BatchMode yes\n"
+            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+            "  ConnectTimeout 5\n"
+        )
+        self.ssh.write_text(f'#!/bin/sh\nexec ssh -F {self.ssh_config} "$@"\n')
+        self.ssh.chmod(0o755)
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+
+    def start_sshd(self, name: str) -> None:
+        cfg = self.dir / f"sshd_{name}"
+        cfg.write_text(
+            f"ListenAddress {MACHINES[name]}\nPort 22\nHostKey {self.dir / 'host_key'}\n"
+            f"AuthorizedKeysFile {self.dir / 'authorized_keys'}\nPidFile {self.dir}/sshd_{name}.pid\n"
+            "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
+            "StrictModes no\nAcceptEnv *\nPermitUserEnvironment no\nLogLevel ERROR\n"
+        )
+        self.sshd[name] = subprocess.Popen(
+            self.on(name, [SSHD, "-D", "-e", "-f", str(cfg)]),
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / f"sshd_{name}.log", "wb"),  # noqa: SIM115  the daemon's
+        )
+        self.wait_ssh(name)
+
+    def stop_sshd(self, name: str) -> None:
+        proc = self.sshd.pop(name)
+        proc.terminate()
+        proc.wait(10)
+
+    def wait_ssh(self, name: str, timeout: float = 20.0) -> None:
+        """Until ``ssh name true`` works from the login node."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = subprocess.run(
+                self.on("login", [str(self.ssh), name, "true"]),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if got.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                log = (self.dir / f"sshd_{name}.log").read_text(errors="replace")
+                raise RuntimeError(f"ssh to {name} failed: {got.stderr.strip()}\n{log}")
+            time.sleep(0.2)
+
+    # -- the outsider ---------------------------------------------------------------------
+
+    def knock(self, addr: str, port: int, payload: bytes = b"GET / HTTP/1.0\r\n\r\n") -> str:
+        """From the outsider: connect to ``addr:port`` and send ``payload``; what happened
+        (``refused``, ``timeout``, or ``open`` with the bytes it got back)."""
+        code = (
+            "import socket,sys\n"
+            "s=socket.socket(); s.settimeout(3)\n"
+            "try:\n"
+            f"    s.connect(({addr!r},{port})); s.sendall({payload!r})\n"
+            "    try: got=s.recv(64)\n"
+            "    except socket.timeout: got=b''\n"
+            "    print('open', got)\n"
+            "except ConnectionRefusedError: print('refused')\n"
+            "except (socket.timeout, OSError) as e: print('timeout', e)\n"
+        )
+        import sys
+
+        got = subprocess.run(
+            self.on("out", [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
+        )
+        return got.stdout.strip() or got.stderr.strip()
+
+
+def listening(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes listen on."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections("tcp")
+        except psutil.Error:
+            continue
+        found += [(pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

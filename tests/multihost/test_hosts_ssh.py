@@ -1,0 +1,166 @@
+"""``%dist start --hosts`` from a login node, through hydra and ssh, onto two hosts.
+
+The hosts are namespaces with their own address, hostname, ``/etc/hosts`` and sshd
+(``tests/multihost/hosts.py`` says what is shared between them and what that hides). The
+notebook kernel is started from its kernelspec on the login node and driven over
+jupyter_client, as JupyterLab's server drives it; hydra reaches the hosts with the test's
+own ssh key (``HYDRA_LAUNCHER_EXEC``). Two slots on each host: ranks 0-1 on h1, 2-3 on h2.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from hvdnb.notebook.headless.runner import Kernel
+from tests.multihost.hosts import HOSTS, MACHINES, Hosts, why_not
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
+
+LOGIN = MACHINES["login"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    net = Hosts()
+    try:
+        net.up()
+    except Exception as exc:
+        net.teardown()
+        pytest.skip(f"cannot build the namespace hosts: {exc}")
+    (net.dir / "hostfile").write_text("".join(f"{h}:2\n" for h in HOSTS))
+    yield net
+    net.teardown()
+
+
+@pytest.fixture(scope="module")
+def login(hosts):
+    """The notebook kernel on the login node, with hydra pointed at the test's ssh."""
+    env = {"HYDRA_LAUNCHER_EXEC": str(hosts.ssh), "HVDNB_PANEL": "inline"}
+    with Kernel(env, prefix=hosts.on("login", []), reach=LOGIN) as k:
+        yield k
+
+
+def _start(k: Kernel, hosts: Hosts, extra: str = "") -> str:
+    got = k.run(f"%dist start --hosts {hosts.dir / 'hostfile'} --ip {LOGIN} {extra}", timeout=180)
+    assert got.error is None, got.traceback[-2000:]
+    return got.text
+
+
+WHERE = r"""%%distributed -q -o where
+import os, socket
+import hvdnb.torch as hvd
+hvd.init()
+keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE")
+where = dict(host=socket.gethostname(), **{k: int(os.environ[k]) for k in keys},
+             hvd=(hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                  hvd.cross_size()), master=os.environ["MASTER_ADDR"])
+where
+"""
+
+
+def _where(k: Kernel) -> dict[int, dict]:
+    got = k.run(WHERE, timeout=120)
+    assert got.error is None, got.traceback[-2000:]
+    shown = k.run("import json; print(json.dumps({str(r): w for r, w in where.items()}))")
+    return {int(r): w for r, w in json.loads(shown.text).items()}
+
+
+def _check_numbering(where: dict[int, dict]) -> None:
+    assert sorted(where) == [0, 1, 2, 3]
+    for rank, w in where.items():
+        node, local = divmod(rank, 2)
+        assert w["host"] == HOSTS[node], where  # ranks are numbered by host
+        assert (w["RANK"], w["WORLD_SIZE"]) == (rank, 4), w
+        assert (w["LOCAL_RANK"], w["LOCAL_WORLD_SIZE"]) == (local, 2), w
+        assert (w["GROUP_RANK"], w["NODE_RANK"]) == (node, node), w
+        # Horovod's view of the same numbers: rank, local rank and size, cross rank and size
+        assert w["hvd"] == [rank, local, 2, node, 2], w
+        assert w["master"] == MACHINES["h1"], w  # rank 0's host, not the login node
+
+
+TRAIN = r"""%%distributed
+import torch, torch.distributed as dist, hvdnb
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(dist.get_rank())
+for step in range(30):
+    x = torch.randn(64, 32, generator=g)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    hvdnb.log(step, loss.item(), samples=64)
+weights = [p.detach().clone() for p in model.parameters()]
+same = [torch.equal(w, w0) for w, w0 in zip(weights, hvdnb.torch.broadcast_object(weights, 0))]
+print("in sync:", all(same))
+"""
+
+STORE = r"""from hvdnb.notebook.metrics.store import get_store
+import json
+st = get_store()
+print(json.dumps({"hosts": st.hosts(),
+                  "steps": {r: len(st.series("loss", r)[0]) for r in range(4)}}))
+"""
+
+
+def test_hosts_number_the_ranks_by_host_and_ddp_trains_with_the_panel_per_host(login, hosts):
+    text = _start(login, hosts)
+    assert "4 ranks ready" in text, text
+    _check_numbering(_where(login))
+    got = login.run(TRAIN, timeout=180)
+    assert got.error is None, got.traceback[-2000:]
+    assert got.text.count("in sync: True") >= 1, got.text  # DDP kept every rank's weights equal
+    # the live line under the cell, drawn while it trained, ends with the run's last step
+    lines = [t for t in got.displayed.values() if t.startswith("run ")]
+    assert any("done" in t and "step 30" in t for t in lines), got.displayed
+    shown = json.loads(login.run(STORE).text)
+    # the panel's store: each rank's 30 steps, and the ranks grouped by the host they ran on
+    assert shown["hosts"] == {"h1": [0, 1], "h2": [2, 3]}, shown
+    assert all(n == 30 for n in shown["steps"].values()), shown
+    status = login.run("%dist status").text
+    assert "hosts: h1 (ranks 0,1); h2 (ranks 2,3)" in status, status
+
+
+def test_restart_makes_the_ranks_again_on_the_same_hosts(login, hosts):
+    if "ranks ready" not in login.run("%dist status").text:
+        _start(login, hosts)
+    before = _pids(login)
+    got = login.run("%dist restart", timeout=180)
+    assert got.error is None, got.traceback[-2000:]
+    assert "4 fresh ranks ready" in got.text, got.text
+    _check_numbering(_where(login))
+    after = _pids(login)
+    assert not set(before.values()) & set(after.values()), (before, after)  # new processes
+
+
+def _pids(k: Kernel) -> dict[str, int]:
+    k.run("%%distributed -q -o pid\nimport os\nos.getpid()")
+    return json.loads(k.run("import json; print(json.dumps(pid))").text)
+
+
+def test_a_host_that_does_not_answer_ssh_is_named_in_one_line(login, hosts):
+    login.run("%dist stop", timeout=60)
+    hosts.stop_sshd("h2")
+    try:
+        t0 = time.monotonic()
+        got = login.run(
+            f"%dist start --hosts {hosts.dir / 'hostfile'} --ip {LOGIN} --timeout 20", timeout=120
+        )
+        print(f"unreachable host named after {time.monotonic() - t0:.1f} s")  # a figure
+    finally:
+        hosts.start_sshd("h2")
+    # IPython shows a magic's UsageError as one stream line, not a traceback
+    assert got.text.startswith("UsageError: "), got
+    message = got.text.split(": ", 1)[1]
+    assert "\n" not in message.strip(), message  # one line
+    assert message.startswith("host h2 did not answer ssh"), message
+    # ssh's own reason, not the start's timeout; the host that answered is not named
+    assert "Connection refused" in message and "h1" not in message.split("(")[0], message
+    # nothing was left running, and the next start (h2 answering again) works
+    assert "4 ranks ready" in _start(login, hosts)
