@@ -49,6 +49,11 @@ class Config:
     heartbeat_ms: int = 100
     #: address the controller, the rendezvous store and side channels listen on
     ip: str = "127.0.0.1"
+    #: 1: when ranks may run on other hosts, the controller's and engines' ZMQ traffic is
+    #: encrypted and authenticated with CurveZMQ (ipyparallel's ``enable_curve``), and still
+    #: signed with the session key that hvdnb's side channel shares; 0: signed only. On one
+    #: host everything is on loopback and this is not used
+    curve: int = 1
     #: torch.distributed collective timeout (seconds); torch's default is 30 minutes
     collective_timeout: float = 300.0
     #: how often a waiting %%distributed cell prints new output (seconds)

@@ -206,7 +206,7 @@ class Hosts:
             "import socket,sys\n"
             "s=socket.socket(); s.settimeout(3)\n"
             "try:\n"
-            f"    s.connect(({addr!r},{port})); s.sendall({payload!r})\n"
+            f"    s.connect(({addr!r},{port})); s.sendall({payload!r}); s.settimeout(1)\n"
             "    try: got=s.recv(64)\n"
             "    except socket.timeout: got=b''\n"
             "    print('open', got)\n"
@@ -221,17 +221,37 @@ class Hosts:
         return got.stdout.strip() or got.stderr.strip()
 
 
-def listening(pids: list[int]) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every TCP socket the processes listen on."""
-    import psutil
+def listening(pids: list[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of every TCP socket the processes listen on, each
+    read in its own network namespace (``/proc/PID/net/tcp*``: psutil reads the caller's)."""
+    import ipaddress
 
     found = []
     for pid in pids:
         try:
-            conns = psutil.Process(pid).net_connections("tcp")
-        except psutil.Error:
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            rows = []
+            for table in ("tcp", "tcp6"):
+                rows += Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:  # gone meanwhile
             continue
-        found += [(pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+        for row in rows:
+            f = row.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = ipaddress.ip_address(raw)
+            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+                addr = addr.ipv4_mapped
+            found.append((pid, name, str(addr), int(hexport, 16)))
     return found
 
 

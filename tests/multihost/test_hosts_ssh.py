@@ -112,6 +112,12 @@ print(json.dumps({"hosts": st.hosts(),
 def test_hosts_number_the_ranks_by_host_and_ddp_trains_with_the_panel_per_host(login, hosts):
     text = _start(login, hosts)
     assert "4 ranks ready" in text, text
+    # across hosts the controller's ZMQ traffic is CurveZMQ, and still signed
+    got = login.run(
+        "import hvdnb; c = hvdnb.current().client\n"
+        "print(c.curve_serverkey is not None, len(c.session.key) > 0)"
+    )
+    assert got.text.split() == ["True", "True"], got
     _check_numbering(_where(login))
     got = login.run(TRAIN, timeout=180)
     assert got.error is None, got.traceback[-2000:]
@@ -164,3 +170,68 @@ def test_a_host_that_does_not_answer_ssh_is_named_in_one_line(login, hosts):
     assert "Connection refused" in message and "h1" not in message.split("(")[0], message
     # nothing was left running, and the next start (h2 answering again) works
     assert "4 ranks ready" in _start(login, hosts)
+
+
+#: the login node's processes (the kernel and what it started: the controller, mpiexec) and
+#: the ranks (``pid``: their pids, from ``_pids``) with their hydra proxies
+PROCS = r"""import json, os, psutil
+me = psutil.Process()
+ranks = list(pid.values())
+tree = {p.pid for p in me.children(recursive=True)} | set(ranks) | {me.pid}
+for pid in ranks:  # hydra's proxy on each host, and what the ranks started
+    try:
+        p = psutil.Process(pid)
+        tree |= {c.pid for c in p.children(recursive=True)} | {p.ppid()}
+    except psutil.Error:
+        pass
+print(json.dumps({"kernel": me.pid, "pids": sorted(tree)}))
+"""
+
+#: a cell that needs every kind of connection the cluster made: the controller (the cell
+#: itself), the side channel (a logged step), gloo (torch's allreduce) and MPI (hvdnb.torch)
+EVERY_PATH = r"""%%distributed
+import torch, torch.distributed as dist, hvdnb, hvdnb.torch as hvd
+hvd.init()
+x = torch.ones(4); dist.all_reduce(x)
+y = hvd.allreduce(torch.ones(4), op=hvd.Sum)
+hvdnb.log(0, 1.0)
+print("sums", x[0].item(), y[0].item())
+"""
+
+
+def test_an_outsider_is_refused_or_ignored_on_every_port_and_the_next_cell_works(login, hosts):
+    from tests.multihost.hosts import listening
+
+    if "ranks ready" not in login.run("%dist status").text:
+        _start(login, hosts)
+    got = login.run(EVERY_PATH, timeout=120)
+    assert got.error is None and got.text.count("sums 4.0 4.0") >= 1, got
+    _pids(login)
+    tree = json.loads(login.run(PROCS).text)
+    info = login.km.get_connection_info()
+    kernel_ports = {info[k] for k in info if k.endswith("_port")}  # the test's own kernel
+    socks = [
+        s for s in listening(tree["pids"]) if not (s[0] == tree["kernel"] and s[3] in kernel_ports)
+    ]
+    print("\n".join(f"{name:>16} {pid:>7} {addr}:{port}" for pid, name, addr, port in socks))
+    ours = {MACHINES[m] for m in ("login", *HOSTS)} | {"127.0.0.1", "::1"}
+    wildcard = [s for s in socks if s[2] not in ours]
+    # MPICH's hydra binds its control port on every address (it has no option to bind one,
+    # docs/howto/several-hosts.md); everything else listens on its host's cluster address
+    assert {s[1] for s in wildcard} <= {"mpiexec"}, wildcard
+    assert len(socks) > 10, socks  # controller, side channel, store, gloo, MPI
+    knocks = {}
+    for pid, name, addr, port in socks:
+        if addr.startswith("127.") or addr == "::1":
+            continue
+        for target in [addr] if addr in ours else [MACHINES["login"]]:
+            knocks[(name, target, port)] = hosts.knock(target, port)
+    print("\n".join(f"{k}: {v}" for k, v in knocks.items()))
+    # the outsider reached ports on every machine of the cluster: the login node's
+    # controller, side channel and mpiexec; each host's store, gloo and MPI. Each answered
+    # it as a stranger: refused, reset, a ZMQ greeting that goes no further (CurveZMQ, the
+    # side channel's HMAC), or taken and ignored (torch's store and gloo have no
+    # authentication: docs/howto/several-hosts.md says how to keep them inside); and then:
+    assert {t for _, t, _ in knocks} == {MACHINES[m] for m in ("login", *HOSTS)}, knocks
+    got = login.run(EVERY_PATH, timeout=120)
+    assert got.error is None and got.text.count("sums 4.0 4.0") >= 1, got

@@ -3,7 +3,8 @@ hvdnb cluster.
 
 Owns: probes without side effects (no torch import, no CUDA initialisation, no process
 started), and turning a checked ``StartSpec`` (``spec.py``) into an ``ipyparallel.Cluster``
-that is configured but not started: controller flags (heartbeat), the engine command
+that is configured but not started: controller flags (heartbeat; CurveZMQ across hosts,
+whose session key file it writes), the engine command
 (``python -m kernels_ext.engine``) and its flags, the engines' environment (loopback
 transports on one host, the side channel, the state directory, a ps cluster's roles and
 chief address), ``mpiexec`` or Slurm's sbatch script.
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +173,20 @@ def make_ipp(
         log=_ipp_log,
         engine_timeout=spec.timeout,
     )
+    if spec.multi_host and cfg.curve:
+        c.controller_args += _curve_args(state_dir or os.path.join(c.profile_dir, "security"))
     configure_engines(c, spec, channel_endpoint, state_dir, standby)
     return c
+
+
+def _curve_args(private_dir: str) -> list[str]:
+    """The controller's options for CurveZMQ across hosts. ipyparallel drops the session
+    key under Curve unless one is given; hvdnb's side channel signs with it, so it is kept,
+    read from a 0600 file (a key on the command line would show in ``ps``)."""
+    fd, keyfile = tempfile.mkstemp(prefix="controller-", suffix=".key", dir=private_dir)
+    with os.fdopen(fd, "w") as f:  # mkstemp's file is 0600
+        f.write(secrets.token_hex(32))
+    return ["--IPController.enable_curve=True", f"--Session.keyfile={keyfile}"]
 
 
 def controller_key(spec: StartSpec) -> tuple[Any, ...]:
