@@ -29,6 +29,7 @@ the passwd entry's home, so ``$HOME`` cannot point it elsewhere). Root only.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -37,6 +38,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 NET = "203.0.113"
 ROOT_ADDR = f"{NET}.1"
@@ -259,3 +261,152 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: the two-node Slurm's ports: beside tests/slurm/setup_slurm.sh's one-node Slurm (6817/6818)
+SLURMCTLD_PORT, SLURMD_PORT = 6917, 6918
+
+
+class TwoNodeSlurm:
+    """slurmctld on the login node and a slurmd on each host, with their own ``SLURM_CONF``,
+    ports, spool, pid and log files under the hosts' directory (``../shared/FIELD-NOTES.md``:
+    slurmd entered with ``nsenter``, its steps inheriting its hostname and ``/etc/hosts``;
+    one munged in the root namespace serves every namespace through its socket file)."""
+
+    def __init__(self, hosts: Hosts) -> None:
+        self.hosts = hosts
+        self.dir = hosts.dir / "slurm"
+        self.conf = self.dir / "slurm.conf"
+        self.procs: list[subprocess.Popen] = []
+
+    @staticmethod
+    def why_not() -> str:
+        for tool in ("slurmctld", "slurmd", "sbatch", "munged"):
+            if shutil.which(tool) is None:
+                return f"`{tool}` is not installed (tests/slurm/setup_slurm.sh installs Slurm)"
+        if not os.path.exists("/run/munge/munge.socket.2"):
+            return "munged is not running (tests/slurm/setup_slurm.sh starts it)"
+        return ""
+
+    def env(self) -> dict[str, str]:
+        return {"SLURM_CONF": str(self.conf)}
+
+    def up(self, timeout: float = 60.0) -> None:
+        d = self.dir
+        (d / "ctld").mkdir(parents=True)
+        nodes = "\n".join(
+            f"NodeName={h} NodeAddr={MACHINES[h]} CPUs=2 RealMemory=2000 State=UNKNOWN"
+            for h in HOSTS
+        )
+        self.conf.write_text(
+            f"""# written by tests/multihost/hosts.py: two nodes, for tests only
+ClusterName=hvdnb-two
+SlurmctldHost=login({MACHINES["login"]})
+SlurmctldPort={SLURMCTLD_PORT}
+SlurmdPort={SLURMD_PORT}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={d}/ctld
+SlurmdSpoolDir={d}/spool-%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+ReturnToService=2
+SlurmdTimeout=30
+KillWait=2
+{nodes}
+PartitionName=two Nodes={",".join(HOSTS)} Default=YES MaxTime=INFINITE State=UP
+"""
+        )
+        (d / "cgroup.conf").write_text("ConstrainCores=no\n")
+        env = {**os.environ, **self.env()}
+        h = self.hosts
+        self.procs.append(
+            subprocess.Popen(
+                h.on("login", ["slurmctld", "-D", "-i", "-f", str(self.conf)]),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        for host in HOSTS:
+            self.procs.append(
+                subprocess.Popen(
+                    h.on(host, ["slurmd", "-D", "-N", host, "-f", str(self.conf)]),
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.run(["sinfo", "-h", "-N", "-o", "%N %T"])
+            states = dict(line.split() for line in got.stdout.splitlines() if line.strip())
+            if all(states.get(n) in ("idle", "mixed", "allocated") for n in HOSTS):
+                return
+            if time.monotonic() > deadline:
+                log = (d / "slurmctld.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the two-node Slurm did not come up: {states}\n{log}")
+            time.sleep(0.3)
+
+    def run(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        """A Slurm client command on the login node."""
+        return subprocess.run(
+            self.hosts.on("login", argv),
+            env={**os.environ, **self.env()},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def down(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+WHERE = r"""%%distributed -q -o where
+import os, socket
+import hvdnb.torch as hvd
+hvd.init()
+keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE")
+where = dict(host=socket.gethostname(), **{k: int(os.environ[k]) for k in keys},
+             hvd=(hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                  hvd.cross_size()), master=os.environ["MASTER_ADDR"])
+where
+"""
+
+
+def where(k: Any) -> dict[int, dict]:
+    """Each rank's host, torchrun variables, Horovod numbers and ``MASTER_ADDR`` (``k``: a
+    headless ``Kernel`` with a cluster running)."""
+    got = k.run(WHERE, timeout=120)
+    assert got.error is None, got.traceback[-2000:]
+    shown = k.run("import json; print(json.dumps({str(r): w for r, w in where.items()}))")
+    return {int(r): w for r, w in json.loads(shown.text).items()}
+
+
+def check_numbering(where: dict[int, dict]) -> None:
+    """Four ranks, two per host, numbered by host; every name for the numbers agrees."""
+    assert sorted(where) == [0, 1, 2, 3]
+    for rank, w in where.items():
+        node, local = divmod(rank, 2)
+        assert w["host"] == HOSTS[node], where  # ranks are numbered by host
+        assert (w["RANK"], w["WORLD_SIZE"]) == (rank, 4), w
+        assert (w["LOCAL_RANK"], w["LOCAL_WORLD_SIZE"]) == (local, 2), w
+        assert (w["GROUP_RANK"], w["NODE_RANK"]) == (node, node), w
+        # Horovod's view of the same numbers: rank, local rank and size, cross rank and size
+        assert w["hvd"] == [rank, local, 2, node, 2], w
+        assert w["master"] == MACHINES["h1"], w  # rank 0's host, not the login node

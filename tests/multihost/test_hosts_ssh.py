@@ -15,7 +15,7 @@ import time
 import pytest
 
 from hvdnb.notebook.headless.runner import Kernel
-from tests.multihost.hosts import HOSTS, MACHINES, Hosts, why_not
+from tests.multihost.hosts import HOSTS, MACHINES, Hosts, check_numbering, where, why_not
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,38 +52,6 @@ def _start(k: Kernel, hosts: Hosts, extra: str = "") -> str:
     return got.text
 
 
-WHERE = r"""%%distributed -q -o where
-import os, socket
-import hvdnb.torch as hvd
-hvd.init()
-keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE")
-where = dict(host=socket.gethostname(), **{k: int(os.environ[k]) for k in keys},
-             hvd=(hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
-                  hvd.cross_size()), master=os.environ["MASTER_ADDR"])
-where
-"""
-
-
-def _where(k: Kernel) -> dict[int, dict]:
-    got = k.run(WHERE, timeout=120)
-    assert got.error is None, got.traceback[-2000:]
-    shown = k.run("import json; print(json.dumps({str(r): w for r, w in where.items()}))")
-    return {int(r): w for r, w in json.loads(shown.text).items()}
-
-
-def _check_numbering(where: dict[int, dict]) -> None:
-    assert sorted(where) == [0, 1, 2, 3]
-    for rank, w in where.items():
-        node, local = divmod(rank, 2)
-        assert w["host"] == HOSTS[node], where  # ranks are numbered by host
-        assert (w["RANK"], w["WORLD_SIZE"]) == (rank, 4), w
-        assert (w["LOCAL_RANK"], w["LOCAL_WORLD_SIZE"]) == (local, 2), w
-        assert (w["GROUP_RANK"], w["NODE_RANK"]) == (node, node), w
-        # Horovod's view of the same numbers: rank, local rank and size, cross rank and size
-        assert w["hvd"] == [rank, local, 2, node, 2], w
-        assert w["master"] == MACHINES["h1"], w  # rank 0's host, not the login node
-
-
 TRAIN = r"""%%distributed
 import torch, torch.distributed as dist, hvdnb
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -118,7 +86,7 @@ def test_hosts_number_the_ranks_by_host_and_ddp_trains_with_the_panel_per_host(l
         "print(c.curve_serverkey is not None, len(c.session.key) > 0)"
     )
     assert got.text.split() == ["True", "True"], got
-    _check_numbering(_where(login))
+    check_numbering(where(login))
     got = login.run(TRAIN, timeout=180)
     assert got.error is None, got.traceback[-2000:]
     assert got.text.count("in sync: True") >= 1, got.text  # DDP kept every rank's weights equal
@@ -140,7 +108,7 @@ def test_restart_makes_the_ranks_again_on_the_same_hosts(login, hosts):
     got = login.run("%dist restart", timeout=180)
     assert got.error is None, got.traceback[-2000:]
     assert "4 fresh ranks ready" in got.text, got.text
-    _check_numbering(_where(login))
+    check_numbering(where(login))
     after = _pids(login)
     assert not set(before.values()) & set(after.values()), (before, after)  # new processes
 
