@@ -1,0 +1,209 @@
+"""Figures across hosts: the namespace hosts of ``tests/multihost/hosts.py`` (a login node
+and two hosts, each with its own address, hostname and sshd, on one veth bridge), 2 ranks
+on each host through ``%dist start --hosts`` (hydra over ssh), the notebook kernel on the
+login node, started from its kernelspec and driven over jupyter_client.
+
+Measured, side by side in one run (medians):
+
+- ``%dist start`` (cold) and ``%dist restart`` across the hosts (restart is cold: the warm
+  standby waits on the notebook's host only), each ``--starts`` times;
+- per-call time of ``hvdnb.torch``'s ``allreduce`` at 4 KB, 1 MB and 64 MB against mpi4py's
+  ``Allreduce`` and torch.distributed's gloo ``all_reduce`` on the same 4 ranks, the three
+  interleaved call by call behind a barrier (rank 0's median; the barrier is outside the
+  timed call);
+- the bench MLP's DDP step (784-512-512-10, batch 64 per rank, one torch thread, SGD; as
+  ``bench/bench_mlp.py``) in a ``%%distributed`` cell against the same script under
+  ``torchrun --nnodes 2 --nproc-per-node 2`` started on each host over ssh, blocks of
+  ``--steps`` steps alternating between the two (rank 0's median step of all blocks).
+
+Root only (namespaces); the machine's 2 cores run all 4 ranks, so the link is a veth pair,
+not a wire: the figures compare paths, they do not say what a real network costs. Prints a
+table and writes ``bench/results/hosts.json``. Usage: ``sudo .venv/bin/python
+bench/bench_hosts.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from hvdnb.notebook.headless.runner import Kernel  # noqa: E402
+from tests.multihost.hosts import HOSTS, MACHINES, Hosts, why_not  # noqa: E402
+
+OUT = ROOT / "bench" / "results" / "hosts.json"
+LOGIN = MACHINES["login"]
+
+PERCALL = r"""%%distributed -q -o percall
+import statistics, time, numpy as np, torch, torch.distributed as dist
+import hvdnb.torch as hvd
+from mpi4py import MPI
+hvd.init()
+comm = MPI.COMM_WORLD
+percall = {}
+for nbytes, reps in SIZES:
+    t = torch.ones(nbytes // 4); g = t.clone(); a = t.numpy().copy(); b = np.empty_like(a)
+    times = {"hvdnb.torch": [], "mpi4py": [], "gloo": []}
+    calls = {"hvdnb.torch": lambda: hvd.allreduce(t, op=hvd.Sum),
+             "mpi4py": lambda: comm.Allreduce(a, b, op=MPI.SUM),
+             "gloo": lambda: dist.all_reduce(g)}
+    for r in range(reps + 2):
+        names = list(calls)[r % 3:] + list(calls)[:r % 3]  # each goes first in turn
+        for name in names:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            calls[name]()
+            if r >= 2:  # two warm-up rounds
+                times[name].append(time.perf_counter() - t0)
+    percall[nbytes] = {k: statistics.median(v) for k, v in times.items()}
+percall
+"""
+
+#: the bench MLP's DDP step, the same source in the cell and under torchrun
+MLP = r"""
+import os, statistics, time, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+if not dist.is_initialized():
+    dist.init_process_group("gloo")
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+torch.manual_seed(1 + dist.get_rank())
+X, Y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+loss_fn = nn.CrossEntropyLoss()
+steps = []
+for i in range(N_STEPS + 10):
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.zero_grad(); loss_fn(model(X), Y).backward(); opt.step()
+    if i >= 10:
+        steps.append(time.perf_counter() - t0)
+if dist.get_rank() == 0:
+    print("STEPS", ",".join(f"{s:.6f}" for s in steps), flush=True)
+"""
+
+
+def torchrun_block(hosts: Hosts, script: Path, port: int) -> list[float]:
+    """One block under torchrun: 2 processes on each host, started over ssh."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    procs = []
+    for i, host in enumerate(HOSTS):
+        cmd = (
+            f"GLOO_SOCKET_IFNAME=eth0 {torchrun} --nnodes 2 --nproc-per-node 2 --node-rank {i} "
+            f"--master-addr {MACHINES[HOSTS[0]]} --master-port {port} {script}"
+        )
+        procs.append(
+            subprocess.Popen(
+                hosts.on("login", [str(hosts.ssh), host, cmd]),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    for line in out[0].splitlines():
+        if line.startswith("STEPS "):
+            return [float(x) for x in line[6:].split(",")]
+    raise RuntimeError(f"torchrun gave no steps:\n{out[0][-2000:]}\n{out[1][-2000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer calls and steps (smoke test)")
+    ap.add_argument("--starts", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--blocks", type=int, default=3)
+    args = ap.parse_args()
+    reason = why_not()
+    if reason:
+        sys.exit(f"bench_hosts: {reason}")
+    if args.quick:
+        args.starts, args.steps, args.blocks = 2, 20, 1
+    sizes = [(4096, 20 if args.quick else 300), (1 << 20, 5 if args.quick else 50)]
+    sizes.append((64 << 20, 2 if args.quick else 7))
+    hosts = Hosts()
+    hosts.up()
+    result: dict = {"setup": "2 namespace hosts x 2 ranks, veth bridge, 2-core box"}
+    try:
+        hostfile = hosts.dir / "hostfile"
+        hostfile.write_text("".join(f"{h}:2\n" for h in HOSTS))
+        script = hosts.dir / "mlp.py"
+        script.write_text(MLP.replace("N_STEPS", str(args.steps)))
+        env = {"HYDRA_LAUNCHER_EXEC": str(hosts.ssh), "HVDNB_PANEL": "off"}
+        with Kernel(env, prefix=hosts.on("login", []), reach=LOGIN) as k:
+            starts, restarts = [], []
+            for i in range(args.starts):
+                t0 = time.perf_counter()
+                got = k.run(f"%dist start --hosts {hostfile} --ip {LOGIN}", timeout=300)
+                starts.append(time.perf_counter() - t0)
+                assert "4 ranks ready" in got.text, got.text
+                t0 = time.perf_counter()
+                got = k.run("%dist restart", timeout=300)
+                restarts.append(time.perf_counter() - t0)
+                assert "ranks ready" in got.text, got.text
+                if i < args.starts - 1:
+                    k.run("%dist stop", timeout=120)
+            result["start_s"] = statistics.median(starts)
+            result["restart_s"] = statistics.median(restarts)
+            result["starts"], result["restarts"] = starts, restarts
+            got = k.run(f"SIZES = {sizes!r}")
+            k.run(f"%%distributed -q\nSIZES = {sizes!r}")
+            got = k.run(PERCALL, timeout=600)
+            assert got.error is None, got.traceback[-2000:]
+            shown = k.run("import json; print(json.dumps(percall[0]))")
+            result["percall_s"] = json.loads(shown.text)
+            hv, tr = [], []
+            for b in range(args.blocks):
+                got = k.run("%%distributed -q\n" + MLP.replace("N_STEPS", str(args.steps)), 600)
+                assert got.error is None, got.traceback[-2000:]
+                line = next((ln for ln in got.text.splitlines() if "STEPS " in ln), None)
+                assert line, got.text[-3000:]
+                hv += [float(x) for x in line.split("STEPS ", 1)[1].split(",")]
+                tr += torchrun_block(hosts, script, 29400 + b)
+            result["ddp_step_s"] = {
+                "hvdnb": statistics.median(hv),
+                "torchrun": statistics.median(tr),
+            }
+            result["ddp_steps"] = {"hvdnb": len(hv), "torchrun": len(tr)}
+    finally:
+        hosts.teardown()
+    rows = [
+        ("start, cold (s)", result["start_s"], ""),
+        ("restart, cold (s)", result["restart_s"], ""),
+    ]
+    for nbytes, t in result["percall_s"].items():
+        best = min(t["mpi4py"], t["gloo"])
+        rows.append(
+            (
+                f"allreduce {int(nbytes) // 1024} KB: hvdnb / mpi4py / gloo (ms)",
+                " / ".join(f"{t[k] * 1e3:.3f}" for k in ("hvdnb.torch", "mpi4py", "gloo")),
+                f"faster-of-two / hvdnb = {best / t['hvdnb.torch']:.2f}",
+            )
+        )
+    d = result["ddp_step_s"]
+    rows.append(
+        (
+            "DDP MLP step: hvdnb / torchrun (ms)",
+            f"{d['hvdnb'] * 1e3:.2f} / {d['torchrun'] * 1e3:.2f}",
+            f"ratio {d['hvdnb'] / d['torchrun']:.3f}",
+        )
+    )
+    for name, value, note in rows:
+        shown = f"{value:.2f}" if isinstance(value, float) else value
+        print(f"{name:<52} {shown:<28} {note}")
+    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
