@@ -273,8 +273,9 @@ class TwoNodeSlurm:
     slurmd entered with ``nsenter``, its steps inheriting its hostname and ``/etc/hosts``;
     one munged in the root namespace serves every namespace through its socket file)."""
 
-    def __init__(self, hosts: Hosts) -> None:
+    def __init__(self, hosts: Hosts, cpus: int = 2) -> None:
         self.hosts = hosts
+        self.cpus = cpus  # per node: 1 puts one task of a job on each node
         self.dir = hosts.dir / "slurm"
         self.conf = self.dir / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
@@ -295,7 +296,7 @@ class TwoNodeSlurm:
         d = self.dir
         (d / "ctld").mkdir(parents=True)
         nodes = "\n".join(
-            f"NodeName={h} NodeAddr={MACHINES[h]} CPUs=2 RealMemory=2000 State=UNKNOWN"
+            f"NodeName={h} NodeAddr={MACHINES[h]} CPUs={self.cpus} RealMemory=2000 State=UNKNOWN"
             for h in HOSTS
         )
         self.conf.write_text(
