@@ -330,6 +330,33 @@ def test_saved_picture_is_never_drawn_on_a_cells_path(sent):
     assert p.snapshots == 2
 
 
+def test_a_picture_put_in_between_cells_is_put_in_again_at_the_end(sent):
+    """The idle timer draws the start cell's picture and puts it in between cells, where a
+    headless run reads no message; ``%dist stop`` (and ``hvdnb run``'s last cell) put it
+    in again from their cell, without drawing it again."""
+    from hvdnb.notebook.metrics.store import MetricsStore
+    from hvdnb.notebook.panel import Panel
+
+    st = MetricsStore()
+    p = Panel(st)
+    p._idle.stop()
+    shown: list[bytes] = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(p.png)
+
+    p._handles = [(Handle(), object())]
+    _feed(st, 1)
+    p._idle_tick()  # between cells: drawn on a thread ...
+    p._png_thread.join(10)
+    p._idle_tick()  # ... and put in (a message nbclient never reads)
+    assert p.snapshots == 1 and len(shown) == 1
+    p.snapshot(if_stale=True)  # %dist stop: nothing changed since
+    assert p.snapshots == 1, "drawn again"
+    assert len(shown) == 2 and shown[-1] == shown[0] and shown[0].startswith(b"\x89PNG")
+
+
 def test_ticks_are_round_and_labelled_for_their_range():
     """Ticks are 1, 2 or 5 x 10^k apart on both axes (decades on a log axis), never
     lo + (hi - lo) * i / 4 (0.1246, 0.6756, ...; 0, 102, 205, ...), and their labels fit

@@ -273,14 +273,20 @@ class Panel:
 
     def snapshot(self, if_stale: bool = False) -> None:
         """Draw the PNG kept in every displayed copy (what a saved notebook shows) now, on
-        this thread; with ``if_stale``, only when the store changed since the last one.
-        Cell pictures still drawing are waited for and put in first."""
+        this thread; with ``if_stale``, only when the store changed since the last one, and
+        otherwise the one drawn is put in again from here. Cell pictures still drawing are
+        waited for and put in first."""
         if self._cell_pics:
             self.deliver_cell_pictures(wait=10.0)
         if not self._handles:
             return
         version = self.store.version
         if if_stale and version == self._png_version and self._png_ready is None:
+            # drawn, but put in by the idle timer between cells, whose update a headless
+            # run (nbclient reads the running cell's messages only) never saw: the saved
+            # start cell kept its first words and no picture. Again, from this cell
+            if self._png:
+                self._show_png(version, self._png)
             return
         try:
             png = self._draw_png()
