@@ -522,8 +522,10 @@ class _Stub:
             else ""
         )
         bundle["text/html"] = (
-            f"<div><b>hvdnb live panel</b> (last picture; the live panel "
-            f"opens beside the notebook)<pre>{html.escape(text)}</pre>"
+            # where the live panel was is for the page to say (the stand-in's line); the
+            # picture says what it showed: every run since the kernel started
+            f"<div><b>hvdnb live panel</b> (its last picture: every run since the kernel "
+            f"started)<pre>{html.escape(text)}</pre>"
             f"{img}</div>"
         )
         if png:
