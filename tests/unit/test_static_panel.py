@@ -1,4 +1,6 @@
-"""What the saved ``%dist start`` cell says without a kernel."""
+"""The executed copy of ``hvdnb run`` keeps the panel as its picture: the widget view goes
+from the ``%dist start`` cell's outputs (nbconvert would draw it with a script from a CDN,
+and offline it shows nothing), widgets the ranks made keep theirs."""
 
 from __future__ import annotations
 
@@ -44,6 +46,28 @@ def _executed(sent) -> tuple[dict, list[dict]]:
     return nb, outs
 
 
+def test_the_panel_and_its_stand_in_keep_their_picture_a_ranks_widget_its_view(sent):
+    from hvdnb.notebook.headless.runner import static_panel
+
+    nb, (stub, panel, bar) = _executed(sent)
+    assert all(VIEW in o["data"] for o in (stub, panel, bar))
+    assert static_panel(nb) == 2
+    assert VIEW not in stub["data"] and VIEW not in panel["data"]
+    # what static renderers then draw: the picture, and the stand-in's words
+    assert stub["data"]["image/png"] and "<img" in stub["data"]["text/html"]
+    assert panel["data"]["image/png"]
+    assert VIEW in bar["data"]  # a rank's widget is the rank's: untouched
+    assert static_panel(nb) == 0  # once
+
+
 def test_the_saved_picture_never_says_the_panel_is_beside_the_notebook(sent):
     _, (stub, _, _) = _executed(sent)
     assert "beside" not in stub["data"]["text/html"]
+
+
+def test_a_notebook_without_widget_state_is_left_as_it_is():
+    from hvdnb.notebook.headless.runner import static_panel
+
+    out = _output({VIEW: {"model_id": "m1"}, "image/png": "AAAA", "text/plain": "x"})
+    nb = {"cells": [{"cell_type": "code", "outputs": [out]}], "metadata": {}}
+    assert static_panel(nb) == 0 and VIEW in out["data"]

@@ -46,6 +46,38 @@ class NotebookRunError(RuntimeError):
         self.exit_code = exit_code
 
 
+#: the widget classes of hvdnb's panel and of the ``%dist start`` cell's stand-in
+#: (``hvdnb.notebook.panel.layout``)
+_PANEL_CLASSES = frozenset({"hvdnb-panel", "hvdnb-stub-box"})
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+_WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def static_panel(nb: Any) -> int:
+    """Make the panel's outputs in the executed copy ``nb`` its picture: drop the widget
+    view from each output of the panel or its stand-in that carries a static fallback.
+
+    nbclient saves the widgets' last state, and then nbconvert, nbviewer and myst-nb draw
+    the view with ipywidgets' html-manager, fetched from a CDN: offline (or where the page
+    may not load scripts) the ``%dist start`` cell shows nothing, and online a frozen
+    panel whose sliders move nothing. No page ever showed the panel in a headless run;
+    the picture (every run, the runs chart) is what the file should keep. Widgets made on
+    the ranks keep their views. Returns how many outputs were changed."""
+    state = nb.get("metadata", {}).get("widgets", {}).get(_WIDGET_STATE, {}).get("state", {})
+    changed = 0
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            view = data.get(_WIDGET_VIEW)
+            if not view or not ("image/png" in data or "text/html" in data):
+                continue
+            model = state.get(view.get("model_id"), {}).get("state", {})
+            if _PANEL_CLASSES & set(model.get("_dom_classes", ())):
+                del data[_WIDGET_VIEW]
+                changed += 1
+    return changed
+
+
 #: the hidden last cell of ``hvdnb run`` (``run_notebook``)
 _FLUSH = "import hvdnb.notebook.panel.panel as _hvdnb_panel\n_hvdnb_panel.flush_pictures()"
 
@@ -126,6 +158,7 @@ def run_notebook(
             nb.cells = [c for c in nb.cells if c.get("metadata", {}).get("hvdnb") != "flush"]
             if error is not None and error.exit_code != 1:
                 client.note(str(error).split(": ", 1)[-1])
+            static_panel(nb)
             nbformat.write(nb, out)
     if error is not None:
         raise error
