@@ -14,8 +14,9 @@ kernel publishes:
   until the request's kernel is idle again;
 - when a page's kernel connection closes while one of its requests runs, and the page has
   not come back within :data:`GRACE` seconds (JupyterLab reconnects a dropped socket with
-  the same session, and the server replays what it buffered), the server writes the
-  request's whole output into the shared cell, from the first message, with
+  the same session, and the server replays what it buffered), the server puts a new copy
+  of the shared cell in its place (:func:`rebuilt_cell`: a page that stayed open draws it
+  afresh) and writes the request's whole output into it, from the first message, with
   jupyter-server-nbmodel's own output hook (and hvdnb's in-place updates,
   :func:`hvdnb.server.with_display_updates`), then each new message as it comes, and
   marks the cell running, then done with its execution count.
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GRACE", "TakeOver"]
+__all__ = ["GRACE", "TakeOver", "rebuilt_cell"]
 
 #: seconds a page may be gone before the server writes its running cells: JupyterLab
 #: reconnects a dropped socket with the same session within this, and the server replays
@@ -234,12 +235,18 @@ class TakeOver:
         if ycell is None:
             return
         req.state = actions._StreamState()
-        with ycell.doc.transaction():
-            del ycell["outputs"][:]
-            ycell["execution_state"] = "running"
-            if req.execution_count is not None:
-                ycell["execution_count"] = req.execution_count
-        req.ycell = ycell
+        notebook = await ydoc.get_document(
+            path=path, content_type="notebook", file_format="json", copy=False
+        )
+        fresh = rebuilt_cell(notebook, req.cell_id, req.execution_count) if notebook else None
+        if fresh is None:  # not found by id: empty it in place
+            with ycell.doc.transaction():
+                del ycell["outputs"][:]
+                ycell["execution_state"] = "running"
+                if req.execution_count is not None:
+                    ycell["execution_count"] = req.execution_count
+            fresh = ycell
+        req.ycell = fresh
         for msg in list(req.messages):
             self._write(req, msg)
         self.taken += 1
@@ -281,6 +288,34 @@ class TakeOver:
             if (s.get("kernel") or {}).get("id") == kernel_id and s.get("type") == "notebook":
                 return str(s.get("path"))
         return None
+
+
+def rebuilt_cell(notebook: Any, cell_id: str, execution_count: int | None) -> Any:
+    """Put a new copy of the shared cell ``cell_id`` in its place, with no outputs and
+    running, and return it (None when no cell has that id).
+
+    Emptying the cell's outputs in place is not enough for a page that stayed open: while
+    the page that ran the cell drew, each display it updated in place reached the other
+    pages as "remove at i, insert at i", which JupyterLab 4 applies as "remove at i,
+    *append*" (the module docstring of :mod:`hvdnb.server`), so their outputs drifted from
+    the server's copy (a live line at the bottom, stream text appended to it). A page
+    applies "delete every output" as "delete as many as the server's copy holds", and kept
+    what drifted beyond: a stale live line above the server's. A cell deleted and inserted
+    again is drawn by every page from the server's copy."""
+    cells = notebook.ycells
+    at = next((i for i, c in enumerate(cells) if c.get("id") == cell_id), None)
+    if at is None:
+        return None
+    value = cells[at].to_py()
+    value["outputs"] = []
+    fresh = notebook.create_ycell(value)
+    with cells.doc.transaction():
+        del cells[at]
+        cells.insert(at, fresh)
+        fresh["execution_state"] = "running"
+        if execution_count is not None:
+            fresh["execution_count"] = execution_count
+    return fresh
 
 
 class _Scratch:

@@ -321,6 +321,12 @@ def _follow(a, b, release, path) -> None:
     printed = max(max(v) for v in printed_steps(_wait_text(in_b, "] step 0", 30)).values())
     a.close()  # A leaves while the cell trains
     _wait_text(in_b, f"] step {printed + 400}", 90)  # written by the server now
+    # B's live line moves too, and there is one (before the take-over rebuilt the cell,
+    # B kept a stale copy of the line above the server's: JupyterLab's peers append what
+    # a page replaces in place, and B's outputs had drifted from the server's copy)
+    after = _wait_step(in_b, above=-1)
+    _wait_step(in_b, above=after, timeout=30)
+    assert in_b.locator(".hvdnb-liveline").count() == 1, in_b.inner_text()[-800:]
     _shot(b, "tabs-b-after-a-closed")
     release.touch()
     text = _wait_released(in_b, 120)

@@ -274,3 +274,58 @@ def test_the_server_loads_the_wrapper_once():
         actions._output_hook = saved
         for name, method in methods.items():
             setattr(Connection, name, method)
+
+
+class NotebookPage:
+    """A page's cells: a cell the server deletes and inserts again is drawn afresh from
+    the inserted copy (JupyterLab makes a new cell model for it)."""
+
+    def __init__(self, nb: YNotebook) -> None:
+        self.nb = nb
+        self.page = Page(nb.ycells[0])
+        self._subscription = nb.ycells.observe(self._cells_changed)
+
+    def _cells_changed(self, event: Any) -> None:
+        for d in event.delta:
+            for item in d.get("insert", ()):
+                self.page = Page(item)
+                self.page.outputs = [
+                    o.to_py() if hasattr(o, "to_py") else o for o in item["outputs"]
+                ]
+
+
+def test_the_take_over_puts_a_fresh_copy_of_the_cell_in_its_place():
+    """The two-tab gap: a tab that stayed open while the tab that ran the cell left kept a
+    stale live line above the server's. Its copy of the outputs had drifted while the
+    first tab updated displays in place (JupyterLab 4 sends "remove at i, insert at i",
+    which the other pages apply as "remove at i, append"). The take-over now deletes the
+    cell and inserts a new copy, which every page draws from the server's copy alone."""
+    from pycrdt import Map, Text
+
+    from hvdnb.server.takeover import rebuilt_cell
+
+    ycell = _cell()
+    nb = YNotebook(ycell.doc)
+    b = NotebookPage(nb)
+    before = b.page
+    outputs = ycell["outputs"]
+    line = {"output_type": "display_data", "data": {"text/plain": "run 1 · step 1"}}
+    outputs.append(Map({"output_type": "stream", "name": "stdout", "text": Text("step 0\n")}))
+    outputs.append({**line, "metadata": {}})
+    outputs.append(Map({"output_type": "stream", "name": "stdout", "text": Text("step 10\n")}))
+    with ycell.doc.transaction():  # tab A updates the live line in place, as JupyterLab does
+        del outputs[1]
+        outputs.insert(1, {**line, "data": {"text/plain": "run 1 · step 11"}, "metadata": {}})
+    assert b.page.texts() != _shared(ycell)  # tab B's copy drifted: the line went last
+    fresh = rebuilt_cell(nb, "c1", execution_count=3)
+    assert b.page is not before  # tab B draws a new cell, from the server's copy
+    assert b.page.outputs == [] and len(nb.ycells) == 1 and nb.ycells[0]["id"] == "c1"
+    assert fresh["execution_state"] == "running" and fresh["execution_count"] == 3
+    assert fresh["source"].to_py() == "train()"
+    hook = server.with_display_updates(ORIGINAL, every=0.0)
+    state, written = actions._StreamState(), []
+    for m in TRAINING:
+        hook(written, fresh, state, m)
+    assert b.page.texts() == _shared(fresh), (b.page.texts(), _shared(fresh))
+    assert _shared(fresh)[1] == "run 1 done · step 30"  # the live line, in its place
+    assert rebuilt_cell(nb, "no-such-cell", None) is None
