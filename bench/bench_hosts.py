@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from hvdnb.notebook.headless.runner import Kernel  # noqa: E402
-from tests.multihost.hosts import HOSTS, MACHINES, Hosts, why_not  # noqa: E402
+from hvdnb.notebook.headless.runner import Kernel
+from tests.multihost.hosts import HOSTS, MACHINES, Hosts, why_not
 
 OUT = ROOT / "bench" / "results" / "hosts.json"
 LOGIN = MACHINES["login"]
