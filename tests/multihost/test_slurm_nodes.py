@@ -80,22 +80,41 @@ for step in range(20):
 w = torch.cat([p.detach().flatten() for p in model.parameters()])
 ws = [torch.zeros_like(w) for _ in range(dist.get_world_size())]
 dist.all_gather(ws, w)
-import socket
-print("trained on", socket.gethostname(), "in sync:", all(torch.equal(ws[0], v) for v in ws))
+import pathlib, socket
+same = all(torch.equal(ws[0], v) for v in ws)
+print("trained on", socket.gethostname(), "in sync:", same)
+# one file per rank (the exported job's ranks share one output file, where their lines mix)
+pathlib.Path("MARKS", f"rank{dist.get_rank()}").write_text(f"{socket.gethostname()} {same}")
 """
 
 
+def _marks(folder) -> dict[str, str]:
+    """What each rank wrote at the end of TRAIN (``rankN`` -> "host in-sync"), then cleared."""
+    got = {p.name: p.read_text() for p in sorted(folder.iterdir())}
+    for p in folder.iterdir():
+        p.unlink()
+    return got
+
+
+#: four ranks, two on each node, each in sync
+TRAINED = {"rank0": "h1 True", "rank1": "h1 True", "rank2": "h2 True", "rank3": "h2 True"}
+
+
 def test_slurm_spreads_the_ranks_over_both_nodes_and_an_export_trains_across_them(slurm):
+    marks = slurm.dir / "marks"
+    marks.mkdir()
+    train = TRAIN.replace("MARKS", str(marks))
     with _kernel(slurm) as k:
         got = k.run(START, timeout=180)
         assert got.error is None and "4 ranks ready" in got.text, got.text + got.traceback
         jobs = _jobs(slurm)
         assert len(jobs) == 1 and "RUNNING" in jobs[0] and jobs[0].endswith("h[1-2]"), jobs
         check_numbering(where(k))
-        got = k.run(TRAIN, timeout=180)
+        got = k.run(train, timeout=180)
         assert got.error is None, got.traceback[-2000:]
         for host in ("h1", "h2"):
             assert f"trained on {host} in sync: True" in got.text, got.text
+        assert _marks(marks) == TRAINED
         out = slurm.dir / "export"
         out.mkdir()
         got = k.run(f"%dist export {out / 'train.py'} --launcher slurm")
@@ -112,11 +131,8 @@ def test_slurm_spreads_the_ranks_over_both_nodes_and_an_export_trains_across_the
         seen = {p.name: p.read_text(errors="replace")[-3000:] for p in out.iterdir()}
         raise AssertionError(f"the exported job did not end: {seen}") from None
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr + script
-    job = submitted.stdout.split()[-1]
-    logs = list(out.glob(f"*{job}*")) or list(out.glob("*.out"))
-    text = "".join(p.read_text(errors="replace") for p in logs)
-    for host in ("h1", "h2"):
-        assert f"trained on {host} in sync: True" in text, (text[-3000:], script)
+    logs = "".join(p.read_text(errors="replace") for p in out.glob("*.out"))
+    assert _marks(marks) == TRAINED, (logs[-3000:], script)
 
 
 def test_a_killed_notebook_kernels_watchdog_cancels_the_job(slurm):
