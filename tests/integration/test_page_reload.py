@@ -50,18 +50,22 @@ def kernel(request):
 
 def test_with_no_page_to_draw_the_side_area_the_start_cell_shows_the_panel(kernel):
     """Nothing renders the side area here (no page), so nothing reports it: the stand-in
-    first says it is opening the panel, then that this page has no side area, and holds
-    the panel itself. It never claims the panel is beside the notebook."""
+    holds the panel from its first message (a page with no side area shows it at once),
+    with a line that waits for the page, then says this page has no side area. It never
+    claims the panel is beside the notebook."""
     r = kernel.start_run
     opened = [c for c in r.comm_opens if "hvdnb-stub-box" in str(c)]
     assert len(opened) == 1, r.comm_opens
+    children = opened[0]["data"]["state"]["children"]
+    assert len(children) == 2, children  # its line, then the panel, at once
     first = [c for c in r.comm_opens if "hvdnb-stub-waiting" in str(c)]
-    assert first, "the stand-in's first line is not 'opening ...'"
+    assert first, "the stand-in's first line is not the waiting one"
+    assert "beside the notebook..." in str(first[0]) and "is open beside" not in str(first[0])
     assert not [c for c in r.comm_opens if "hvdnb-stub-shown" in str(c)]
     # the idle timer follows the (missing) report: read what it sent after the cell
     deadline = time.monotonic() + 60
-    missing = box = None
-    while time.monotonic() < deadline and not (missing and box):
+    missing = None
+    while time.monotonic() < deadline and not missing:
         try:
             msg = kernel.kc.get_iopub_msg(timeout=1)
         except queue.Empty:
@@ -70,11 +74,14 @@ def test_with_no_page_to_draw_the_side_area_the_start_cell_shows_the_panel(kerne
         if "hvdnb-stub-missing" in text and "no side area" in text:
             missing = msg
         if "'children'" in text and opened[0]["comm_id"] == msg["content"].get("comm_id"):
-            box = msg
+            kids = msg["content"]["data"]["state"]["children"]
+            assert len(kids) == 2, kids  # the panel stays in the cell
     assert missing is not None, "the stand-in never said the page has no side area"
-    assert box is not None, "the stand-in never took the panel in"
-    children = box["content"]["data"]["state"]["children"]
-    assert len(children) == 2, children  # its line, then the panel
+    # read after the report (a cell's run drops the messages of others)
+    box = kernel.run(
+        "from hvdnb.notebook.panel.panel import get_panel\nprint(get_panel(False).box.model_id)"
+    ).text.strip()
+    assert children[1] == f"IPY_MODEL_{box}", (children, box)
 
 
 def test_a_page_loaded_mid_cell_gets_the_kernel_info_and_every_widget_at_once(kernel, tmp_path):

@@ -459,7 +459,7 @@ class Panel:
 
 #: the stand-in's line in each state of the side panel (``Panel.side_state``)
 _STUB_LINES = {
-    "waiting": "hvdnb: opening the live panel beside the notebook...",
+    "waiting": "hvdnb: the live panel, here until the page shows it beside the notebook...",
     "shown": "hvdnb: the live panel is open beside the notebook.",
     "missing": (
         "hvdnb: this page has no side area for the live panel (Jupyter Notebook 7, VS Code, "
@@ -489,7 +489,10 @@ class _Stub:
         self.state = "waiting"
         self.note = w.HTML(self._line(self.state))
         self.line = w.HBox([self.button, self.note])
-        self.box = w.VBox([self.line], _dom_classes=("hvdnb-stub-box",))
+        # the panel is in the cell at once, until the page reports its view beside the
+        # notebook: a page with no side area (Notebook 7, no sidecar) never reports, and
+        # would otherwise show nothing for ``REPORT_WITHIN`` seconds
+        self.box = w.VBox([self.line, panel.box], _dom_classes=("hvdnb-stub-box",))
         _kernel.route_comms([self.button], panel._subshell)
 
     @staticmethod
@@ -501,12 +504,13 @@ class _Stub:
         self.follow("waiting")
 
     def follow(self, state: str) -> None:
-        """Show ``state``'s line; in "missing", the panel itself below it."""
+        """Show ``state``'s line, and the panel itself below it unless it is "shown"
+        beside the notebook."""
         if state == self.state or state not in _STUB_LINES:
             return
         self.state = state
         self.note.value = self._line(state)
-        here = state == "missing"
+        here = state != "shown"
         self.box.children = (self.line, self.panel.box) if here else (self.line,)
 
     def _on_click(self, *_: Any) -> None:
