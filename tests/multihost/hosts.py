@@ -411,3 +411,27 @@ def check_numbering(where: dict[int, dict]) -> None:
         # Horovod's view of the same numbers: rank, local rank and size, cross rank and size
         assert w["hvd"] == [rank, local, 2, node, 2], w
         assert w["master"] == MACHINES["h1"], w  # rank 0's host, not the login node
+
+
+def two_node_slurm(cpus: int = 2) -> Any:
+    """A module fixture's body: the namespace hosts and a two-node Slurm on them, torn down
+    after; skips (saying why) where they cannot be built."""
+    import pytest
+
+    reason = why_not() or TwoNodeSlurm.why_not()
+    if reason:
+        pytest.skip(reason)
+    net = Hosts()
+    cluster = TwoNodeSlurm(net, cpus=cpus)
+    try:
+        net.up()
+        cluster.up()
+    except Exception as exc:
+        cluster.down()
+        net.teardown()
+        pytest.skip(f"cannot bring up the two-node Slurm: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+        net.teardown()

@@ -16,11 +16,10 @@ import pytest
 from hvdnb.notebook.headless.runner import Kernel
 from tests.multihost.hosts import (
     MACHINES,
-    Hosts,
     TwoNodeSlurm,
     check_numbering,
+    two_node_slurm,
     where,
-    why_not,
 )
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,21 +30,7 @@ START = f"%dist start --launcher slurm -n 4 --ip {LOGIN} --time 10 --timeout 120
 
 @pytest.fixture(scope="module")
 def slurm():
-    reason = why_not() or TwoNodeSlurm.why_not()
-    if reason:
-        pytest.skip(reason)
-    net = Hosts()
-    cluster = TwoNodeSlurm(net)
-    try:
-        net.up()
-        cluster.up()
-    except Exception as exc:
-        cluster.down()
-        net.teardown()
-        pytest.skip(f"cannot bring up the two-node Slurm: {exc}")
-    yield cluster
-    cluster.down()
-    net.teardown()
+    yield from two_node_slurm()
 
 
 def _kernel(slurm: TwoNodeSlurm) -> Kernel:

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from hvdnb.notebook.headless.runner import Kernel
-from tests.multihost.hosts import MACHINES, Hosts, TwoNodeSlurm, why_not
+from tests.multihost.hosts import MACHINES, two_node_slurm
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -23,23 +23,9 @@ LOGIN = MACHINES["login"]
 
 @pytest.fixture(scope="module")
 def slurm():
-    reason = why_not() or TwoNodeSlurm.why_not()
-    if reason:
-        pytest.skip(reason)
     if importlib.util.find_spec("tensorflow") is None:
         pytest.skip("TensorFlow is not installed (the tf extra)")
-    net = Hosts()
-    cluster = TwoNodeSlurm(net, cpus=1)
-    try:
-        net.up()
-        cluster.up()
-    except Exception as exc:
-        cluster.down()
-        net.teardown()
-        pytest.skip(f"cannot bring up the two-node Slurm: {exc}")
-    yield cluster
-    cluster.down()
-    net.teardown()
+    yield from two_node_slurm(cpus=1)
 
 
 def test_lesson_08_trains_across_two_slurm_nodes(slurm):
