@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from hvdnb.config import get_config
@@ -109,10 +109,14 @@ class _Notices:
                 self.latest = dict(msg)
             self.cond.notify_all()
         if removed and enabled() and not _REFORMING[0]:
-            _release_now(int(msg["generation"]), [int(p) for p in msg.get("pids") or ()])
+            _release_now(
+                int(msg["generation"]),
+                [int(p) for p in msg.get("pids") or ()],
+                [str(h) for h in msg.get("lost_hosts") or ()],
+            )
 
 
-def _release_now(generation: int, pids: list[int]) -> None:
+def _release_now(generation: int, pids: list[int], hosts: Sequence[str] = ()) -> None:
     """A rank was lost and this one is not re-forming yet: abort the group from the side
     channel's thread. A collective this rank is blocked in then fails at once, even one
     that waits on a survivor (gloo releases the peers of a dead rank, and of a rank that
@@ -123,7 +127,7 @@ def _release_now(generation: int, pids: list[int]) -> None:
 
     if generation > rendezvous.generation():
         rendezvous.release_group()
-        cut_peer_links(pids)
+        cut_peer_links(pids, hosts)
 
 
 _NOTICES = _Notices()
@@ -553,7 +557,8 @@ def reform() -> None:
         gc.collect()
         with _NOTICES.cond:
             pids = list((_NOTICES.latest or {}).get("pids") or ())
-        cut_peer_links([int(p) for p in pids])  # peers blocked on this rank fail now
+            lost = list((_NOTICES.latest or {}).get("lost_hosts") or ())
+        cut_peer_links([int(p) for p in pids], lost)  # peers blocked on this rank fail now
         current = rendezvous.generation()
         me = slot()
         while True:
@@ -564,7 +569,12 @@ def reform() -> None:
             if _all_arrived(gen, len(members)):
                 break
             current = gen  # a newer generation replaced this one (another rank was lost)
-        w = rendezvous.rejoin(gen, members.index(me), len(members))
+        w = rendezvous.rejoin(
+            gen,
+            members.index(me),
+            len(members),
+            place=place_of(members, got.get("hosts"), me),
+        )
     finally:
         _REFORMING[0] = False
     frameworks.move(rendezvous.place(w, _device()))
@@ -621,9 +631,37 @@ def _device() -> str:
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
-def cut_peer_links(pids: list[int]) -> int:
+def place_of(
+    members: list[int], hosts: Sequence[str] | None, me: int
+) -> tuple[int, int, int, int] | None:
+    """Slot ``me``'s (local rank, local size, cross rank, cross size) in a generation whose
+    ``members`` (slots, in rank order) run on ``hosts`` (one name per member; None: all on
+    one host, and None is returned). Hosts are numbered in the order their first rank
+    comes, ranks within a host in rank order, as hydra numbers them."""
+    if not hosts or len(hosts) != len(members):
+        return None
+    mine = hosts[members.index(me)]
+    order = list(dict.fromkeys(hosts))
+    local = [m for m, h in zip(members, hosts) if h == mine]
+    return local.index(me), len(local), order.index(mine), len(order)
+
+
+def _addresses(hosts: Sequence[str]) -> set[str]:
+    """The IP addresses of ``hosts`` (names or addresses), as this host resolves them."""
+    out: set[str] = set()
+    for h in hosts:
+        try:
+            out.update(str(a[4][0]) for a in socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP))
+        except OSError:
+            continue
+    return out
+
+
+def cut_peer_links(pids: list[int], hosts: Sequence[str] = ()) -> int:
     """Shut down this process's TCP connections to the processes ``pids`` (the other ranks
-    of an elastic cluster, on this host): gloo's pairs. Returns how many.
+    of an elastic cluster, on this host) and to every process on ``hosts`` (hosts whose
+    ranks were all lost, none of the notebook's own: a host lost to a cut link never
+    closes its end, and its pids mean nothing here): gloo's pairs. Returns how many.
 
     gloo's ``abort`` does not wake a collective blocked on this rank, nor close its pairs
     (a peer two hops from a dead rank then waits out the collective timeout), and
@@ -643,9 +681,12 @@ def cut_peer_links(pids: list[int]) -> int:
             )
         except psutil.Error:
             continue
+    far = _addresses(hosts)
     cut = 0
     for c in psutil.Process().net_connections("tcp"):
-        if c.fd < 0 or not c.raddr or (c.raddr.ip, c.raddr.port) not in peers:
+        if c.fd < 0 or not c.raddr:
+            continue
+        if (c.raddr.ip, c.raddr.port) not in peers and c.raddr.ip not in far:
             continue
         try:
             with socket.socket(fileno=os.dup(c.fd)) as sk:

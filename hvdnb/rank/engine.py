@@ -438,22 +438,29 @@ def rebuild_group(generation: int) -> None:
         rendezvous.reinit_process_group(generation, _STATE["backend"])
 
 
-def elastic_rejoin(generation: int, members: list[int]) -> int:
+def elastic_rejoin(generation: int, members: list[int], hosts: list[str] | None = None) -> int:
     """Bring this idle rank of an elastic cluster to ``generation`` (its ``members`` are
-    slots in rank order); nothing when an elastic loop has re-formed there already.
-    Collective over the members. Returns this rank's number in it."""
-    elastic.notice({"generation": generation, "members": list(members)})
+    slots in rank order, on ``hosts``: one name each, None on one host); nothing when an
+    elastic loop has re-formed there already. Collective over the members. Returns this
+    rank's number in it."""
+    elastic.notice({"generation": generation, "members": list(members), "hosts": hosts})
     if generation > rendezvous.generation():
         elastic.reform()
     return rendezvous.world().rank
 
 
-def join_cell(generation: int, members: list[int], code: str, cell_no: int) -> CellReply:
+def join_cell(
+    generation: int,
+    members: list[int],
+    code: str,
+    cell_no: int,
+    hosts: list[str] | None = None,
+) -> CellReply:
     """A rank started while a cell trains (``%dist scale`` at a commit): join the group's
     ``generation`` (the running loop's ranks re-form with it at their next commit), then
     run the cell from its top. A join that fails is this rank's error reply."""
     try:
-        elastic_rejoin(generation, members)
+        elastic_rejoin(generation, members, hosts)
     except BaseException as exc:
         return _error_reply(exc, int(os.environ.get("RANK", -1)))
     return run_cell(code, cell_no)

@@ -129,10 +129,19 @@ def discover() -> World:
         return _WORLD
     host = socket.gethostname()
     if os.environ.get("HVDNB_ELASTIC") == "1" and "HVDNB_ELASTIC_STORE" in os.environ:
-        # an elastic cluster: one engine per slot on this host, no MPI; the first
-        # generation's rank is the slot
+        # an elastic cluster: one engine per slot, no MPI; the first generation's rank is
+        # the slot. Across hosts the notebook says where the slot is among them
         rank, size = _int_env("HVDNB_SLOT", 0), _int_env("HVDNB_WORLD_SIZE", 1)
-        _WORLD = World(rank, size, rank, size, 0, 1, host, "elastic")
+        _WORLD = World(
+            rank,
+            size,
+            _int_env("HVDNB_LOCAL_RANK", rank),
+            _int_env("HVDNB_LOCAL_SIZE", size),
+            _int_env("HVDNB_CROSS_RANK", 0),
+            _int_env("HVDNB_CROSS_SIZE", 1),
+            host,
+            "elastic",
+        )
     elif "HVDNB_WORLD_SIZE" in os.environ and "HVDNB_RANK_BASE" in os.environ:
         # one engine set per host: MPI numbers the ranks within the set, the client
         # numbered the sets
@@ -429,6 +438,8 @@ def _open_store(w: World, ip: str, wait: float) -> tuple[Any, str, int]:
 
     if w.source == "elastic":  # the store lives in a process of its own, not on a rank
         addr, _, port_s = os.environ["HVDNB_ELASTIC_STORE"].rpartition(":")
+        if not is_loopback(addr):  # across hosts: gloo on the interface toward the store
+            _pin_interface(_route_or(addr))
         store = TCPStore(addr, int(port_s), None, False, timeout=timedelta(seconds=wait))
         return store, addr, int(port_s)
     if w.size == 1:
@@ -634,11 +645,19 @@ def release_group() -> None:
         destroy_default_group()
 
 
-def rejoin(generation: int, rank: int, size: int, backend: str | None = None) -> World:
+def rejoin(
+    generation: int,
+    rank: int,
+    size: int,
+    backend: str | None = None,
+    place: tuple[int, int, int, int] | None = None,
+) -> World:
     """Form generation ``generation`` of an elastic cluster's group, this rank being
     ``rank`` of ``size``: the old group is released, the torchrun-style variables are
     exported again, and the group forms under the generation's own store prefix (a store
-    prefix used twice hangs, pytorch#55967). Collective over the new generation's ranks."""
+    prefix used twice hangs, pytorch#55967). Collective over the new generation's ranks.
+    ``place``: (local rank, local size, cross rank, cross size) across hosts (None: every
+    rank on one host)."""
     global _WORLD, _GENERATION
     import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
 
@@ -649,7 +668,10 @@ def rejoin(generation: int, rank: int, size: int, backend: str | None = None) ->
         )
     old = str(dist.get_backend()) if dist.is_initialized() else None
     release_group()
-    _WORLD = replace(w, rank=rank, size=size, local_rank=rank, local_size=size)
+    lr, ls, cr, cs = place or (rank, size, 0, 1)
+    _WORLD = replace(
+        w, rank=rank, size=size, local_rank=lr, local_size=ls, cross_rank=cr, cross_size=cs
+    )
     export_env(_WORLD, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     _GENERATION = generation
     _init_from_store(

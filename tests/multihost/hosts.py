@@ -35,6 +35,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +48,27 @@ MACHINES = {"login": f"{NET}.10", "h1": f"{NET}.11", "h2": f"{NET}.12", "out": f
 HOSTS = ("h1", "h2")
 
 SSHD = "/usr/sbin/sshd"
+SFTP = "/usr/lib/openssh/sftp-server"
+
+#: ``python -c REAPER ARGV...``: run ARGV as a child subreaper's child, reap every orphan
+#: below it, pass SIGTERM on, and end with ARGV
+REAPER = r"""
+import ctypes, os, signal, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+child = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+while True:
+    try:
+        pid, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    except InterruptedError:
+        continue
+    if pid == child.pid:
+        child.returncode = os.waitstatus_to_exitcode(status)
+        break
+sys.exit(child.returncode or 0)
+"""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -169,9 +191,13 @@ class Hosts:
             f"AuthorizedKeysFile {self.dir / 'authorized_keys'}\nPidFile {self.dir}/sshd_{name}.pid\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
             "StrictModes no\nAcceptEnv *\nPermitUserEnvironment no\nLogLevel ERROR\n"
+            f"Subsystem sftp {SFTP}\n"  # scp's protocol (Debian's sshd_config has it too)
         )
+        # under a reaper: a process the host's sessions left behind is reaped when it
+        # ends, as a real host's init does (this machine's pid 1 reaps nothing, and a
+        # zombie looks alive to a waitpid over ssh)
         self.sshd[name] = subprocess.Popen(
-            self.on(name, [SSHD, "-D", "-e", "-f", str(cfg)]),
+            self.on(name, [sys.executable, "-c", REAPER, SSHD, "-D", "-e", "-f", str(cfg)]),
             stdout=subprocess.DEVNULL,
             stderr=open(self.dir / f"sshd_{name}.log", "wb"),  # noqa: SIM115  the daemon's
         )
@@ -399,8 +425,10 @@ def where(k: Any) -> dict[int, dict]:
     return {int(r): w for r, w in json.loads(shown.text).items()}
 
 
-def check_numbering(where: dict[int, dict]) -> None:
-    """Four ranks, two per host, numbered by host; every name for the numbers agrees."""
+def check_numbering(where: dict[int, dict], master: str = MACHINES["h1"]) -> None:
+    """Four ranks, two per host, numbered by host; every name for the numbers agrees;
+    ``MASTER_ADDR`` is ``master`` (rank 0's host; an elastic cluster's store is on the
+    login node)."""
     assert sorted(where) == [0, 1, 2, 3]
     for rank, w in where.items():
         node, local = divmod(rank, 2)
@@ -410,7 +438,7 @@ def check_numbering(where: dict[int, dict]) -> None:
         assert (w["GROUP_RANK"], w["NODE_RANK"]) == (node, node), w
         # Horovod's view of the same numbers: rank, local rank and size, cross rank and size
         assert w["hvd"] == [rank, local, 2, node, 2], w
-        assert w["master"] == MACHINES["h1"], w  # rank 0's host, not the login node
+        assert w["master"] == master, w
 
 
 def two_node_slurm(cpus: int = 2) -> Any:

@@ -187,10 +187,19 @@ def test_elastic_options_are_checked_before_anything_starts():
         check(n=2, max_np=3, oversubscribe=True)
     with pytest.raises(ClusterError, match="no MPI job"):
         check(n=2, min_np=1, backend="mpi", oversubscribe=True)
-    with pytest.raises(ClusterError, match="on this host for now"):
+    with pytest.raises(ClusterError, match="across hosts over ssh with `--hosts FILE`"):
         check(n=2, min_np=1, launcher="slurm")
     spec = check(n=2, min_np=1, oversubscribe=True)
     assert spec.elastic and spec.max_np == 2
+
+
+def test_an_elastic_cluster_across_hosts_takes_a_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1:2\nh2 slots=2\n")
+    spec = check(hosts=str(hostfile), min_np=2, ip="10.0.0.1")
+    assert spec.elastic and spec.multi_host and (spec.n, spec.min_np, spec.max_np) == (4, 2, 4)
+    with pytest.raises(ClusterError, match="engine sets"):
+        check(engine_sets=[{"n": 1}, {"n": 1}], min_np=1, ip="10.0.0.1")
 
 
 def test_hvdnb_run_gives_a_script_what_follows_its_path_and_a_notebook_its_options():

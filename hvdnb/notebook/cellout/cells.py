@@ -99,8 +99,8 @@ def _run_hooks(final: bool) -> None:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-#: seconds a finished cell waits for its ranks' last output (it is there at once, but on a
-#: loaded host it came after the replies, and a 1 s wait lost a whole cell's output)
+#: seconds without a message after which a finished cell stops waiting for its ranks' last
+#: output (on a loaded host it comes after the replies: 1 s lost a cell's, 15 s fixed a tail)
 OUTPUT_WAIT = 15.0
 
 #: messages that mean "a peer went away", i.e. a consequence of another rank's failure
@@ -454,7 +454,8 @@ class _CellRun:
         if joined:
             self._join(joined)
         for r, fut in list(self.futures.items()):
-            if r not in done and fut.done():
+            # a rank lost with its host? (``deciding``) the host's change comes first
+            if r not in done and fut.done() and not self.members.deciding(r):
                 _collect(result, r, self.children[r], self.cluster)
                 err = result.errors.get(r)
                 dead = bool(err and err.get("dead"))
@@ -469,7 +470,7 @@ class _CellRun:
         members = list(c.membership.members)
         with sent.intake.tapping(c.client):
             ar = c.client[slots].apply_async(
-                JOIN_CELL, c.generation, members, self.code, sent.cell_no
+                JOIN_CELL, c.generation, members, self.code, sent.cell_no, c.membership.hosts()
             )
         sent.intake.bind_more(list(ar._children), ranks)
         self.metadata.extend(ar._metadata)
@@ -528,13 +529,10 @@ class _CellRun:
         """Collect the last output, points and alarms; record the cell; raise its errors
         (``DistributedCellError``) or show its values."""
         sent, result, store = self.sent, self.result, self.sent.store
-        # a reply can overtake the rank's last output (another socket; on a loaded host by
-        # seconds): wait for every rank's, bounded, unless one will never send it (dead, stuck)
+        # a reply can overtake the rank's last output (another socket): wait while it flows,
+        # until OUTPUT_WAIT s pass without a message, 1 s where one never comes (dead, stuck)
         gone = self.stuck or any(e.get("dead") for e in result.errors.values())
-        try:
-            sent.ar.wait_for_output(1.0 if gone else OUTPUT_WAIT)
-        except Exception:
-            pass
+        sent.intake.wait_quiet(sent.ar, 1.0 if gone else OUTPUT_WAIT)
         if result.metrics_marks:  # the cell's last points, on the side channel: wait (bounded)
             store.wait_for(result.metrics_marks, timeout=1.0)
         if self.stream:

@@ -146,6 +146,15 @@ class CellMembers:
             out.append((r, s))
         return out
 
+    def deciding(self, rank: int) -> bool:
+        """Is ``rank`` seen lost, with the notebook still waiting to see whether the rest
+        of its host goes too (``HOST_WINDOW``)? Its failed reply waits for that change."""
+        m = getattr(self.cluster, "membership", None)
+        if not self.active or m is None:
+            return False
+        slot = next((s for s, r in self.rank_of.items() if r == rank), None)
+        return slot is not None and slot in m.members and slot in m.first_seen
+
     def ended(self, rank: int, err: dict[str, Any] | None) -> bool:
         """``rank``'s cell ended (``err``: its error record, or None); True when that
         error is not the cell's: it left an elastic loop, or a scale took it out. A rank

@@ -60,11 +60,15 @@ class Intake:
         self._rank_of: dict[str, int] | None = None
         self._early: list[tuple[str, str, dict[str, Any]]] = []
         self._lock = threading.Lock()
+        #: when the last of the cell's output messages came (``time.monotonic``): the cell's
+        #: end waits while output still flows, however long a loaded host takes to send it
+        self.last = time.monotonic()
 
     def _take(self, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
         if kind not in DRAWN:
             return
+        self.last = time.monotonic()
         mid = (msg.get("parent_header") or {}).get("msg_id", "")
         content = msg.get("content") or {}
         with self._lock:
@@ -114,6 +118,20 @@ class Intake:
         for mid, kind, content in early:
             if mid in rank_of:
                 self.inbox.append((rank_of[mid], kind, content))
+
+    def wait_quiet(self, ar: Any, quiet: float) -> bool:
+        """Wait for every rank's output to be complete (``ar.wait_for_output``), for as long
+        as output keeps coming; give up after ``quiet`` seconds in which none came (a rank
+        that will never send its end). A fixed bound lost the tail of a 20,000-line cell
+        on a loaded host, whose output was still arriving when the bound passed. Never
+        raises: a cell's end never fails over its output."""
+        try:
+            while not ar.wait_for_output(min(0.5, quiet)):
+                if time.monotonic() - self.last > quiet:
+                    return False
+        except Exception:
+            return False
+        return True
 
     def close(self) -> None:
         """Take no more messages (the cell has ended)."""

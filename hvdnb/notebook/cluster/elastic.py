@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from hvdnb.notebook.cluster import launch
+from hvdnb.notebook.cluster import launch, sshcheck, sshslots
 from hvdnb.notebook.cluster.spec import ClusterError
 from hvdnb.notebook.metrics.ranklabels import format_ranks
 from hvdnb.protocol import kinds
@@ -59,6 +59,11 @@ __all__ = [
 #: and the ranks stay (the cell fails as any cell does)
 LEFT_WINDOW = 0.3
 
+#: across hosts, seconds the notebook waits after a rank on another host was lost for the
+#: host's other ranks to follow (a host killed or cut loses them all within a round trip
+#: of each other): a host lost is one change, named in one line, not one per rank
+HOST_WINDOW = 0.5
+
 
 @dataclass(frozen=True)
 class Event:
@@ -72,6 +77,8 @@ class Event:
     cell: int | None = None  #: the cell it happened in (None: between cells)
     errors: dict[int, str] = field(default_factory=dict)  #: lost rank -> its error (left)
     lost_slots: tuple[int, ...] = ()  #: the engines lost (slots)
+    #: hosts whose every rank was lost (across hosts: the line names them)
+    hosts: tuple[str, ...] = ()
 
     def line(self, min_np: int) -> str:
         """The one line a person reads."""
@@ -80,19 +87,26 @@ class Event:
             return f"hvdnb: the cluster now has {self.size} rank{s} (generation {self.generation})"
         lost = format_ranks(list(self.lost))
         many = len(self.lost) > 1
+        plural = "s" if many else ""
+        who = f"rank{plural} {lost}"
+        if self.hosts:  # a host lost: named, with its ranks
+            who = f"host{'s' if len(self.hosts) > 1 else ''} {', '.join(self.hosts)} ({who})"
+            many = many or len(self.hosts) > 1
         verb = {
             "left": f"left ({'their' if many else 'its'} code raised)",
-            "hung": "stopped answering (no heartbeat for 3 s) and was stopped",
+            "hung": f"stopped answering (no heartbeat for 3 s) and {'were' if many else 'was'} "
+            "stopped",
+            "lost": f"{'were' if many else 'was'} lost (gone from the controller: killed, or "
+            "cut off)",
         }.get(self.why, "died")
-        plural = "s" if many else ""
         if self.size == 0:
             return (
-                f"hvdnb: rank{plural} {lost} of generation {self.generation - 1} {verb}, which "
+                f"hvdnb: {who} of generation {self.generation - 1} {verb}, which "
                 f"leaves fewer than --min-np {min_np} ranks: `%dist scale N` or `%dist "
                 "restart` brings the cluster back"
             )
         return (
-            f"hvdnb: rank{plural} {lost} of generation {self.generation - 1} {verb}; training "
+            f"hvdnb: {who} of generation {self.generation - 1} {verb}; training "
             f"goes on with {self.size} rank{'s' if self.size != 1 else ''} (generation "
             f"{self.generation})"
         )
@@ -134,6 +148,12 @@ class Membership:
         self.looping: set[int] = set()
         #: the size a ``request_scale`` asked for, not carried out yet (None: none)
         self.wanted: int | None = None
+        #: across hosts: where each slot runs (None: every slot on this host)
+        self.placement: sshslots.Placement | None = None
+        #: slot -> its engine's launcher, where it was started over ssh (``sshslots``)
+        self.remote: dict[int, Any] = {}
+        #: slot -> when it was first seen lost (``HOST_WINDOW``)
+        self.first_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
@@ -171,35 +191,53 @@ class Membership:
         with self._lock:
             return bool(self.members) and set(self.members) <= self.looping
 
+    def hosts(self, slots: list[int] | None = None) -> list[str] | None:
+        """The host of each of ``slots`` (the members by default); None on one host."""
+        if self.placement is None:
+            return None
+        where = self.placement.host_of
+        return [where.get(s, "") for s in (self.members if slots is None else slots)]
+
     def retire(self, s: int) -> None:
-        """Take slot ``s`` out for good: its engine process is killed if it still runs."""
+        """Take slot ``s`` out for good: its engine process is killed if it still runs
+        (over ssh on another host, without waiting for it)."""
         p = self.cluster.slot_processes().get(s)
         if p is not None:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        el = self.remote.get(s)
+        if el is not None and el.state == "running":
+            sshslots.kill(el)
 
     def gone(self) -> list[int]:
         """Member slots whose engine process has exited (or left the controller)."""
         return list(self.gone_why())
 
     def gone_why(self) -> dict[int, str]:
-        """Member slots lost, each with ``died`` (its process exited) or ``hung`` (the
+        """Member slots lost, each with ``died`` (its process exited), ``hung`` (the
         controller stopped hearing its heartbeat: a stopped or hung process, which is
-        then retired, killed, so that peers blocked on it are released)."""
+        then retired, killed, so that peers blocked on it are released) or, on another
+        host, ``lost`` (gone from the controller, not known to have exited)."""
         # kept from when each was first seen: ipyparallel forgets an engine that exited
         for s, p in self.cluster.slot_processes().items():
             self.procs.setdefault(s, p)
         procs = self.procs
         ids = set(self.cluster.client.ids) if self.cluster.client is not None else set()
         out: dict[int, str] = {}
+        # on other hosts: ipyparallel drops a launcher whose engine ended, so each is kept
+        for s, el in sshslots.slot_launchers(self.cluster.engine_launchers()).items():
+            self.remote.setdefault(s, el)
+        ended = {s for s, el in self.remote.items() if el.state == "after"}
         for s in self.members:
             p = procs.get(s)
-            if p is not None and not _alive(p):
+            if (p is not None and not _alive(p)) or s in ended:
                 out[s] = "died"
             elif ids and s not in ids:
-                out[s] = "hung"
+                # on another host the controller hears of it first (in ~0.1 s after a kill,
+                # ssh's waitpid in seconds): killed or cut off, this host cannot tell
+                out[s] = "lost" if s in self.remote else "hung"
         return out
 
     # ------------------------------------------------------------------ deciding
@@ -210,6 +248,8 @@ class Membership:
         now = time.monotonic()
         why_of = self.gone_why()
         dead = list(why_of)
+        if dead and self._host_may_follow(dead, now):
+            return None
         with self._lock:
             raised = {s: v for s, v in self.left.items() if s in self.members and s not in dead}
         due = [s for s, (t, _) in raised.items() if now - t >= LEFT_WINDOW]
@@ -223,7 +263,8 @@ class Membership:
         if not lost:
             return None
         errors = {self.members.index(s): raised[s][1] for s in due if s in raised}
-        why = ("died" if "died" in why_of.values() else "hung") if dead else "left"
+        whys = set(why_of.values())
+        why = next((w for w in ("died", "hung", "lost") if w in whys), "left")
         return self._form([s for s in self.members if s not in lost], lost, why, cell, errors)
 
     def _form(
@@ -236,6 +277,7 @@ class Membership:
     ) -> Event:
         c = self.cluster
         lost_ranks = tuple(sorted(self.members.index(s) for s in lost))
+        gone_hosts = self._lost_hosts(survivors, lost)
         for s in lost:
             self.retire(s)  # a rank that raised leaves as if it had died
             with self._lock:
@@ -243,24 +285,59 @@ class Membership:
         _renumber(c, self.members, survivors)
         c.generation += 1
         size = len(survivors) if len(survivors) >= self.min_np else 0
-        ev = Event(time.time(), c.generation, lost_ranks, size, why, cell, errors, tuple(lost))
+        ev = Event(
+            time.time(), c.generation, lost_ranks, size, why, cell, errors, tuple(lost), gone_hosts
+        )
         self.members = survivors
         self.events.append(ev)
         if size:
-            self.announce(removed=True, why=why)
+            self.announce(removed=True, why=why, lost_hosts=gone_hosts)
             if c.client is not None:
                 c.view = c.client[list(survivors)]
                 c.view.block = False
         return ev
 
-    def announce(self, removed: bool, why: str, also: tuple[int, ...] = ()) -> None:
+    def _host_may_follow(self, dead: list[int], now: float) -> bool:
+        """Is a lost rank's host still within ``HOST_WINDOW`` of its first loss, with
+        ranks of its own left (they may be lost with it)?"""
+        if self.placement is None:
+            return False
+        where = self.placement.host_of
+        for s in dead:
+            self.first_seen.setdefault(s, now)
+        for s in dead:
+            host = where.get(s)
+            rest = [m for m in self.members if where.get(m) == host and m not in dead]
+            if rest and now - self.first_seen[s] < HOST_WINDOW:
+                return True
+        return False
+
+    def _lost_hosts(self, survivors: list[int], lost: list[int]) -> tuple[str, ...]:
+        """Hosts all of whose member ranks are in ``lost`` (none of the notebook's own)."""
+        if self.placement is None:
+            return ()
+        where = self.placement.host_of
+        kept = {where.get(s) for s in survivors}
+        gone = dict.fromkeys(where.get(s, "") for s in lost)
+        return tuple(h for h in gone if h and h not in kept)
+
+    def announce(
+        self,
+        removed: bool,
+        why: str,
+        also: tuple[int, ...] = (),
+        lost_hosts: tuple[str, ...] = (),
+    ) -> None:
         """Send the current generation to every member (they re-form when they can), with
-        the engine processes of every slot seen (a survivor cuts its links to them); and to
-        the slots ``also`` (ranks ``%dist scale`` takes out: they leave at that reset)."""
+        the engine processes of every slot seen on this host and the hosts lost whole (a
+        survivor cuts its links to them), and each member's host (their local ranks); and
+        to the slots ``also`` (ranks ``%dist scale`` takes out: they leave at that reset)."""
         c = self.cluster
         msg = {
             "generation": c.generation,
             "members": list(self.members),
+            "hosts": self.hosts(),
+            "lost_hosts": list(lost_hosts),
             "t": time.time(),
             "removed": removed,
             "why": why,
@@ -278,7 +355,9 @@ class Membership:
             return
         c = self.cluster
         view = c.client[list(self.members)]
-        view.apply_async(ELASTIC_REJOIN, c.generation, list(self.members)).get(timeout=timeout)
+        view.apply_async(ELASTIC_REJOIN, c.generation, list(self.members), self.hosts()).get(
+            timeout=timeout
+        )
         self.behind = None
         c.view = view
         c.view.block = False
@@ -355,6 +434,8 @@ class StoreHost:
 
     def __init__(self) -> None:
         self.addr = ""
+        #: the address it binds: loopback, or across hosts the cluster's (``spec.ip``)
+        self.ip = "127.0.0.1"
         self.proc: subprocess.Popen[bytes] | None = None
         self._spare: tuple[str, subprocess.Popen[bytes]] | None = None
         self._spare_serving = False
@@ -368,15 +449,18 @@ class StoreHost:
         """The spare's process (the watchdog's: it outlives a restart, not the kernel)."""
         return self._spare[1].pid if self._spare is not None else None
 
-    def open(self) -> None:
+    def open(self, ip: str = "127.0.0.1") -> None:
         self.close()
+        if ip != self.ip:  # a spare bound elsewhere serves no longer
+            self.ip = ip
+            self.close_spare()
         spare, self._spare = self._spare, None
         if spare is not None and spare[1].poll() is None:
             self.addr, self.proc = spare
             return
         if spare is not None:
             _end(spare[1])
-        self.addr, self.proc = _store_process()
+        self.addr, self.proc = _store_process(self.ip)
 
     def spare_ready(self) -> bool:
         """Does the spare store serve already (it says so on its standard output)?"""
@@ -397,7 +481,7 @@ class StoreHost:
         elif self._spare is None:
             self._spare_serving = False
             try:
-                self._spare = _store_process()
+                self._spare = _store_process(self.ip)
             except Exception:
                 self._spare = None
 
@@ -412,12 +496,12 @@ class StoreHost:
             _end(spare[1])
 
 
-def _store_process() -> tuple[str, subprocess.Popen[bytes]]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def _store_process(ip: str = "127.0.0.1") -> tuple[str, subprocess.Popen[bytes]]:
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((ip, 0))  # the cluster's address only, never every interface
     sock.listen(128)
-    addr = f"127.0.0.1:{sock.getsockname()[1]}"
+    addr = f"{ip}:{sock.getsockname()[1]}"
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hvdnb.rank.storehost", "--fd", str(sock.fileno())],
@@ -460,19 +544,29 @@ def slot_processes(launchers: list[Any]) -> dict[int, Any]:
     return out
 
 
-async def start_slots(cluster: Any, slots: list[int], size: int, join: bool) -> None:
-    """Start one engine set of one engine per slot, each told its slot and the store."""
+async def start_slots(
+    cluster: Any, slots: list[int], size: int, join: bool, hosts: list[str] | None = None
+) -> None:
+    """Start one engine set of one engine per slot, each told its slot and the store;
+    across hosts (``hosts``: one per slot), each over ssh on its host (``sshslots``)."""
     c = cluster.ipp
-    base_env = dict(c.config.LocalEngineSetLauncher.environment)
+    name = c.engine_launcher_class.__name__
+    base_env = dict(c.config[name].environment)
+    m: Membership | None = cluster.membership
+    first = m.placement.first(size) if m is not None and m.placement is not None else None
     try:
-        for s in slots:
-            c.config.LocalEngineSetLauncher.environment = {
-                **base_env,
-                **launch.elastic_env(s, size, cluster.store_host.addr, join),
-            }
+        for i, s in enumerate(slots):
+            env = {**base_env, **launch.elastic_env(s, size, cluster.store_host.addr, join)}
+            if hosts is not None and m is not None and m.placement is not None:
+                m.placement.host_of[s] = hosts[i]
+                if not join and first is not None:
+                    env.update(m.placement.env(s, first))
+                # a shared home: the connection files are there already, never copied
+                c.config[name].engines = {hosts[i]: {"n": 1, "to_send": []}}
+            c.config[name].environment = env
             await c.start_engines(1, engine_set_id=f"slot{s}")
     finally:
-        c.config.LocalEngineSetLauncher.environment = base_env
+        c.config[name].environment = base_env
 
 
 def scale(cluster: Any, n: int) -> Event:
@@ -535,8 +629,16 @@ def _grow(cluster: Any, m: Membership, n: int) -> Event:
 def start_new(cluster: Any, m: Membership, n: int) -> list[int]:
     """Start the engines that take ``m`` to ``n`` ranks (they join when told); their slots."""
     new = list(range(m.next_slot, m.next_slot + n - m.size))
+    hosts = None
+    if m.placement is not None:  # across hosts: free slots on hosts that answer ssh
+        try:
+            hosts = m.placement.free(
+                m.members, len(new), lambda h: not sshcheck.unreachable([h], 10.0)
+            )
+        except LookupError as exc:
+            raise ClusterError(f"`%dist scale {n}`: {exc}") from None
     m.next_slot += len(new)
-    cluster.run_async(start_slots(cluster, new, n, join=True), cluster.timeout + 30)
+    cluster.run_async(start_slots(cluster, new, n, join=True, hosts=hosts), cluster.timeout + 30)
     m.on_started()  # they die with this kernel too
     return new
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdnb.config import get_config
+from hvdnb.notebook.cluster import sshslots
 from hvdnb.notebook.cluster.spec import ClusterError, StartSpec, hostfile_hosts, hostfile_slots
 
 __all__ = [
@@ -154,8 +155,10 @@ def make_ipp(
     cfg = get_config()
     c = ipp.Cluster(
         # an elastic cluster's engines are separate processes, one engine set per slot: no
-        # mpiexec whose end would end them all
-        engines="local" if spec.elastic else spec.launcher,
+        # mpiexec whose end would end them all (across hosts each over ssh: sshslots.py)
+        engines=(sshslots.launcher_class() if spec.multi_host else "local")
+        if spec.elastic
+        else spec.launcher,
         n=spec.n,
         cluster_id=cluster_id,
         controller_ip=spec.ip,
@@ -224,6 +227,9 @@ def configure_engines(
         env.update(standby["env"])
     c.n = spec.n
     launcher_cls = c.engine_launcher_class.__name__
+    if launcher_cls == "HostEngineSetLauncher":
+        sshslots.configure(c)
+        env = {**sshslots.forwarded(dict(os.environ)), **env}
     c.config[launcher_cls].engine_cmd = engine_cmd
     c.config[launcher_cls].engine_args = [
         f"--IPEngine.wait_for_url_file={spec.timeout}",

@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from hvdnb.host import cores, gpu_count
-from hvdnb.notebook.cluster import health, launch, registry, spec
+from hvdnb.notebook.cluster import health, launch, registry, spec, sshslots
 from hvdnb.notebook.cluster.elastic import (
     Event,
     Membership,
@@ -281,7 +281,7 @@ class Cluster:
         for attempt in (1, 2):
             self._open_channel()
             if self.elastic:
-                self.store_host.open()
+                self.store_host.open(self.spec.ip if self.multi_host else "127.0.0.1")
             self._make_ipp()
             if self.elastic:
                 self._begin_membership()
@@ -343,7 +343,9 @@ class Cluster:
         c = self._ipp
         if self.elastic:
             ctrl = asyncio.ensure_future(self._start_controller())
-            await start_slots(self, list(range(self.spec.n)), self.spec.n, join=False)
+            m, n = self.membership, self.spec.n
+            hosts = m.placement.first(n) if m is not None and m.placement is not None else None
+            await start_slots(self, list(range(n)), n, join=False, hosts=hosts)
             await ctrl
             return
         if not self.engine_sets:
@@ -414,6 +416,8 @@ class Cluster:
             self, list(range(self.spec.n)), self.spec.min_np, self.spec.max_np, self._start_watchdog
         )
         self.membership = m
+        if self.spec.hosts:  # across hosts: each slot's engine over ssh (sshslots.py)
+            m.placement = sshslots.Placement(spec.hostfile_entries(self.spec.hosts))
         # the channel listens from the start: a rank may leave during the first cell
         if self.channel is not None:
             self.channel.on(kinds.ELASTIC_LEFT, m.on_left)

@@ -28,6 +28,7 @@ __all__ = [
     "StartSpec",
     "changed",
     "check",
+    "hostfile_entries",
     "hostfile_hosts",
     "hostfile_slots",
 ]
@@ -146,7 +147,7 @@ def check(
     ps = _check_tf_ps(tf_ps, n)
     if min_np is None and cfg.min_np > 0 and not (multi_host or ps):  # hvdnb run --min-np
         min_np, max_np = min(cfg.min_np, n), max_np or cfg.max_np or None
-    min_np, max_np = _check_elastic(min_np, max_np, n, launcher, multi_host, backend, ps)
+    min_np, max_np = _check_elastic(min_np, max_np, n, launcher, multi_host, backend, ps, hostfile)
     return StartSpec(
         n=n,
         launcher=launcher,
@@ -189,7 +190,14 @@ def changed(options: dict[str, Any], **given: Any) -> dict[str, Any]:
 
 
 def _check_elastic(
-    min_np: Any, max_np: Any, n: int, launcher: str, multi_host: bool, backend: Any, ps: int
+    min_np: Any,
+    max_np: Any,
+    n: int,
+    launcher: str,
+    multi_host: bool,
+    backend: Any,
+    ps: int,
+    hostfile: str | None = None,
 ) -> tuple[int | None, int | None]:
     """``--min-np M [--max-np K]``: checked against ``n`` and the rest of the options."""
     if min_np is None:
@@ -208,10 +216,11 @@ def _check_elastic(
             f"an elastic cluster needs --min-np <= -n <= --max-np, got {min_np} <= {n} <= "
             f"{max_np}: e.g. `%dist start -n {max(n, min_np)} --min-np {min(min_np, n)}`"
         )
-    if multi_host or launcher != "mpi":
+    if launcher != "mpi" or (multi_host and not hostfile):
         raise ClusterError(
-            "elastic clusters (--min-np) run on this host for now: leave out --launcher, "
-            "--hosts and engine sets, or use a fixed-size cluster across hosts"
+            "an elastic cluster (--min-np) starts its engines itself, one per slot: on this "
+            "host, or across hosts over ssh with `--hosts FILE`; leave out --launcher "
+            f"{launcher} and engine sets (Slurm: a fixed-size cluster)"
         )
     if backend == "mpi" or ps:
         raise ClusterError(
@@ -314,9 +323,10 @@ def _listen_ip(
         ) from None
 
 
-def hostfile_slots(path: str) -> int:
-    """Ranks an MPI hostfile holds: ``host:4`` or ``host slots=4`` count 4, a bare host 1."""
-    total = 0
+def hostfile_entries(path: str) -> list[tuple[str, int]]:
+    """An MPI hostfile's hosts and their slots, in order: ``host:4`` or ``host slots=4``
+    hold 4, a bare host 1."""
+    out = []
     for line in Path(path).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
@@ -328,8 +338,13 @@ def hostfile_slots(path: str) -> int:
         for word in rest:
             if word.startswith("slots="):
                 slots = int(word.split("=", 1)[1])
-        total += max(slots, 1)
-    return total
+        out.append((head.split(":", 1)[0], max(slots, 1)))
+    return out
+
+
+def hostfile_slots(path: str) -> int:
+    """Ranks an MPI hostfile holds (``hostfile_entries``' slots, summed)."""
+    return sum(k for _, k in hostfile_entries(path))
 
 
 def hostfile_hosts(path: str) -> list[str]:
