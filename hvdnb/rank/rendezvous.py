@@ -129,19 +129,7 @@ def discover() -> World:
         return _WORLD
     host = socket.gethostname()
     if os.environ.get("HVDNB_ELASTIC") == "1" and "HVDNB_ELASTIC_STORE" in os.environ:
-        # an elastic cluster: one engine per slot, no MPI; the first generation's rank is
-        # the slot. Across hosts the notebook says where the slot is among them
-        rank, size = _int_env("HVDNB_SLOT", 0), _int_env("HVDNB_WORLD_SIZE", 1)
-        _WORLD = World(
-            rank,
-            size,
-            _int_env("HVDNB_LOCAL_RANK", rank),
-            _int_env("HVDNB_LOCAL_SIZE", size),
-            _int_env("HVDNB_CROSS_RANK", 0),
-            _int_env("HVDNB_CROSS_SIZE", 1),
-            host,
-            "elastic",
-        )
+        _WORLD = _elastic_world(host)
     elif "HVDNB_WORLD_SIZE" in os.environ and "HVDNB_RANK_BASE" in os.environ:
         # one engine set per host: MPI numbers the ranks within the set, the client
         # numbered the sets
@@ -218,6 +206,22 @@ def discover() -> World:
     else:
         _WORLD = World(0, 1, 0, 1, 0, 1, host, "single")
     return _WORLD
+
+
+def _elastic_world(host: str) -> World:
+    """An elastic cluster's engine: one per slot, no MPI; the first generation's rank is
+    the slot. Across hosts the notebook says where the slot is among them."""
+    rank, size = _int_env("HVDNB_SLOT", 0), _int_env("HVDNB_WORLD_SIZE", 1)
+    return World(
+        rank,
+        size,
+        _int_env("HVDNB_LOCAL_RANK", rank),
+        _int_env("HVDNB_LOCAL_SIZE", size),
+        _int_env("HVDNB_CROSS_RANK", 0),
+        _int_env("HVDNB_CROSS_SIZE", 1),
+        host,
+        "elastic",
+    )
 
 
 def _slurm_local_size(size: int, nodes: int) -> int:

@@ -75,6 +75,9 @@ for step in range(60):
 
 START = 'import os\nos.environ["HVDNB_COLLAPSE_WINDOW"] = "60"\n%load_ext hvdnb\n%dist start -n 2'
 
+#: the panel is in no cell of the notebook (it is beside it)
+NOT_IN_CELL = "() => document.querySelectorAll('.jp-Notebook .hvdnb-panel').length === 0"
+
 
 def _notebook(path: Path) -> None:
     filler = "\n\n".join(
@@ -279,7 +282,8 @@ def test_live_tuning_journey(lab):
             timeout=120_000,
         )
         # in the side area, not in the notebook's cell output
-        assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0
+        # the panel leaves the cell once the page reports its view beside the notebook
+        page.wait_for_function(NOT_IN_CELL, timeout=30_000)
         assert page.locator(".jp-Notebook .hvdnb-show-panel").count() == 1
         _shot(page, "1-started")
         page.keyboard.press("Shift+Enter")  # the markdown cell
@@ -402,7 +406,7 @@ def test_live_tuning_journey(lab):
         # output is redrawn meanwhile (a separate scroll call fails if it is replaced)
         cells.nth(0).locator(".hvdnb-show-panel").click()
         page.wait_for_selector(".hvdnb-panel .hvdnb-view", timeout=60_000)
-        assert page.locator(".jp-Notebook .hvdnb-panel").count() == 0  # beside, again
+        page.wait_for_function(NOT_IN_CELL, timeout=30_000)  # beside, again
         assert _on_screen(page, ".hvdnb-panel .hvdnb-view")
         _shot(page, "5-brought-back")
         # a saved notebook keeps a picture of the panel in the %dist start cell

@@ -69,7 +69,10 @@ def test_auto_mode_refuses_bad_values_and_needs_a_cluster(shell):
         shell.run_line_magic("dist", "auto maybe")
 
 
-def test_help_on_a_name_only_the_ranks_have_comes_from_rank_0(dist2, shell, capsys):
+def test_help_on_a_name_only_the_ranks_have_comes_from_rank_0(dist2, shell, capsys, monkeypatch):
+    # rank 0 answers within 0.5 s when idle; a loaded box (the suite's other lane) can take
+    # longer, and then the notebook's own answer is given alone, by design
+    monkeypatch.setattr("hvdnb.notebook.cellout.introspect.ANSWER_WITHIN", 30.0)
     shell.run_cell_magic(
         "distributed",
         "",

@@ -66,6 +66,9 @@ def make_beacon(where: str) -> Any:
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.heard: list[float] = []  # time.monotonic() of each view's report
+            #: called after each report, on the thread that took it (the cell that
+            #: opened the panel may have ended: nothing else would follow the report)
+            self.listeners: list[Any] = []
             self._lock = threading.Lock()
             self.on_msg(self._on_report)
 
@@ -73,6 +76,11 @@ def make_beacon(where: str) -> Any:
             if isinstance(content, dict) and "rendered" in content:
                 with self._lock:
                     self.heard.append(time.monotonic())
+                for fn in list(self.listeners):
+                    try:
+                        fn()
+                    except Exception:  # a report never breaks the kernel's comm handling
+                        pass
 
         def heard_since(self, t: float) -> bool:
             """Has a view reported since ``t`` (``time.monotonic()``)?"""

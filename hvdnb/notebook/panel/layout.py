@@ -136,6 +136,7 @@ class Panel:
         self._beacon = make_beacon("side")
         if self._beacon is not None:
             _kernel.route_comms([self._beacon], self._subshell)
+            self._beacon.listeners.append(self._check_side)  # the stand-in follows at once
         self._side_asked = 0.0  # monotonic time the side area was last opened
         #: training cells that ended and wait for their picture (``cell_ended``)
         self._cell_pics: list[dict[str, Any]] = []
