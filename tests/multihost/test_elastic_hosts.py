@@ -13,7 +13,6 @@ step) are printed, never asserted: ``bench/bench_hosts.py`` records them.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -94,20 +93,12 @@ def _start(k: Kernel, hosts: Hosts) -> str:
     return got.text
 
 
-def _engines_on(host: str) -> list[psutil.Process]:
-    """This test's engines of ``host``'s slots (2 and 3 on h2; 0 and 1 on h1)."""
-    slots = {str(2 * HOSTS.index(host) + i) for i in (0, 1)}
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if "kernels_ext.engine" not in " ".join(p.info["cmdline"] or []):
-                continue
-            env = p.environ()
-            if env.get("HVDNB_SLOT") in slots and env.get("HVDNB_HOME") == os.environ["HVDNB_HOME"]:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+def _engines_on(k: Kernel, host: str) -> list[psutil.Process]:
+    """The engine processes of ``host``'s ranks, as the ranks say (the hosts share this
+    machine's process ids: a person on that host would ``kill`` the same)."""
+    k.run("%%distributed -q -o who\nimport os, socket\n(socket.gethostname(), os.getpid())")
+    who = json.loads(k.run("import json; print(json.dumps(who))").text)
+    return [psutil.Process(pid) for name, pid in who.values() if name == host]
 
 
 def _train_and_lose_h2(k, tmp_path, lose) -> tuple[str, float]:
@@ -137,7 +128,7 @@ def test_elastic_across_hosts_numbers_by_host_and_survives_a_killed_host(login, 
     text = _start(login, hosts)
     assert "4 ranks ready" in text and "elastic" in text, text
     check_numbering(where(login), master=LOGIN)  # the store is the notebook's
-    victims = _engines_on("h2")
+    victims = _engines_on(login, "h2")
     assert len(victims) == 2, victims
 
     def kill() -> None:

@@ -26,8 +26,10 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 __all__ = [
@@ -169,14 +171,28 @@ def slot_launchers(launchers: list[Any]) -> dict[int, Any]:
     return out
 
 
-def kill(el: Any) -> None:
-    """Kill a slot's engine over ssh, on a thread of its own (a lost host never answers;
-    ssh gives up after its connect timeout)."""
+#: seconds a lost slot's kill keeps trying a host that does not answer (a cut link that
+#: comes back must not bring a stale rank back with it)
+KILL_FOR = 600.0
+
+
+def kill(el: Any, tries_for: float = KILL_FOR) -> None:
+    """Kill a slot's engine over ssh, on a thread of its own: a lost host does not answer
+    (ssh gives up after its connect timeout), so it is tried again every few seconds for
+    ``tries_for`` seconds, until ssh reaches the host (the engine is then killed, or had
+    ended)."""
 
     def run() -> None:
-        try:
-            el.signal(signal.SIGKILL)
-        except Exception:  # the host is gone: nothing to kill there
-            pass
+        deadline = time.monotonic() + tries_for
+        while True:
+            try:
+                el.signal(signal.SIGKILL)
+                return
+            except subprocess.CalledProcessError as exc:
+                if exc.returncode != 255 or time.monotonic() > deadline:
+                    return  # 255: ssh's own failure; else the host answered
+            except Exception:
+                return
+            time.sleep(2.0)
 
     threading.Thread(target=run, name="hvdnb-ssh-kill", daemon=True).start()
