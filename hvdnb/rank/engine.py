@@ -334,8 +334,9 @@ def where() -> dict[str, Any]:
         in_collectives = any(k in fr.filename.replace("\\", "/") for k in _COLLECTIVE_FILES)
         if (
             in_collectives
-            and fr.name not in ("wrapper", "_wrapper", "<lambda>")
-            and not fr.name.startswith("_")
+            and fr.name not in ("wrapper", "_wrapper")
+            # "<module>": a torch.distributed module being imported is no collective
+            and not fr.name.startswith(("_", "<"))
         ):
             info["collective"] = fr.name
             for _ in range(len(stack) - 1 - i):  # the frame object of stack[i], for its args

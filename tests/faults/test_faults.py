@@ -272,6 +272,11 @@ def test_rank_ignoring_sigint_escalates_to_a_restart(ready, shell, capsys):
 def test_a_busy_training_loop_is_not_called_a_stall(ready, shell, capsys, monkeypatch):
     """Every step passes the same lines, with one rank often waiting in a collective for
     the other: only unchanged progress counters may count as a stall."""
+    # the first optimizer imports torch._dynamo (seconds on a loaded box, one rank alone
+    # while the other waits in the first allreduce): done before the detector is armed
+    shell.run_cell_magic(
+        "distributed", "-q", "import torch\ntorch.optim.SGD([torch.zeros(1)], lr=0.1)"
+    )
     monkeypatch.setenv("HVDNB_STALL_AFTER", "1")
     ready.last_stall = None
     # a fixed step count: a time-based loop lets the ranks run different numbers of steps
