@@ -334,7 +334,13 @@ def test_a_local_cell_keeps_the_stock_debugger_and_auto_modes_cells_stop_the_ran
     while not threads and time.monotonic() < deadline:
         threads = dbg.req("debugInfo")["body"]["stoppedThreads"]
         time.sleep(0.2)
-    assert threads and threads[0] < 1_000_000, threads  # the notebook's own thread
+    if not threads:  # which of two failures: the cell never stopped, or its stop went unlisted
+        try:
+            text, error = _collect(kernel, msg_id, within=10)
+            pytest.fail(f"the cell ran past its breakpoint: printed {text!r}, error {error}")
+        except AssertionError as exc:
+            pytest.fail(f"the cell is held, but debugInfo lists no stopped thread ({exc})")
+    assert threads[0] < 1_000_000, threads  # the notebook's own thread
     frames = dbg.req("stackTrace", threadId=threads[0])["body"]["stackFrames"]
     assert frames[0]["line"] == 2 and frames[0]["source"]["path"] == path, frames
     assert not frames[0]["name"].startswith("rank "), frames

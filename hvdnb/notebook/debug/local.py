@@ -19,11 +19,20 @@ rank's debugpy (``hvdnb.rank.visualdebug``).
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cell_error", "raising", "spare_cell_errors", "start_notebook_debugpy"]
+__all__ = [
+    "cell_error",
+    "handle_stopped_event",
+    "raising",
+    "spare_cell_errors",
+    "start_notebook_debugpy",
+]
+
+log = logging.getLogger("hvdnb.debug")
 
 #: how many fresh ports are tried before the debugger says it cannot start
 ATTEMPTS = 3
@@ -59,6 +68,32 @@ def start_notebook_debugpy(debugger: Any) -> str | None:
         error = f"{content.get('ename', 'error')}: {content.get('evalue', '')}".strip()
         client.debugpy_port = -1  # the next try binds a fresh port
     return error
+
+
+async def handle_stopped_event(debugger: Any) -> None:
+    """ipykernel's handling of the notebook's own "stopped" event, kept alive.
+
+    ipykernel's kernel loops over ``debugger.handle_stopped_event()`` forever: it awaits the
+    next event of a stop where every thread stopped, asks debugpy for its threads, records
+    them as stopped (what ``debugInfo`` lists, and what a reloaded page follows) and forwards
+    the event to the page. debugpy's replies are matched to requests by order alone. One
+    exception there (a reply that is not the threads reply) ends the loop, and the notebook
+    never shows a stop again. Here the thread that stopped is recorded from the event itself,
+    and what goes wrong is logged, not raised."""
+    event = await debugger.stopped_queue.get()
+    try:
+        tid = (event.get("body") or {}).get("threadId")
+        if isinstance(tid, int):
+            debugger.stopped_threads.add(tid)
+        request = {"seq": event["seq"] + 1, "type": "request", "command": "threads"}
+        reply = await debugger._forward_message(request)
+        for thread in ((reply or {}).get("body") or {}).get("threads") or []:
+            if debugger._accept_stopped_thread(thread.get("name")):
+                debugger.stopped_threads.add(thread["id"])
+    except Exception as exc:
+        log.warning("hvdnb: the notebook's stopped threads were not all read: %r", exc)
+    finally:
+        debugger.event_callback(event)
 
 
 _RAISING = {"now": False}

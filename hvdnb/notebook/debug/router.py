@@ -33,7 +33,12 @@ import threading
 from typing import Any
 
 from hvdnb.notebook.debug.dap import DapError
-from hvdnb.notebook.debug.local import cell_error, spare_cell_errors, start_notebook_debugpy
+from hvdnb.notebook.debug.local import (
+    cell_error,
+    handle_stopped_event,
+    spare_cell_errors,
+    start_notebook_debugpy,
+)
 from hvdnb.notebook.debug.session import ANSWER_TIMEOUT, LISTEN_TIMEOUT, RankSession
 from hvdnb.protocol import kinds
 
@@ -172,6 +177,10 @@ class RankRouter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["local"], name)
+
+    async def handle_stopped_event(self) -> None:
+        """ipykernel's loop over the notebook's stops, which one error would end."""
+        await handle_stopped_event(self.local)
 
     # ------------------------------------------------------------------ page-facing ids
     @staticmethod
