@@ -157,11 +157,19 @@ def _slider_geometry(page) -> dict:
     )
 
 
+def _scroll_to(page, sel: str) -> None:
+    """Scroll the element of ``sel`` into the middle of the view, found by selector at the
+    moment of the scroll: the panel redraws several times a second and a located element
+    is replaced meanwhile (CI: "Element is not attached to the DOM" after a redraw)."""
+    page.wait_for_selector(sel, state="attached", timeout=30_000)
+    page.evaluate("(sel) => document.querySelector(sel).scrollIntoView({block: 'center'})", sel)
+
+
 def _drag_to(page, name: str, target: float) -> float:
     """Drag the knob's slider handle to ``target`` (log position for a float knob: the
     slider's bounds are exponents) and return the value its readout shows after."""
     sel = f".hvdnb-panel .hvdnb-knob-{name}"
-    page.locator(sel).first.scroll_into_view_if_needed()
+    _scroll_to(page, sel)
     info = page.evaluate(
         """(sel) => { const w = document.querySelector(sel);
             const b = w.querySelector('.noUi-base').getBoundingClientRect();
@@ -288,7 +296,7 @@ def test_live_tuning_journey(lab):
         _shot(page, "1-started")
         page.keyboard.press("Shift+Enter")  # the markdown cell
         # the training cell, below the fold, then one queued behind it
-        cells.nth(2).scroll_into_view_if_needed()
+        _scroll_to(page, ".jp-Notebook .jp-Cell:nth-child(3)")
         cells.nth(2).click()
         page.keyboard.press("Shift+Enter")
         page.keyboard.press("Shift+Enter")  # queued behind it: a print ...
@@ -397,7 +405,7 @@ def test_live_tuning_journey(lab):
         assert f"@ {applied_step}" in legend, legend  # run 1's change, in its label
         runs_svg = page.evaluate("() => document.querySelector('.hvdnb-runs svg').outerHTML")
         assert runs_svg.count("<polyline") >= 2, "the two runs are not both drawn"
-        page.locator(".hvdnb-runs").first.scroll_into_view_if_needed()
+        _scroll_to(page, ".hvdnb-runs")
         _shot(page, "4-runs-compared")
         # one click closes the side panel (its tab), one click brings it back
         page.locator(".lm-TabBar-tab:has-text('hvdnb panel') .lm-TabBar-tabCloseIcon").first.click()
