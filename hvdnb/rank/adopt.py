@@ -10,6 +10,9 @@ process becomes the engine with them; this process forwards the signals the laun
 (SIGINT, SIGTERM, ...), and exits with the engine's exit code when the engine ends (or
 with 1 when the engine died without one).
 
+On a ``--hosts`` cluster each host has its own standby: the socket's path has ``{host}``
+in it, filled with this host's name, and the ranks are counted per host.
+
 Where no standby takes the rank (none ready for it, or the standby refused because its
 interpreter was started with other import-time variables) it ``exec``s the cold engine, so
 a restart never fails for want of a standby: it is only slower.
@@ -37,9 +40,11 @@ def cold(args: list[str], why: str) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "kernels_ext.engine", *args])
 
 
-def rank_index() -> int | None:
-    """This rank's number among the ranks the launcher starts (None: not known)."""
-    for key in ("PMI_RANK", "HVDNB_SLOT"):
+def rank_index(per_host: bool = False) -> int | None:
+    """This rank's number among the ranks the launcher starts, or among its host's where
+    each host has a standby of its own (None: not known)."""
+    keys = ("MPI_LOCALRANKID", "HVDNB_LOCAL_RANK") if per_host else ("PMI_RANK", "HVDNB_SLOT")
+    for key in keys:
         v = os.environ.get(key, "")
         if v.isdigit():
             return int(v)
@@ -78,8 +83,10 @@ def hand_over(path: str, args: list[str]) -> tuple[socket.socket, int] | None:
 
 def main() -> None:
     path, args = sys.argv[1], sys.argv[2:]
+    per_host = "{host}" in path  # a standby on each host: this host's is ours
+    path = path.replace("{host}", socket.gethostname())
     want = os.environ.get("HVDNB_STANDBY_READY", "0")
-    index = rank_index()
+    index = rank_index(per_host)
     if not want.isdigit() or (index is not None and index >= int(want)):
         cold(args, f"{want} standby processes were ready")
     got = hand_over(path, args)

@@ -16,7 +16,7 @@ import pytest
 import hvdnb
 from hvdnb import host
 from hvdnb.notebook.cluster import spec as spec_mod
-from hvdnb.notebook.cluster.standby import MEMORY_FACTOR, policy
+from hvdnb.notebook.cluster.standby import MEMORY_FACTOR, host_slots, on_hosts, policy
 from tests.conftest import alive
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -234,3 +234,22 @@ def test_the_memory_rule(monkeypatch):
     monkeypatch.setenv("HVDNB_STANDBY", "sometimes")
     count, why = policy(s, [1])
     assert count == 0 and "none of auto, on, 0 or a count" in why
+
+
+def test_the_rule_across_hosts(monkeypatch, tmp_path):
+    """A ``--hosts`` cluster keeps one standby per rank on each host (hydra's order of
+    slots); elastic and Slurm clusters across hosts keep none, and say why."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1:2\nh2 slots=3\n")
+    monkeypatch.setenv("HVDNB_STANDBY", "auto")
+    s = spec_mod.check(n=4, hosts=str(hostfile), ip="203.0.113.1")
+    assert on_hosts(s) and host_slots(s) == {"h1": 2, "h2": 2}
+    count, why = policy(s, [2**40])  # another host's memory is not read: no memory rule
+    assert count == 4 and "each host" in why, why
+    assert host_slots(spec_mod.check(n=7, hosts=str(hostfile), ip="203.0.113.1")) == {
+        "h1": 4,
+        "h2": 3,
+    }  # past its last slot, hydra goes round again
+    elastic = spec_mod.check(n=4, hosts=str(hostfile), ip="203.0.113.1", min_np=2)
+    count, why = policy(elastic, [1])
+    assert count == 0 and "elastic" in why and "--hosts FILE" in why, why

@@ -174,4 +174,15 @@ def test_a_cut_link_loses_the_host_and_the_survivors_go_on(login, hosts, tmp_pat
     assert got.error is None and "now has 4 ranks" in got.text, got
     got = login.run(SIZE)
     assert "[0-3] 4" in got.text or "[0,1,2,3] 4" in got.text, got
-    login.run("%dist stop", timeout=120)
+    # a stop while a host is cut off ends (no ssh to it waits past its timeouts), and the
+    # host's engines end too: their controller is gone (ipyparallel's heartbeat ends them,
+    # as seen here), or the kill reaches them once the link is back
+    stranded = _engines_on(login, "h2")
+    hosts.cut("h2")
+    try:
+        got = login.run("%dist stop", timeout=120)
+        assert got.error is None and "stopped" in got.text, got
+    finally:
+        hosts.mend("h2")
+    left = psutil.wait_procs(stranded, timeout=60)[1]
+    assert not left, f"h2's engines outlived the stop and the mended link: {left}"

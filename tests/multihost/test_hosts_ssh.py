@@ -113,6 +113,43 @@ def test_restart_makes_the_ranks_again_on_the_same_hosts(login, hosts):
     assert not set(before.values()) & set(after.values()), (before, after)  # new processes
 
 
+def test_a_restart_is_warm_on_every_host(login, hosts):
+    """Each host keeps a standby of its own (as many processes as it has ranks); once they
+    are ready, a restart's ranks are those processes, numbered by host as before."""
+    # the suite turns the standby off (conftest); a user's default is auto
+    login.run("%env HVDNB_STANDBY=auto")
+    try:
+        _warm_restart(login, hosts)
+    finally:
+        login.run("%env HVDNB_STANDBY=0")
+
+
+def _warm_restart(login: Kernel, hosts: Hosts) -> None:
+    if "ranks ready" in login.run("%dist status").text:
+        got = login.run("%dist restart", timeout=180)  # cold: the standby starts after it
+        assert got.error is None, got.traceback[-2000:]
+    else:
+        _start(login, hosts)
+    deadline, line = time.monotonic() + 120, ""
+    while time.monotonic() < deadline:
+        status = login.run("%dist status").text
+        line = next((x for x in status.splitlines() if x.startswith("standby:")), status)
+        if "standby: 4 of 4 ready" in line:
+            break
+        time.sleep(1)
+    assert "standby: 4 of 4 ready" in line and "(2 on h1, 2 on h2)" in line, line
+    got = login.run("%dist restart", timeout=180)
+    assert got.error is None, got.traceback[-2000:]
+    login.run(
+        "%%distributed -q -o how\nimport os, socket\n(socket.gethostname(), os.environ['HVDNB_STARTED'])"
+    )
+    how = json.loads(login.run("import json; print(json.dumps(how))").text)
+    assert sorted(how.values()) == [["h1", "warm"]] * 2 + [["h2", "warm"]] * 2, how
+    check_numbering(where(login))
+    got = login.run(TRAIN, timeout=180)  # the warm ranks train across the hosts
+    assert got.error is None and "in sync: True" in got.text, got.traceback[-2000:]
+
+
 def _pids(k: Kernel) -> dict[str, int]:
     k.run("%%distributed -q -o pid\nimport os\nos.getpid()")
     return json.loads(k.run("import json; print(json.dumps(pid))").text)

@@ -269,7 +269,7 @@ def status_report(cluster: Watched) -> str:
             extra.append(
                 {
                     "rank": "standby",
-                    "host": socket.gethostname(),
+                    "host": r.get("host") or socket.gethostname(),
                     "pid": r["pid"],
                     "state": r["state"],
                 }

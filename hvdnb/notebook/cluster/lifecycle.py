@@ -277,7 +277,7 @@ class Cluster:
         self._loop = self._loop or LoopThread()
         if self.state_dir is None:  # kept across restarts: hvdnb.State commits live here
             self.state_dir = tempfile.mkdtemp(prefix="hvdnb-state-")
-        taken_before = len(self.standby.taken_pids())
+        taken_before = self.standby.taken_count()
         for attempt in (1, 2):
             self._open_channel()
             if self.elastic:
@@ -306,7 +306,7 @@ class Cluster:
                 ) from exc
         self.start_seconds = time.perf_counter() - t0
         self.started_at = time.time()
-        self.warm_ranks = len(self.standby.taken_pids()) - taken_before
+        self.warm_ranks = self.standby.taken_count() - taken_before
         self.standby.refill(self)
         # an elastic cluster's next store, serving by its next restart (none for a fixed one)
         self.store_host.keep_spare(self.elastic and bool(self.standby.count))

@@ -9,12 +9,14 @@ each engine, which gives its rank to whichever standby accepts (``HVDNB_STANDBY_
 of them, the processes alive, ready or still importing; the others start cold). After a
 start the pool is topped up again.
 
-Rule for the default (``HVDNB_STANDBY=auto``): one standby per rank, on this host only, and
-only while the memory available (the host's, or what a container's cgroup limit leaves, as
-on Binder) is at least ``MEMORY_FACTOR`` times what the standby takes (its processes' count
+Rule for the default (``HVDNB_STANDBY=auto``): one standby per rank. On this host, only
+while the memory available (the host's, or what a container's cgroup limit leaves, as on
+Binder) is at least ``MEMORY_FACTOR`` times what the standby takes (its processes' count
 times a rank's resident memory now): a standby never takes more than a quarter of what is
-left. ``HVDNB_STANDBY=0`` turns it off, ``=on`` sets one per
-rank and ``=K`` K processes, whatever the memory.
+left. A ``--hosts`` cluster (hydra over ssh) keeps its standby on its hosts, as many on
+each as it has ranks there (``hoststandby``; their memory is not read from here); an
+elastic or Slurm cluster across hosts has none. ``HVDNB_STANDBY=0`` turns it off, ``=on``
+sets one per rank and ``=K`` K processes, whatever the memory.
 
 Never: start a rank (a standby becomes one only through a launcher's hand-over), let a
 standby outlive the kernel (its control socket closes with it), or block a start on one.
@@ -39,8 +41,9 @@ import psutil
 from hvdnb.config import get_config
 from hvdnb.host import available_memory
 from hvdnb.notebook.cluster import launch
-from hvdnb.notebook.cluster.spec import StartSpec
-from hvdnb.protocol.handover import import_time_diff
+from hvdnb.notebook.cluster.hoststandby import HostPool, RemoteProc, launch_env
+from hvdnb.notebook.cluster.spec import StartSpec, hostfile_entries
+from hvdnb.protocol.handover import import_time_diff, send_line
 
 __all__ = ["MEMORY_FACTOR", "Proc", "Standby", "policy", "switched_off"]
 
@@ -71,14 +74,20 @@ def policy(spec: StartSpec, rank_rss: list[int]) -> tuple[int, str]:
             f"HVDNB_STANDBY={setting!r} is none of auto, on, 0 or a count; set one of "
             "those (auto: one per rank where memory allows)"
         )
-    if spec.multi_host:
-        return 0, "its ranks run on other hosts (a standby waits on this one)"
     if spec.tf_ps:
         return 0, "a parameter-server cluster's ranks keep TensorFlow servers"
+    if spec.multi_host and not on_hosts(spec):
+        return 0, (
+            "its ranks run on other hosts through "
+            + ("Slurm" if spec.launcher == "slurm" else "ssh slots (elastic)")
+            + ": a standby waits only on this host, or on the hosts of `--hosts FILE`"
+        )
     if setting.isdigit():
         return int(setting), f"HVDNB_STANDBY={setting}"
     if setting == "on":
         return spec.n, "HVDNB_STANDBY=on"
+    if spec.multi_host:
+        return spec.n, "one per rank on each host of the hostfile (HVDNB_STANDBY=0 turns it off)"
     per = max(rank_rss) if rank_rss else 0
     need = MEMORY_FACTOR * spec.n * per
     avail = available_memory()
@@ -89,6 +98,23 @@ def policy(spec: StartSpec, rank_rss: list[int]) -> tuple[int, str]:
             "(HVDNB_STANDBY=on overrides)"
         )
     return spec.n, f"{avail / 2**30:.1f} GiB available (>= {MEMORY_FACTOR}x what it takes)"
+
+
+def on_hosts(spec: StartSpec) -> bool:
+    """Does a cluster of ``spec`` keep its standby on the hosts of its hostfile (hydra over
+    ssh), not on this one?"""
+    return bool(spec.multi_host and spec.hosts and spec.launcher == "mpi" and not spec.elastic)
+
+
+def host_slots(spec: StartSpec) -> dict[str, int]:
+    """How many of ``spec``'s ranks each host of its hostfile runs (hydra fills the hosts
+    in order, ``mpiexec -f``)."""
+    order = [h for h, k in hostfile_entries(spec.hosts or "") for _ in range(k)]
+    out: dict[str, int] = {}
+    for i in range(spec.n):
+        host = order[i % len(order)] if order else "localhost"
+        out[host] = out.get(host, 0) + 1
+    return out
 
 
 @dataclass
@@ -102,6 +128,17 @@ class Proc:
     #: modules it has imported beyond torch (``import`` lines it answered)
     modules: list[str] = field(default_factory=list)
     _buf: bytes = b""
+    host = ""  # this host
+
+    def send(self, line: str) -> None:
+        send_line(self.control, line)
+
+    def end(self) -> None:
+        try:
+            self.control.close()  # it exits on EOF ...
+            self.popen.kill()  # ... or now, mid-import
+        except OSError:
+            pass
 
     @property
     def pid(self) -> int:
@@ -152,9 +189,12 @@ class Standby:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self.procs: list[Proc] = []
-        #: standby processes a start took: ranks now, but this kernel's children to reap
-        self.taken: list[Proc] = []
+        self.procs: list[Proc | RemoteProc] = []
+        #: standby processes a start took: ranks now (this host's: this kernel's children
+        #: to reap)
+        self.taken: list[Proc | RemoteProc] = []
+        #: the pools on other hosts (``hoststandby``), by host
+        self.pools: dict[str, HostPool] = {}
         #: why there is no standby (None: there is one, or none was asked for yet)
         self.why_off: str | None = None
         self.count = 0
@@ -172,10 +212,11 @@ class Standby:
     # ------------------------------------------------------------------ the pool
     @property
     def path(self) -> str | None:
-        """The socket a stand-in hands its rank over on."""
+        """The socket a stand-in hands its rank over on (``{host}`` in it: on the pools'
+        hosts, filled in there)."""
         return os.path.join(self._dir, "standby.sock") if self._dir else None
 
-    def idle(self) -> list[Proc]:
+    def idle(self) -> list[Proc | RemoteProc]:
         """Standby processes alive and not taken (their state read now). Any thread: the
         side channel's calls ``preload``."""
         with self._lock:
@@ -186,12 +227,17 @@ class Standby:
             return list(self.procs)
 
     def taken_pids(self) -> list[int]:
-        """Standby processes that became ranks and still run (reaping those that ended:
-        they are this kernel's children)."""
+        """This host's standby processes that became ranks and still run (reaping those
+        that ended: they are this kernel's children)."""
         with self._lock:
             self.idle()
             self.taken = [p for p in self.taken if p.alive()]
-            return [p.pid for p in self.taken]
+            return [p.pid for p in self.taken if isinstance(p, Proc)]
+
+    def taken_count(self) -> int:
+        """Standby processes, on any host, that became ranks and still run."""
+        self.taken_pids()
+        return len(self.taken)
 
     def ready(self) -> int:
         """How many can take a rank now."""
@@ -211,14 +257,39 @@ class Standby:
             self.why_off = None
             if import_time_diff(self._env, dict(os.environ)):  # they can serve no rank now
                 self.close()
-            self._open()
-            with self._lock:
-                missing = self.count - len(self.idle())
-                self.procs += [self._spawn() for _ in range(max(0, missing))]
+            if on_hosts(cluster.spec):
+                self._refill_hosts(cluster.spec)
+            else:
+                self._open()
+                with self._lock:
+                    missing = self.count - len(self.idle())
+                    self.procs += [self._spawn() for _ in range(max(0, missing))]
             self._start_spare(cluster)
         except Exception as exc:  # the standby is an extra
             self.why_off = f"it could not start: {type(exc).__name__}: {exc}"
             self.close()
+
+    def _refill_hosts(self, spec: StartSpec) -> None:
+        """Top up each host's pool to its ranks there (a pool started where none is)."""
+        want = host_slots(spec)
+        if set(self.pools) - set(want) or self._listener is not None:
+            self.close()  # other hosts than this cluster's, or this host's pool
+        if self._dir is None:
+            self._env = launch_env({**os.environ, **spec.engine_env})
+            # one name for every host: each fills in its own (a shared /tmp holds them all)
+            self._dir = os.path.join(
+                tempfile.gettempdir(), f"hvdnb-standby-{os.urandom(6).hex()}-{{host}}"
+            )
+        share = max(1, -(-self.count // max(1, spec.n)))  # HVDNB_STANDBY=K: K per rank, rounded up
+        for host, ranks in want.items():
+            pool = self.pools.get(host)
+            if pool is None or not pool.alive():
+                pool = self.pools[host] = HostPool(host, self._dir, self._env)
+                for module in self.modules:
+                    pool.send(f"import {module}")
+            with self._lock:
+                have = sum(1 for p in self.idle() if p.host == host)
+                self.procs += [pool.spawn() for _ in range(max(0, ranks * share - have))]
 
     def _open(self) -> None:
         if self._listener is not None:
@@ -259,11 +330,11 @@ class Standby:
             if module in self.modules:
                 return
             self.modules.append(module)
+        for pool in self.pools.values():  # also for the processes it starts later
+            pool.send(f"import {module}")
         for p in self.idle():
-            try:
-                p.control.sendall(f"import {module}\n".encode())
-            except OSError:
-                pass
+            if isinstance(p, Proc):
+                p.send(f"import {module}")
 
     # ------------------------------------------------------------------ a warm start
     def engines(self, n: int, rank_env: dict[str, str]) -> dict[str, Any] | None:
@@ -275,6 +346,12 @@ class Standby:
         ready = sum(p.ready for p in idle)
         if not idle or self.path is None or switched_off():
             return None
+        if self.pools:  # the ranks a host's stand-ins may hand over: the fewest any host has
+            idle = [p for p in idle if p.host in self.pools]
+            per = {h: [p for p in idle if p.host == h] for h in self.pools}
+            took_per = min(len(ps) for ps in per.values())
+            ready = min(sum(p.ready for p in ps) for ps in per.values())
+            n = took_per  # a stand-in counts its own host's ranks (MPI_LOCALRANKID)
         diff = import_time_diff(self._env, rank_env)
         if diff:
             self.refused = (
@@ -336,8 +413,9 @@ class Standby:
         return getattr(proc, "pid", None)
 
     def pids(self) -> list[int]:
-        """The standby's processes (idle standby and the spare controller)."""
-        pids = [p.pid for p in self.idle()]
+        """This host's standby processes (idle standby and the spare controller); the
+        pools on other hosts end with their ssh sessions."""
+        pids = [p.pid for p in self.idle() if isinstance(p, Proc)]  # this host's only
         spare = self.spare_pid()
         return pids + ([spare] if spare else [])
 
@@ -353,6 +431,7 @@ class Standby:
                     "rss_mib": round(rss / 2**20),
                     "uss_mib": round(uss / 2**20),
                     "modules": ["torch", *p.modules],
+                    "host": p.host,
                 }
             )
         return rows
@@ -367,6 +446,11 @@ class Standby:
         ready = sum(r["state"] == "ready" for r in rows)
         mods = ", ".join(rows[0]["modules"])
         mem = "; ".join(f"{r['rss_mib']} MiB ({r['uss_mib']} its own)" for r in rows)
+        hosts = sorted({r["host"] for r in rows if r["host"]})
+        if hosts:  # another host's memory is not read from here
+            per = ", ".join(f"{sum(r['host'] == h for r in rows)} on {h}" for h in hosts)
+            head = f"standby: {ready} of {len(rows)} ready for `%dist restart`, not ranks"
+            return f"{head} ({per}); {mods}"
         return (
             f"standby: {ready} of {len(rows)} ready for `%dist restart`, not ranks; "
             f"{mods}; resident: {mem}"
@@ -377,16 +461,16 @@ class Standby:
         with self._lock:
             procs, self.procs = self.procs, []
         for p in procs:
-            try:
-                p.control.close()  # it exits on EOF ...
-                p.popen.kill()  # ... or now, mid-import
-            except OSError:
-                pass
+            p.end()
         for p in procs:  # reaped: they are this kernel's children
             try:
-                p.popen.wait(2)
+                if isinstance(p, Proc):
+                    p.popen.wait(2)
             except subprocess.TimeoutExpired:
                 pass
+        pools, self.pools = self.pools, {}
+        for pool in pools.values():
+            pool.close()
         if self._spare is not None:
             _stop_spare(self._spare, loop)
             self._spare = self._spare_key = None
@@ -394,7 +478,8 @@ class Standby:
             self._listener.close()
             self._listener = None
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if "{host}" not in self._dir:  # a pool removes its own host's
+                shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
 
