@@ -5,8 +5,9 @@ login node, started from its kernelspec and driven over jupyter_client.
 
 Measured, side by side in one run (medians):
 
-- ``%dist start`` (cold) and ``%dist restart`` across the hosts (restart is cold: the warm
-  standby waits on the notebook's host only), each ``--starts`` times;
+- ``%dist start`` (cold) and ``%dist restart`` across the hosts, each ``--starts`` times;
+  then ``--pairs`` cold (``HVDNB_STANDBY=0``) and warm restarts (each host's standby ready)
+  in alternating order, as ``bench/bench_restart.py`` does on one host;
 - per-call time of ``hvdnb.torch``'s ``allreduce`` at 4 KB, 1 MB and 64 MB against mpi4py's
   ``Allreduce`` and torch.distributed's gloo ``all_reduce`` on the same 4 ranks, the three
   interleaved call by call behind a barrier (rank 0's median; the barrier is outside the
@@ -34,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
+
+from bench_restart import SETUP_PX, alternate, wait_ready
 
 from hvdnb.notebook.headless.runner import Kernel
 from tests.multihost.hosts import HOSTS, MACHINES, Hosts, why_not
@@ -121,6 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer calls and steps (smoke test)")
     ap.add_argument("--starts", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=5, help="cold and warm restarts, alternating")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--blocks", type=int, default=3)
     args = ap.parse_args()
@@ -128,7 +132,7 @@ def main() -> None:
     if reason:
         sys.exit(f"bench_hosts: {reason}")
     if args.quick:
-        args.starts, args.steps, args.blocks = 2, 20, 1
+        args.starts, args.steps, args.blocks, args.pairs = 2, 20, 1, 1
     sizes = [(4096, 20 if args.quick else 300), (1 << 20, 5 if args.quick else 50)]
     sizes.append((64 << 20, 2 if args.quick else 7))
     hosts = Hosts()
@@ -156,6 +160,17 @@ def main() -> None:
             result["start_s"] = statistics.median(starts)
             result["restart_s"] = statistics.median(restarts)
             result["starts"], result["restarts"] = starts, restarts
+            k.run(SETUP_PX)
+            pairs: dict = {"cold": [], "warm": []}
+            alternate(k, args.pairs, 4, pairs)
+            # the last warm restart's standby refills (4 processes importing torch): the
+            # allreduce and DDP figures below wait for it, not to share the cores with it
+            k.run("import os\nos.environ['HVDNB_STANDBY'] = 'auto'")
+            if args.pairs % 2:  # the last restart was warm (an even count ends cold)
+                wait_ready(k, 4)
+            for mode in ("cold", "warm"):
+                result[f"restart_{mode}_s"] = statistics.median(x["restart_s"] for x in pairs[mode])
+            result["restart_pairs"] = pairs
             got = k.run(f"SIZES = {sizes!r}")
             k.run(f"%%distributed -q\nSIZES = {sizes!r}")
             got = k.run(PERCALL, timeout=600)
@@ -179,7 +194,13 @@ def main() -> None:
         hosts.teardown()
     rows = [
         ("start, cold (s)", result["start_s"], ""),
-        ("restart, cold (s)", result["restart_s"], ""),
+        ("restart (s)", result["restart_s"], "the standby ready or not"),
+        ("restart, cold: HVDNB_STANDBY=0 (s)", result["restart_cold_s"], ""),
+        (
+            "restart, warm: each host's standby (s)",
+            result["restart_warm_s"],
+            f"warm / cold = {result['restart_warm_s'] / result['restart_cold_s']:.2f}",
+        ),
     ]
     for nbytes, t in result["percall_s"].items():
         best = min(t["mpi4py"], t["gloo"])

@@ -47,7 +47,7 @@ SETUP_PX = "import hvdnb\nv = hvdnb.current().client[:]\nv.block = True\nv.activ
 
 
 def _restart(k: Kernel, mode: str, n: int) -> dict[str, Any]:
-    r = k.run("%dist restart")
+    r = k.run("%dist restart", timeout=300)
     assert r.error is None, r
     said = re.search(r"ready in ([0-9.]+) s", r.text)
     assert said, r.text
@@ -69,7 +69,7 @@ def _restart(k: Kernel, mode: str, n: int) -> dict[str, Any]:
     }
 
 
-def _wait_ready(k: Kernel, n: int) -> None:
+def wait_ready(k: Kernel, n: int) -> None:
     code = (
         "import time, hvdnb\nc = hvdnb.current()\nt = time.monotonic()\n"
         f"while c.standby.ready() < {n} and time.monotonic() - t < 180: time.sleep(0.05)\n"
@@ -84,6 +84,20 @@ def _wait_ready(k: Kernel, n: int) -> None:
     assert r.error is None, r
 
 
+def alternate(k: Kernel, pairs: int, n: int, out: dict[str, Any]) -> None:
+    """``pairs`` cold and warm restarts of ``k``'s cluster of ``n`` ranks, in alternating
+    order, appended to ``out["cold"]`` and ``out["warm"]``."""
+    for i in range(pairs):
+        order = ["cold", "warm"] if i % 2 == 0 else ["warm", "cold"]
+        for mode in order:
+            setting = "0" if mode == "cold" else "auto"
+            k.run(f"import os\nos.environ['HVDNB_STANDBY'] = '{setting}'")
+            k.run("%dist restart", timeout=300)  # takes the standby away, or brings it back
+            if mode == "warm":
+                wait_ready(k, n)
+            out[mode].append(_restart(k, mode, n))
+
+
 def run(pairs: int = 5, n: int = 2, min_np: int = 0, burst: int = 5) -> dict[str, Any]:
     k = Kernel({"HVDNB_STANDBY": "auto", "HVDNB_RANKS": str(n)})
     out: dict[str, Any] = {"pairs": pairs, "n": n, "min_np": min_np, "cold": [], "warm": []}
@@ -92,22 +106,14 @@ def run(pairs: int = 5, n: int = 2, min_np: int = 0, burst: int = 5) -> dict[str
         r = k.run(f"%dist start -n {n}{elastic}")
         assert r.error is None, r
         out["start_s"] = r.seconds
-        for i in range(pairs):
-            order = ["cold", "warm"] if i % 2 == 0 else ["warm", "cold"]
-            for mode in order:
-                setting = "0" if mode == "cold" else "auto"
-                k.run(f"import os\nos.environ['HVDNB_STANDBY'] = '{setting}'")
-                k.run("%dist restart")  # takes the standby away, or brings it back (untimed)
-                if mode == "warm":
-                    _wait_ready(k, n)
-                out[mode].append(_restart(k, mode, n))
+        alternate(k, pairs, n, out)
         # back to back, at a script's pace: each restart right after the last one's %%px,
         # its standby still refilling (importing torch) or not
         k.run("import os\nos.environ['HVDNB_STANDBY'] = 'auto'")
         k.run("%dist restart")
-        _wait_ready(k, n)
+        wait_ready(k, n)
         out["burst"] = [_restart(k, "burst", n) for _ in range(burst)]
-        _wait_ready(k, n)
+        wait_ready(k, n)
         mem = k.run("import json\nprint(json.dumps(hvdnb.current().standby.rows()))")
         out["standby"] = json.loads(mem.text.strip().splitlines()[-1])
         k.run("%dist stop")
