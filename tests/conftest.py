@@ -110,6 +110,12 @@ def _build_lessons_env(venv: Path) -> dict[str, Any]:
 #: for the lessons' environment, built from the session's start
 COSTLIEST_FIRST = (
     "tests/spmd/test_spmd.py",  # 165 s
+    # one unit (MULTIHOST below), about 330 s here in all
+    "tests/multihost/test_elastic_hosts.py",
+    "tests/multihost/test_slurm_nodes.py",
+    "tests/multihost/test_tf_nodes.py",
+    "tests/multihost/test_hosts_ssh.py",
+    "tests/multihost/test_two_hosts.py",
     # with Horovod's two TF2 examples from the harness beside the clone (../shared): 438 s
     # at a load of 8 here, the examples 221 + 98 s of it
     "tests/integration/test_hvdnb_tensorflow.py",
@@ -137,6 +143,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if hasattr(config, "workerinput"):
         rank = {m: i for i, m in enumerate(COSTLIEST_FIRST)}
         items.sort(key=lambda it: rank.get(_module(it), len(rank)))  # stable: the rest in order
+
+
+#: the namespace hosts' tests, one unit for the lanes: every module there puts the same
+#: bridge address (``tests/multihost/hosts.py``) on the root namespace, and two at once, one
+#: per lane, broke each other's routes (a login kernel that never answered, seen once)
+MULTIHOST = "tests/multihost/"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with ``tests/multihost`` as one unit, so its modules take turns."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Lanes(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(MULTIHOST):
+                return MULTIHOST
+            return str(super()._split_scope(nodeid))
+
+    return Lanes(config, log)
 
 
 #: an ``alone`` run's turnstile and lock, held from one ``alone`` test to the next: released

@@ -137,6 +137,26 @@ def _exchange(w: World, entry: str | None) -> list[str | None] | None:
     return out
 
 
+def _distinct_entries(w: World, addr: str, avoid: str = "") -> list[str | None] | None:
+    """Every rank's ``host:port`` on ``addr`` (collective), no two alike and none equal to
+    ``avoid`` (the chief's). Probed ports are closed at once, so two processes on one host
+    can be handed the same free port (seen: a rank and the chief, at a restart): a rank
+    whose entry an earlier rank, or the chief, already has probes again, for a few rounds."""
+    port = free_port(addr)
+    entry = None if port is None else _host_port(addr, port)
+    entries = _exchange(w, entry)
+    for _ in range(8):
+        if entries is None or any(e is None for e in entries):
+            return entries  # a rank with its own TF_CONFIG, or no port: the caller says
+        if not any(e == avoid or e in entries[:i] for i, e in enumerate(entries)):
+            return entries
+        if entry == avoid or entry in entries[: w.rank]:
+            port = free_port(addr)
+            entry = None if port is None else _host_port(addr, port)
+        entries = _exchange(w, entry)
+    return entries
+
+
 def _set_threads(w: World, inter_op: bool = True) -> None:
     """This rank's share of the cores for TensorFlow's op threads. Not the inter-op pool of
     a ps cluster's server (``inter_op=False``): a remote function waiting for a variable
@@ -194,8 +214,7 @@ def _setup_ps(w: World, n_ps: int, chief: str) -> str:
     if not 0 < n_ps < w.size:
         raise RuntimeError(f"--tf-ps {n_ps} among {w.size} ranks leaves no worker")
     addr = worker_addr(w, os.environ.get("MASTER_ADDR"))
-    port = free_port(addr)
-    entries = _exchange(w, None if port is None else _host_port(addr, port))
+    entries = _distinct_entries(w, addr, avoid=chief)
     if entries is None or any(e is None for e in entries):
         raise RuntimeError(f"a rank found no free port for TensorFlow's server: {entries}")
     value = ps_config([str(e) for e in entries], w.rank, n_ps, chief)
@@ -213,13 +232,11 @@ def setup(w: World) -> str | None:
     if n_ps:
         return _setup_ps(w, n_ps, os.environ.get("HVDNB_TF_CHIEF", ""))
     user = bool(os.environ.get("TF_CONFIG"))
-    entry = None
-    if not user:
-        addr = worker_addr(w, os.environ.get("MASTER_ADDR"))
-        port = free_port(addr)
-        entry = None if port is None else _host_port(addr, port)
-    entries = _exchange(w, entry)
-    if user or entries is None:
+    if user:
+        _exchange(w, None)  # collective: the other ranks learn that this one has its own
+        return None
+    entries = _distinct_entries(w, worker_addr(w, os.environ.get("MASTER_ADDR")))
+    if entries is None:
         return None
     value = resolve(entries, w.rank)
     if value is None:

@@ -528,9 +528,18 @@ def _walk(
         arg=seen,
         timeout=60_000,
     )
-    deadline = time.monotonic() + 60  # the restart's attach answered: the button is usable
+    # the restart's attach answered: the button is usable (120 s: once, at a load of 6 with
+    # the other lane busy, 60 s were not enough; alone it takes a second or two)
+    since = len(traffic)
+    deadline = time.monotonic() + 120
     while len(_replies(traffic, "attach")) <= attached:
-        assert time.monotonic() < deadline, "the debugger did not attach again after Terminate"
+        assert time.monotonic() < deadline, (
+            "the debugger did not attach again after Terminate; debug messages since: "
+            + ", ".join(
+                f"{m['dir']} {m['type']} {m['content'].get('command')}"
+                for m in traffic[since:][-30:]
+            )
+        )
         page.wait_for_timeout(100)
     restopped = _frames(page)
     _shot(page, "terminated")

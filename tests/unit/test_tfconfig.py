@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -91,6 +92,44 @@ def test_setup_uses_the_exchanged_list_and_its_own_index(monkeypatch):
     cfg = json.loads(tfconfig.setup(_world(1, 2, 2)))
     assert cfg["cluster"]["worker"] == ["127.0.0.1:5000", seen[0]]
     assert cfg["task"]["index"] == 1
+
+
+def test_ranks_handed_one_port_probe_again_until_no_two_and_not_the_chief_share(monkeypatch):
+    """A probed port is closed at once, so the kernel can hand it to two processes on one
+    host (seen at a ``%dist restart`` of a ps cluster: a rank got the chief's port). Three
+    ranks in threads, exchanging as an allgather does, with scripted probes."""
+    probes = {0: [5000], 1: [5000, 5001], 2: [6000, 5001, 5002]}  # 6000: the chief's
+    monkeypatch.setattr(tfconfig, "free_port", lambda addr: probes[threading_rank()].pop(0))
+    local = threading.local()
+
+    def threading_rank() -> int:
+        return int(local.rank)
+
+    board: dict[int, str | None] = {}
+    barrier = threading.Barrier(3)
+
+    def exchange(w, entry):
+        board[w.rank] = entry
+        barrier.wait()
+        out = [board[r] for r in range(3)]
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(tfconfig, "_exchange", exchange)
+    results: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        local.rank = r
+        results[r] = tfconfig._distinct_entries(_world(r, 3, 3), "127.0.0.1", "127.0.0.1:6000")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    want = ["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"]
+    assert results == {0: want, 1: want, 2: want}
+    assert probes == {0: [], 1: [], 2: []}  # rank 0 kept its first port; the others probed
 
 
 def test_a_users_tf_config_is_kept_and_then_no_rank_gets_ours(monkeypatch, capsys):
