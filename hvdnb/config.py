@@ -104,6 +104,11 @@ class Config:
     #: the host has a core per rank, 64 KB where its ranks outnumber its cores (measured:
     #: MPI's own allreduce is faster above 4 KB on 16 cores, slower on 2 oversubscribed)
     butterfly_bytes: int = -1
+    #: hvdnb.torch under MPI, a process set whose ranks are on more than one host: CPU
+    #: allreduces of at least this many bytes move their data over a gloo group of the set
+    #: (after the same check round) instead of MPI_Allreduce; -1: the measured default
+    #: (``hvdnb.torch.basics.gloo_bytes``), 0: always MPI
+    gloo_bytes: int = -1
     #: hvdnb.torch: a per-rank timeline file stops recording (and says so) past this size
     timeline_max_bytes: int = 64 * 1024 * 1024
     #: where ``%dist start`` shows the live panel: "side" (beside the notebook, JupyterLab's

@@ -66,6 +66,27 @@ def butterfly_bytes(configured: int, w: Any) -> int:
     return 64 * 1024 if local > cores() else 4 * 1024
 
 
+#: ``gloo_bytes`` when it is -1: see ``gloo_bytes`` for the measurement
+GLOO_BYTES = 32 * 1024 * 1024
+#: ``gloo_bytes`` when it is 0 (never): larger than any tensor, so that MIN across ranks works
+_NEVER = 1 << 62
+
+
+def gloo_bytes(configured: int) -> int:
+    """From what size a CPU allreduce of a set across hosts goes over gloo, not MPI
+    (``Config.gloo_bytes``; -1: ``GLOO_BYTES``, 0: never).
+
+    Measured with ``bench/bench_hosts.py --allreduce-only`` (2 namespace hosts x 2 ranks,
+    veth link, ms per call, mpi4py's ``Allreduce`` / gloo's ``all_reduce``): 1.8 / 9.0 at
+    1 MB, 15.5 / 20.5 at 8 MB, 34 / 41 at 16 MB, 141 / 78 at 32 MB, 292 / 187 at 64 MB:
+    they cross between 16 and 32 MB. On one host MPI moves data through shared memory and
+    is faster at every size, so a set within one host never takes gloo.
+    """
+    if configured < 0:
+        return GLOO_BYTES
+    return int(configured) if configured > 0 else _NEVER
+
+
 def init(
     comm: Any = None, process_sets: Sequence[ProcessSet | Sequence[int]] | None = None
 ) -> None:
@@ -102,6 +123,7 @@ def init(
     STATE.world = w
     STATE.inline_bytes = max(0, int(cfg.inline_bytes))
     STATE.butterfly_bytes = min(STATE.inline_bytes, butterfly_bytes(cfg.butterfly_bytes, w))
+    STATE.gloo_bytes, STATE.hosts = 0, []
     if w.source == "mpi":
         STATE.comm = w.comm.Dup()
         # one value on every rank: ranks that picked different limits (hosts with other
@@ -109,9 +131,13 @@ def init(
         # (a wasted fallback round each time) or overrun a peer's receive buffer
         from mpi4py import MPI  # noqa: PLC0415  mpi4py initialises MPI on import: only where MPI is used
 
-        limits = np.array([STATE.inline_bytes, STATE.butterfly_bytes], np.int64)
+        limits = np.array(
+            [STATE.inline_bytes, STATE.butterfly_bytes, gloo_bytes(cfg.gloo_bytes)], np.int64
+        )
         STATE.comm.Allreduce(MPI.IN_PLACE, limits, op=MPI.MIN)
         STATE.inline_bytes, STATE.butterfly_bytes = int(limits[0]), int(limits[1])
+        STATE.gloo_bytes = int(limits[2]) if int(limits[2]) < _NEVER else 0
+        STATE.hosts = list(STATE.comm.allgather(w.hostname))
     if dist.get_backend() == "nccl" and STATE.comm is None:
         # headers must not queue behind NCCL kernels, and gloo can read them on the CPU
         STATE.ctrl = dist.new_group(backend="gloo")

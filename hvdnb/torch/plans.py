@@ -166,11 +166,13 @@ class _BigPlan:
         "csig",
         "desc",
         "div",
+        "gloo",
         "hdr",
         "hspec",
         "in_place",
         "mop",
         "mtype",
+        "op",
         "peer",
         "rblock",
         "rreq",
@@ -195,6 +197,9 @@ class _BigPlan:
         self.sig = hdr[:SIG_BYTES]
         self.csig = signature(hdr, CHECK)
         self.mop = tr.ops[op]
+        self.op = op
+        # a set across hosts: the data over gloo from this size (the general path's rule)
+        self.gloo = tr.via_gloo(nb, t.dtype)
         self.scale = post / tr.size if op == Average else post
         # Average alone divides (correctly rounded, as the general path does)
         self.div = tr.size if op == Average and post == 1.0 else 0
@@ -367,16 +372,20 @@ def _run_big(p: _BigPlan, t: torch.Tensor, inplace: bool) -> torch.Tensor | None
     # MPI never matches a blocking collective with a nonblocking one, and Horovod lets
     # another rank use allreduce_async for this tensor (the general path, which always
     # goes nonblocking and says so in its header): block only when every rank can
-    if inplace:
-        src, out = p.in_place, t
-        dst = p.buf
+    if p.gloo:  # a set across hosts, a large tensor: gloo moves it (MPITransport.allreduce)
+        out = t if inplace else t.clone()
+        p.tr.allreduce(out, out, p.op, False)
     else:
-        src, out = p.buf, torch.empty_like(t)
-        dst = [p.tr.MPI.buffer.fromaddress(out.data_ptr(), p.buf[0].nbytes), p.count, p.mtype]
-    if blocking:
-        p.comm.Allreduce(src, dst, p.mop)
-    else:
-        p.comm.Iallreduce(src, dst, p.mop).Wait()
+        if inplace:
+            src, out = p.in_place, t
+            dst = p.buf
+        else:
+            src, out = p.buf, torch.empty_like(t)
+            dst = [p.tr.MPI.buffer.fromaddress(out.data_ptr(), p.buf[0].nbytes), p.count, p.mtype]
+        if blocking:
+            p.comm.Allreduce(src, dst, p.mop)
+        else:
+            p.comm.Iallreduce(src, dst, p.mop).Wait()
     if p.div:
         out.div_(p.div)
     elif p.scale != 1.0:

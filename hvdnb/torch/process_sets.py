@@ -27,6 +27,9 @@ class _State:
         self.ctrl: Any = None  # gloo group for headers when the default group is NCCL, no MPI
         self.inline_bytes = 0  # 2 ranks: header and data in one exchange up to this size
         self.butterfly_bytes = 0  # more ranks: the butterfly carries data up to this size
+        #: under MPI, a set across hosts: CPU allreduces from this size go over gloo (0: never)
+        self.gloo_bytes = 0
+        self.hosts: list[str] = []  # under MPI: each rank's hostname, in rank order
         self.next_id = 1
         self.sets: dict[int, ProcessSet] = {}
         #: the planned allreduces (plans.py; they hold transports): cleared when
@@ -120,6 +123,13 @@ def build_transports(ps: ProcessSet, ranks: list[int]) -> None:
             group = dist.new_group(ranks)
         if member:
             ps.torch = TorchTransport(group, ranks, STATE.ctrl or group, ps.mpi)
+        if STATE.gloo_bytes and len({STATE.hosts[r] for r in ranks}) > 1:
+            # every rank of the job decides alike (limits and hosts were agreed in init), as
+            # new_group needs: a group of its own, never DDP's default group, whose calls
+            # the user's code orders
+            big = dist.new_group(ranks, backend="gloo")
+            if ps.mpi is not None:
+                ps.mpi.use_gloo(big, STATE.gloo_bytes)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

@@ -106,6 +106,8 @@ def allreduce_op(
     key = hash(x.shape) if shape_key is None else shape_key
     hdr = allreduce_header(name, dcode, op, key, x.numel(), pre, post, nbytes)
     n, backend = tr.size, tr.backend
+    if isinstance(tr, MPITransport):  # a set across hosts moves large ones over gloo
+        backend = tr.data_backend(wire.numel() * wire.element_size(), wire.dtype)
     direct = inplace and wire is tensor
 
     def finish(r: torch.Tensor) -> torch.Tensor:

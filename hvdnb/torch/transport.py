@@ -46,6 +46,10 @@ SIG_BYTES = 12 * 8
 TAG = 17
 #: numpy reductions by op code (Average sums; callers divide)
 UFUNCS = {0: np.add, 1: np.add, 3: np.minimum, 4: np.maximum, 5: np.multiply}
+#: what MPITransport may move over gloo instead (types gloo reduces; op codes as above)
+_GLOO = frozenset(
+    (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int8, torch.uint8)
+)
 
 
 def negotiated_calls() -> int:
@@ -140,6 +144,20 @@ class MPITransport:
         self.pending: list[Any] = []
         #: more than two ranks: every round's first step (butterfly.py)
         self.bfly = Butterfly(comm, MPI, self.inline, HDR_BYTES, TAG) if self.size > 2 else None
+        #: a set across hosts (``build_transports``): allreduces of at least ``gloo_bytes``
+        #: move their data over this gloo group (``hvdnb.torch.basics.gloo_bytes`` says why)
+        self.gloo_group: Any = None
+        self.gloo_bytes = 0
+        self.gloo_ops: dict[int, Any] = {}
+        self.clock = GlooClock()  # the listeners' timing of those gloo works
+
+    def use_gloo(self, group: Any, nbytes: int) -> None:
+        """Move allreduces of at least ``nbytes`` over ``group`` (gloo, the set's ranks)."""
+        import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+        R = dist.ReduceOp
+        self.gloo_ops = {0: R.SUM, 1: R.SUM, 3: R.MIN, 4: R.MAX, 5: R.PRODUCT}
+        self.gloo_group, self.gloo_bytes = group, nbytes
 
     def free(self) -> None:
         """Free this transport's persistent requests and communicator (collective)."""
@@ -230,7 +248,28 @@ class MPITransport:
         """A numpy view of a contiguous CPU tensor (half types must be converted first)."""
         return _np(t)
 
+    def via_gloo(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """Whether an allreduce of ``nbytes`` of ``dtype`` goes over the gloo group: the
+        same answer on every rank of the set (sizes and limits agree, or the round failed)."""
+        return self.gloo_group is not None and nbytes >= self.gloo_bytes and dtype in _GLOO
+
+    def data_backend(self, nbytes: int, dtype: torch.dtype) -> str:
+        """What an allreduce of this size moves its data over: "gloo" or "mpi"."""
+        return "gloo" if self.via_gloo(nbytes, dtype) else "mpi"
+
     def allreduce(self, send: torch.Tensor, out: torch.Tensor, op: int, nonblocking: bool) -> Any:
+        big = self.gloo_group is not None
+        if big and self.via_gloo(out.numel() * out.element_size(), out.dtype):
+            import torch.distributed as dist  # noqa: PLC0415  torch is heavy: loaded when first used
+
+            res = out.detach()  # a parameter's in-place reduction, as MPI's numpy view does
+            if send is not out:
+                res.copy_(send.detach())
+            work = dist.all_reduce(res, op=self.gloo_ops[op], group=self.gloo_group, async_op=True)
+            if nonblocking:
+                return work
+            work.wait()
+            return None
         MPI = self.MPI
         # a parameter (requires grad) is detached: at 1 rank, where no inline round takes
         # small tensors, hvd.allreduce_async(param) raised numpy's "requires grad" error

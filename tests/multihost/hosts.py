@@ -29,10 +29,13 @@ the passwd entry's home, so ``$HOME`` cannot point it elsewhere). Root only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -106,7 +109,31 @@ class Hosts:
 
     # -- the network ----------------------------------------------------------------------
 
+    @staticmethod
+    def sweep() -> list[str]:
+        """Remove what a killed run left (its namespaces, their processes, its bridge):
+        another set of these hosts on the box puts the same address on a bridge in the
+        root namespace, and its routes then break this one's. Only one set is up at a
+        time (the suite runs ``tests/multihost`` in one lane; the bench alone), so any
+        left is stale. Returns what was removed."""
+        gone = []
+        names = _ip("netns", "list", check=False).stdout.split()
+        for ns in (n for n in names if re.fullmatch(r"hvdnb-[0-9a-f]{4}-\w+", n)):
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
+            gone.append(ns)
+        for line in _ip(
+            "-o", "addr", "show", "to", f"{ROOT_ADDR}/32", check=False
+        ).stdout.splitlines():
+            dev = line.split()[1]
+            _ip("link", "del", dev, check=False)
+            gone.append(dev)
+        return gone
+
     def up(self) -> None:
+        self.sweep()
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{ROOT_ADDR}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")

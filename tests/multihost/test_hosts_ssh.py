@@ -101,6 +101,53 @@ def test_hosts_number_the_ranks_by_host_and_ddp_trains_with_the_panel_per_host(l
     assert "hosts: h1 (ranks 0,1); h2 (ranks 2,3)" in status, status
 
 
+#: allreduces across the hosts on both data paths (hvdnb.torch.basics.gloo_bytes): 32 MB
+#: (the default limit) over gloo, 256 KB over MPI; planned, general (async), in place, one
+#: rank async while the others block (Horovod allows it: both reach the same gloo call),
+#: and a DistributedOptimizer bucket of 32 MB
+BIG = r"""%%distributed
+import torch, hvdnb.torch as hvd
+from hvdnb.torch.basics import GLOO_BYTES
+from hvdnb.torch.process_sets import global_process_set as gs
+hvd.init()
+r = hvd.rank()
+n = GLOO_BYTES // 4
+big = torch.full((n,), float(r + 1))
+small = torch.full((1 << 16,), float(r + 1))
+paths = [gs.mpi.data_backend(t.numel() * 4, t.dtype) for t in (big, small)]
+a = hvd.allreduce(big, op=hvd.Sum, name="big")
+b = hvd.synchronize(hvd.allreduce_async(big, op=hvd.Average, name="big.avg"))
+c = hvd.allreduce(small, op=hvd.Max, name="small")
+mixed = torch.full((n,), 2.0 * r)
+if r == 0:
+    d = hvd.synchronize(hvd.allreduce_async(mixed, op=hvd.Sum, name="mixed"))
+else:
+    d = hvd.allreduce(mixed, op=hvd.Sum, name="mixed")
+hvd.allreduce_(big, op=hvd.Sum, name="big.inplace")
+model = torch.nn.Linear(n // 2048, 2048, bias=False)
+torch.nn.init.constant_(model.weight, 0.0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                               named_parameters=model.named_parameters())
+model(torch.full((1, n // 2048), float(r + 1))).sum().backward()
+opt.step()  # the gradient of each weight is rank+1: averaged, 2.5; SGD at lr 1: -2.5
+print("paths", *paths, "got", a[0].item(), b[-1].item(), c[0].item(), d[0].item(),
+      big[-1].item(), model.weight[0, 0].item())
+"""
+
+
+def test_large_allreduces_across_hosts_move_over_gloo_and_agree_with_small_ones_over_mpi(
+    login, hosts
+):
+    if "ranks ready" not in login.run("%dist status").text:
+        _start(login, hosts)
+    got = login.run(BIG, timeout=180)
+    assert got.error is None, got.traceback[-2000:]
+    lines = [ln for ln in got.text.splitlines() if "paths " in ln]
+    # sums of 1..4 = 10, the average 2.5, the max 4, 2*(0+1+2+3) = 12, and the bucket's
+    # mean; the same line from every rank (the cell's output folds them into one, [0-3])
+    assert lines == ["[0-3] paths gloo mpi got 10.0 2.5 4.0 12.0 10.0 -2.5"], got.text
+
+
 def test_restart_makes_the_ranks_again_on_the_same_hosts(login, hosts):
     if "ranks ready" not in login.run("%dist status").text:
         _start(login, hosts)
