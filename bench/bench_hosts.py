@@ -8,10 +8,14 @@ Measured, side by side in one run (medians):
 - ``%dist start`` (cold) and ``%dist restart`` across the hosts, each ``--starts`` times;
   then ``--pairs`` cold (``HVDNB_STANDBY=0``) and warm restarts (each host's standby ready)
   in alternating order, as ``bench/bench_restart.py`` does on one host;
-- per-call time of ``hvdnb.torch``'s ``allreduce`` at 4 KB, 1 MB and 64 MB against mpi4py's
-  ``Allreduce`` and torch.distributed's gloo ``all_reduce`` on the same 4 ranks, the three
-  interleaved call by call behind a barrier (rank 0's median; the barrier is outside the
-  timed call);
+- per-call time of ``hvdnb.torch``'s ``allreduce`` at 4 KB, 1 MB and 64 MB (``--allreduce-only``:
+  also 4, 8, 16 and 32 MB, nothing else) against mpi4py's ``Allreduce`` and torch.distributed's
+  gloo ``all_reduce`` on the same 4 ranks, interleaved call by call behind a barrier (rank 0's
+  median; the barrier is outside the timed call). Two hvdnb forms: ``hvd.allreduce(t)``, unnamed
+  and out of place (a new tensor each call, and the general path: an unnamed call's name
+  changes every call, so no plan), and ``hvd.allreduce_(t, name=...)``, in place and named, as
+  ``DistributedOptimizer`` reduces its buckets and as the mpi4py (preallocated output) and gloo
+  (in place) calls are made;
 - the bench MLP's DDP step (784-512-512-10, batch 64 per rank, one torch thread, SGD; as
   ``bench/bench_mlp.py``) in a ``%%distributed`` cell against the same script under
   ``torchrun --nnodes 2 --nproc-per-node 2`` started on each host over ssh, blocks of
@@ -53,12 +57,15 @@ comm = MPI.COMM_WORLD
 percall = {}
 for nbytes, reps in SIZES:
     t = torch.ones(nbytes // 4); g = t.clone(); a = t.numpy().copy(); b = np.empty_like(a)
-    times = {"hvdnb.torch": [], "mpi4py": [], "gloo": []}
+    h = t.clone()
     calls = {"hvdnb.torch": lambda: hvd.allreduce(t, op=hvd.Sum),
+             "hvdnb.torch in place": lambda: hvd.allreduce_(h, op=hvd.Sum, name="h"),
              "mpi4py": lambda: comm.Allreduce(a, b, op=MPI.SUM),
-             "gloo": lambda: dist.all_reduce(g)}
+             "gloo": lambda: dist.all_reduce(g)}  # in place, as gloo is
+    times = {k: [] for k in calls}
     for r in range(reps + 2):
-        names = list(calls)[r % 3:] + list(calls)[:r % 3]  # each goes first in turn
+        n = len(calls)
+        names = list(calls)[r % n:] + list(calls)[:r % n]  # each goes first in turn
         for name in names:
             comm.Barrier()
             t0 = time.perf_counter()
@@ -120,6 +127,52 @@ def torchrun_block(hosts: Hosts, script: Path, port: int) -> list[float]:
     raise RuntimeError(f"torchrun gave no steps:\n{out[0][-2000:]}\n{out[1][-2000:]}")
 
 
+COLUMNS = ("hvdnb.torch", "hvdnb.torch in place", "mpi4py", "gloo")
+
+
+def _start(k: Kernel, hostfile: Path) -> None:
+    got = k.run(f"%dist start --hosts {hostfile} --ip {LOGIN}", timeout=300)
+    assert "4 ranks ready" in got.text, got.text
+
+
+def _percall(k: Kernel, sizes: list[tuple[int, int]]) -> dict:
+    k.run(f"%%distributed -q\nSIZES = {sizes!r}")
+    got = k.run(PERCALL, timeout=600)
+    assert got.error is None, got.traceback[-2000:]
+    return dict(json.loads(k.run("import json; print(json.dumps(percall[0]))").text))
+
+
+def allreduce_only(sizes: list[tuple[int, int]]) -> None:
+    """The per-call figures at every size, on one cluster across the hosts."""
+    hosts = Hosts()
+    hosts.up()
+    try:
+        hostfile = hosts.dir / "hostfile"
+        hostfile.write_text("".join(f"{h}:2\n" for h in HOSTS))
+        env = {"HYDRA_LAUNCHER_EXEC": str(hosts.ssh), "HVDNB_PANEL": "off", "HVDNB_STANDBY": "0"}
+        with Kernel(env, prefix=hosts.on("login", []), reach=LOGIN) as k:
+            _start(k, hostfile)
+            percall = _percall(k, sizes)
+    finally:
+        hosts.teardown()
+    print(
+        f"{'size':>8} {'hvdnb.torch':>12} {'in place':>10} {'mpi4py':>10} {'gloo':>10}"
+        "  faster-of-two / hvdnb, / in place"
+    )
+    for nbytes, t in percall.items():
+        best = min(t["mpi4py"], t["gloo"])
+        ms = [t[k] * 1e3 for k in COLUMNS]
+        size = f"{int(nbytes) >> 10} KB"
+        ratios = f"{best / t['hvdnb.torch']:.2f}, {best / t['hvdnb.torch in place']:.2f}"
+        print(
+            f"{size:>8} {ms[0]:>12.3f} " + " ".join(f"{m:>10.3f}" for m in ms[1:]) + f"  {ratios}"
+        )
+    out = OUT.with_name("hosts-allreduce.json")
+    setup = "2 namespace hosts x 2 ranks, veth bridge, 2-core box; seconds per call (median)"
+    out.write_text(json.dumps({"setup": setup, "percall_s": percall}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer calls and steps (smoke test)")
@@ -127,6 +180,12 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="cold and warm restarts, alternating")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument(
+        "--allreduce-only",
+        action="store_true",
+        help="only the per-call allreduce figures, at more sizes (where gloo and MPI cross); "
+        "writes bench/results/hosts-allreduce.json",
+    )
     args = ap.parse_args()
     reason = why_not()
     if reason:
@@ -134,7 +193,12 @@ def main() -> None:
     if args.quick:
         args.starts, args.steps, args.blocks, args.pairs = 2, 20, 1, 1
     sizes = [(4096, 20 if args.quick else 300), (1 << 20, 5 if args.quick else 50)]
+    if args.allreduce_only:
+        sizes += [(mb << 20, 3 if args.quick else 15) for mb in (4, 8, 16, 32)]
     sizes.append((64 << 20, 2 if args.quick else 7))
+    if args.allreduce_only:
+        allreduce_only(sizes)
+        return
     hosts = Hosts()
     hosts.up()
     result: dict = {"setup": "2 namespace hosts x 2 ranks, veth bridge, 2-core box"}
@@ -171,12 +235,7 @@ def main() -> None:
             for mode in ("cold", "warm"):
                 result[f"restart_{mode}_s"] = statistics.median(x["restart_s"] for x in pairs[mode])
             result["restart_pairs"] = pairs
-            got = k.run(f"SIZES = {sizes!r}")
-            k.run(f"%%distributed -q\nSIZES = {sizes!r}")
-            got = k.run(PERCALL, timeout=600)
-            assert got.error is None, got.traceback[-2000:]
-            shown = k.run("import json; print(json.dumps(percall[0]))")
-            result["percall_s"] = json.loads(shown.text)
+            result["percall_s"] = _percall(k, sizes)
             hv, tr = [], []
             for b in range(args.blocks):
                 got = k.run("%%distributed -q\n" + MLP.replace("N_STEPS", str(args.steps)), 600)
@@ -206,9 +265,10 @@ def main() -> None:
         best = min(t["mpi4py"], t["gloo"])
         rows.append(
             (
-                f"allreduce {int(nbytes) // 1024} KB: hvdnb / mpi4py / gloo (ms)",
-                " / ".join(f"{t[k] * 1e3:.3f}" for k in ("hvdnb.torch", "mpi4py", "gloo")),
-                f"faster-of-two / hvdnb = {best / t['hvdnb.torch']:.2f}",
+                f"allreduce {int(nbytes) // 1024} KB: hvdnb / in place / mpi4py / gloo (ms)",
+                " / ".join(f"{t[k] * 1e3:.3f}" for k in COLUMNS),
+                f"faster-of-two / hvdnb = {best / t['hvdnb.torch']:.2f}, "
+                f"/ in place = {best / t['hvdnb.torch in place']:.2f}",
             )
         )
     d = result["ddp_step_s"]
