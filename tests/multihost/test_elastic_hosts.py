@@ -186,3 +186,39 @@ def test_a_cut_link_loses_the_host_and_the_survivors_go_on(login, hosts, tmp_pat
         hosts.mend("h2")
     left = psutil.wait_procs(stranded, timeout=60)[1]
     assert not left, f"h2's engines outlived the stop and the mended link: {left}"
+
+
+def test_an_elastic_restart_is_warm_on_every_host(login, hosts, tmp_path):
+    """Each host keeps a standby of its own for its slots; once they are ready, a restart's
+    ranks are those processes (over the same ssh slots), numbered by host as before, and a
+    host lost among them is still named and survived."""
+    login.run("%env HVDNB_STANDBY=auto")  # the suite turns the standby off (conftest)
+    try:
+        login.run("%dist stop", timeout=120)  # a fresh start: its standby follows it
+        _start(login, hosts)
+        deadline, line = time.monotonic() + 240, ""
+        while time.monotonic() < deadline:
+            status = login.run("%dist status").text
+            line = next((x for x in status.splitlines() if x.startswith("standby:")), status)
+            if "standby: 4 of 4 ready" in line:
+                break
+            time.sleep(1)
+        assert "standby: 4 of 4 ready" in line and "(2 on h1, 2 on h2)" in line, line
+        got = login.run("%dist restart", timeout=240)
+        assert got.error is None and "warm" in got.text, got.traceback[-2000:]
+        print(got.text)  # the restart's time, a figure
+        login.run(
+            "%%distributed -q -o how\nimport os, socket\n"
+            "(socket.gethostname(), os.environ['HVDNB_STARTED'])"
+        )
+        how = json.loads(login.run("import json; print(json.dumps(how))").text)
+        assert sorted(how.values()) == [["h1", "warm"]] * 2 + [["h2", "warm"]] * 2, how
+        check_numbering(where(login), master=LOGIN)
+        # the warm ranks are elastic as the cold ones: h2's killed, h1's go on
+        victims = _engines_on(login, "h2")
+        text, _ = _train_and_lose_h2(login, tmp_path, lambda: [p.kill() for p in victims])
+        assert "hvdnb: host h2 (ranks 2,3) of generation 0 were lost" in text, text
+        assert "finished: size 2 step 400" in text and "Traceback" not in text, text
+    finally:
+        login.run("%env HVDNB_STANDBY=0")
+        login.run("%dist stop", timeout=120)

@@ -22,6 +22,7 @@ Never: talk to a rank without a timeout, or let a process outlive the notebook.
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import subprocess
@@ -554,6 +555,9 @@ async def start_slots(
     base_env = dict(c.config[name].environment)
     m: Membership | None = cluster.membership
     first = m.placement.first(size) if m is not None and m.placement is not None else None
+    starts = []
+    if hosts is not None:  # their shared ssh connections first (``sshslots.open_shared``)
+        await asyncio.get_running_loop().run_in_executor(None, sshslots.open_shared, hosts)
     try:
         for i, s in enumerate(slots):
             env = {**base_env, **launch.elastic_env(s, size, cluster.store_host.addr, join)}
@@ -564,7 +568,11 @@ async def start_slots(
                 # a shared home: the connection files are there already, never copied
                 c.config[name].engines = {hosts[i]: {"n": 1, "to_send": []}}
             c.config[name].environment = env
-            await c.start_engines(1, engine_set_id=f"slot{s}")
+            # side by side (over ssh, ``sshlauncher``): the set is made from this config
+            # before the task's first wait, which this sleep lets it reach
+            starts.append(asyncio.ensure_future(c.start_engines(1, engine_set_id=f"slot{s}")))
+            await asyncio.sleep(0)
+        await asyncio.gather(*starts)
     finally:
         c.config[name].environment = base_env
 

@@ -75,7 +75,7 @@ class HostPool:
         words = ["env", *(f"{k}={v}" for k, v in env.items())]
         words += [sys.executable, "-m", "hvdnb.rank.standby_pool", template]
         self.popen = subprocess.Popen(
-            [*sshslots.ssh_command(), *sshslots.SSH_OPTIONS, host, shlex.join(words)],
+            [*sshslots.ssh_command(), *sshslots.ssh_options(), host, shlex.join(words)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

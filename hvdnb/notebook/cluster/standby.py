@@ -13,10 +13,11 @@ Rule for the default (``HVDNB_STANDBY=auto``): one standby per rank. On this hos
 while the memory available (the host's, or what a container's cgroup limit leaves, as on
 Binder) is at least ``MEMORY_FACTOR`` times what the standby takes (its processes' count
 times a rank's resident memory now): a standby never takes more than a quarter of what is
-left. A ``--hosts`` cluster (hydra over ssh) keeps its standby on its hosts, as many on
-each as it has ranks there (``hoststandby``; their memory is not read from here); an
-elastic or Slurm cluster across hosts has none. ``HVDNB_STANDBY=0`` turns it off, ``=on``
-sets one per rank and ``=K`` K processes, whatever the memory.
+left. A ``--hosts`` cluster (hydra over ssh, or an elastic one's slots over ssh) keeps its
+standby on its hosts, as many on each as it has ranks there (``hoststandby``; their memory
+is not read from here); a Slurm cluster, or one of engine sets, has none.
+``HVDNB_STANDBY=0`` turns it off, ``=on`` sets one per rank and ``=K`` K processes,
+whatever the memory.
 
 Never: start a rank (a standby becomes one only through a launcher's hand-over), let a
 standby outlive the kernel (its control socket closes with it), or block a start on one.
@@ -79,7 +80,7 @@ def policy(spec: StartSpec, rank_rss: list[int]) -> tuple[int, str]:
     if spec.multi_host and not on_hosts(spec):
         return 0, (
             "its ranks run on other hosts through "
-            + ("Slurm" if spec.launcher == "slurm" else "ssh slots (elastic)")
+            + ("Slurm" if spec.launcher == "slurm" else "engine sets")
             + ": a standby waits only on this host, or on the hosts of `--hosts FILE`"
         )
     if setting.isdigit():
@@ -102,13 +103,13 @@ def policy(spec: StartSpec, rank_rss: list[int]) -> tuple[int, str]:
 
 def on_hosts(spec: StartSpec) -> bool:
     """Does a cluster of ``spec`` keep its standby on the hosts of its hostfile (hydra over
-    ssh), not on this one?"""
-    return bool(spec.multi_host and spec.hosts and spec.launcher == "mpi" and not spec.elastic)
+    ssh, or an elastic cluster's slots over ssh), not on this one?"""
+    return bool(spec.multi_host and spec.hosts and spec.launcher == "mpi")
 
 
 def host_slots(spec: StartSpec) -> dict[str, int]:
     """How many of ``spec``'s ranks each host of its hostfile runs (hydra fills the hosts
-    in order, ``mpiexec -f``)."""
+    in order, ``mpiexec -f``; an elastic cluster's slots too, ``sshslots.Placement.first``)."""
     order = [h for h, k in hostfile_entries(spec.hosts or "") for _ in range(k)]
     out: dict[str, int] = {}
     for i in range(spec.n):
