@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 
 import psutil
 import pytest
@@ -16,6 +17,7 @@ import pytest
 import hvdnb
 from hvdnb import host
 from hvdnb.notebook.cluster import spec as spec_mod
+from hvdnb.notebook.cluster.sshslots import Placement
 from hvdnb.notebook.cluster.standby import MEMORY_FACTOR, host_slots, on_hosts, policy
 from tests.conftest import alive
 
@@ -237,8 +239,9 @@ def test_the_memory_rule(monkeypatch):
 
 
 def test_the_rule_across_hosts(monkeypatch, tmp_path):
-    """A ``--hosts`` cluster keeps one standby per rank on each host (hydra's order of
-    slots); elastic and Slurm clusters across hosts keep none, and say why."""
+    """A ``--hosts`` cluster, elastic or not, keeps one standby per rank on each host
+    (hydra's order of slots, which an elastic cluster's slots follow too); a Slurm cluster
+    keeps none, and says why."""
     hostfile = tmp_path / "hosts"
     hostfile.write_text("h1:2\nh2 slots=3\n")
     monkeypatch.setenv("HVDNB_STANDBY", "auto")
@@ -250,6 +253,12 @@ def test_the_rule_across_hosts(monkeypatch, tmp_path):
         "h1": 4,
         "h2": 3,
     }  # past its last slot, hydra goes round again
-    elastic = spec_mod.check(n=4, hosts=str(hostfile), ip="203.0.113.1", min_np=2)
-    count, why = policy(elastic, [1])
-    assert count == 0 and "elastic" in why and "--hosts FILE" in why, why
+    for n in (4, 7):  # the hosts its slots take are those the standby waits on
+        elastic = spec_mod.check(n=n, hosts=str(hostfile), ip="203.0.113.1", min_np=2)
+        slots = Placement(spec_mod.hostfile_entries(str(hostfile))).first(n)
+        assert on_hosts(elastic) and host_slots(elastic) == dict(Counter(slots)), slots
+    count, why = policy(elastic, [2**40])
+    assert count == 7 and "each host" in why, why
+    slurm = spec_mod.check(n=4, launcher="slurm")
+    count, why = policy(slurm, [1])
+    assert count == 0 and "Slurm" in why and "--hosts FILE" in why, why

@@ -526,7 +526,7 @@ class Cluster:
             kill_survivors(pids)
         if self.client is not None:
             if not force:
-                polite_shutdown(self.client, wait=2.0, ranks=self.rank_pids())
+                polite_shutdown(self.client, 2.0, self.rank_pids(), self.engine_launchers())
             try:
                 self.client.close(linger=0)
             except Exception:

@@ -19,14 +19,19 @@ import psutil
 __all__ = ["LoopThread", "kill_survivors", "polite_shutdown", "processes"]
 
 
-def polite_shutdown(client: Any, wait: float, ranks: list[int]) -> None:
+def polite_shutdown(
+    client: Any, wait: float, ranks: list[int], launchers: list[Any] | None = None
+) -> None:
     """Ask engines to exit (they exit 0, faster than a signal) without ever blocking
     for longer than ``wait``: a dead or stuck engine never answers.
 
-    Done when every engine has answered or every rank process has gone: an engine
-    can exit before its reply leaves the socket (one stop in ~8 waited the full
-    ``wait`` for replies that were never sent).
+    Done when every engine has answered, every rank process has gone, or every engine of
+    ``launchers`` (engine sets: an elastic cluster's slots, over ssh on other hosts, whose
+    processes are not this host's) is no longer running as its launcher sees it: an engine
+    can exit before its reply leaves the socket (one stop in ~8 waited the full ``wait``
+    for replies that were never sent; across hosts, every stop did).
     """
+    engines = [el for es in launchers or [] for el in getattr(es, "launchers", {}).values()]
 
     def ask() -> None:
         try:
@@ -47,6 +52,8 @@ def polite_shutdown(client: Any, wait: float, ranks: list[int]) -> None:
     while t.is_alive() and time.monotonic() < deadline:
         t.join(0.02)
         if ranks and all(gone(p) for p in ranks):
+            break
+        if engines and all(getattr(el, "state", "") != "running" for el in engines):
             break
 
 
