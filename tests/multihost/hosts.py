@@ -1,6 +1,6 @@
 """Hosts made of namespaces: a login node, two hosts with their own sshd, and an outsider.
 
-Each "machine" is a network namespace on one bridge (TEST-NET-3, 203.0.113.0/24), entered
+Each "machine" is a network namespace on one bridge (203.0.113.0/28, in TEST-NET-3), entered
 with ``nsenter --net`` (not ``ip netns exec``: that remounts ``/sys``, which slurmd needs),
 plus ``unshare --uts --mount`` for its own hostname and its own ``/etc/hosts`` (a bind
 mount inside that mount namespace; the machine's own file is never touched):
@@ -46,6 +46,11 @@ from typing import Any
 
 NET = "203.0.113"
 ROOT_ADDR = f"{NET}.1"
+#: the bridge's prefix: a /28 (.0-.15), never the whole /24, which the root namespace would
+#: then route to the bridge: a box may reach real services in that /24 (this one's package
+#: registries' proxy is 203.0.113.80; with a /24 every pip install of the suite's other
+#: lane failed with "No route to host" while these hosts were up)
+PREFIX = 28
 #: name -> address of the machines (the bridge's own address is the root namespace's)
 MACHINES = {"login": f"{NET}.10", "h1": f"{NET}.11", "h2": f"{NET}.12", "out": f"{NET}.13"}
 HOSTS = ("h1", "h2")
@@ -135,14 +140,14 @@ class Hosts:
     def up(self) -> None:
         self.sweep()
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{ROOT_ADDR}/24", "dev", self.bridge)
+        _ip("addr", "add", f"{ROOT_ADDR}/{PREFIX}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for name, addr in MACHINES.items():
             ns, veth = self.ns[name], self.veth[name]
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", veth, "master", self.bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{addr}/{PREFIX}", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         lines = ["127.0.0.1 localhost"] + [f"{a} {n}" for n, a in MACHINES.items() if n != "out"]

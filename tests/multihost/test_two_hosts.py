@@ -2,7 +2,7 @@
 link, and a link cut mid-cell that ends in a clear error naming the cut host's rank.
 
 Topology (root only, built and torn down per module): a bridge in the root namespace at
-198.51.100.1/24 (TEST-NET-2, where the notebook, controller and side channel listen) and
+198.51.100.1/28 (in TEST-NET-2, where the notebook, controller and side channel listen) and
 two namespaces ``h1`` (198.51.100.11) and ``h2`` (198.51.100.12), each joined by a veth
 pair. Each host runs its own engine set (``ip netns exec hN unshare --uts`` in front of
 mpiexec, so each also has its own hostname), and the client numbers the ranks across the
@@ -45,13 +45,13 @@ class TwoHosts:
 
     def up(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{NET}.1/24", "dev", self.bridge)
+        _ip("addr", "add", f"{NET}.1/28", "dev", self.bridge)  # not the /24: hosts.PREFIX
         _ip("link", "set", self.bridge, "up")
         for ns, veth, addr in zip(self.hosts, self.veths, self.addrs):
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", veth, "master", self.bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{addr}/28", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
