@@ -457,6 +457,19 @@ def where(k: Any) -> dict[int, dict]:
     return {int(r): w for r, w in json.loads(shown.text).items()}
 
 
+def wait_standby(k: Any, n: int = 4, within: float = 240) -> str:
+    """Wait until the login kernel's standby is ready on every host (``n`` processes, two
+    per host); returns its ``%dist status`` line, which the caller checks."""
+    deadline, line = time.monotonic() + within, ""
+    while time.monotonic() < deadline:
+        status = k.run("%dist status").text
+        line = next((x for x in status.splitlines() if x.startswith("standby:")), status)
+        if f"standby: {n} of {n} ready" in line:
+            break
+        time.sleep(1)
+    return line
+
+
 def check_numbering(where: dict[int, dict], master: str = MACHINES["h1"]) -> None:
     """Four ranks, two per host, numbered by host; every name for the numbers agrees;
     ``MASTER_ADDR`` is ``master`` (rank 0's host; an elastic cluster's store is on the

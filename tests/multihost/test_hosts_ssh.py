@@ -15,7 +15,15 @@ import time
 import pytest
 
 from hvdnb.notebook.headless.runner import Kernel
-from tests.multihost.hosts import HOSTS, MACHINES, Hosts, check_numbering, where, why_not
+from tests.multihost.hosts import (
+    HOSTS,
+    MACHINES,
+    Hosts,
+    check_numbering,
+    wait_standby,
+    where,
+    why_not,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -175,13 +183,7 @@ def test_a_restart_is_warm_on_every_host(login, hosts):
 def _warm_restart(login: Kernel, hosts: Hosts) -> None:
     login.run("%dist stop", timeout=120)  # a fresh start: its standby follows it
     _start(login, hosts)
-    deadline, line = time.monotonic() + 240, ""
-    while time.monotonic() < deadline:
-        status = login.run("%dist status").text
-        line = next((x for x in status.splitlines() if x.startswith("standby:")), status)
-        if "standby: 4 of 4 ready" in line:
-            break
-        time.sleep(1)
+    line = wait_standby(login)
     assert "standby: 4 of 4 ready" in line and "(2 on h1, 2 on h2)" in line, line
     got = login.run("%dist restart", timeout=180)
     assert got.error is None, got.traceback[-2000:]
